@@ -1,0 +1,3 @@
+from jaxtrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,400 @@
+"""Typed configuration: a tree of dataclasses, loaded from YAML, overridden by dotted ``key=value`` pairs.
+
+The dataclass defaults *are* the tiny CPU config (``configs/tiny.yaml`` spells the same values out), so
+``python -m jaxtrain train`` with no arguments needs no file. Everything that can be checked without devices is
+checked once, in :func:`validate`; device-dependent checks (mesh size versus device count) live in ``mesh``.
+Nothing in this module imports JAX: it must be usable before the runtime is configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config or command line; reported as one line, exit status 2."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tiny"
+
+
+@dataclass
+class RuntimeConfig:
+    # Emulated CPU devices; None means "as many as the mesh's fixed axes need" (see `resolved_cpu_devices`).
+    cpu_devices: int | None = None
+
+
+@dataclass
+class AxisSizes:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+
+def _default_rules() -> dict[str, Any]:
+    # Parameters are sharded over fsdp (ZeRO-3 style) and tensor (Megatron style); activations' batch dimension
+    # over data and fsdp. Activation names start with "act_" so that an activation's embed dimension stays
+    # replicated while the parameter's embed dimension is fsdp-sharded.
+    return {
+        "batch": ["data", "fsdp"],
+        "vocab": "tensor",
+        "embed": "fsdp",
+        "mlp": "tensor",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        "layers": None,
+        "norm": None,
+        "act_seq": None,
+        "act_embed": None,
+        "act_mlp": "tensor",
+        "act_heads": "tensor",
+        "act_kv_heads": "tensor",
+        "act_vocab": "tensor",
+    }
+
+
+@dataclass
+class MeshConfig:
+    # Intra-node (NVLink) and inter-node (InfiniBand) parts of each axis; the axis size is ici * dcn.
+    # One of the six may be -1: it takes whatever the device count leaves.
+    ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, fsdp=-1, tensor=1))
+    dcn: AxisSizes = field(default_factory=AxisSizes)
+    rules: dict[str, Any] = field(default_factory=_default_rules)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on accelerators, float32 on CPU
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attention: Literal["xla"] = "xla"
+    remat: Literal["none", "full", "save_matmuls"] = "none"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    # "embedded" (CPython's bundled documentation, byte-level), "synthetic", or a path to a token file
+    # (.bin raw memmap of `token_dtype`, or .npy), e.g. one written by `python -m jaxtrain prepare`.
+    source: str = "embedded"
+    seq_len: int = 128
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # for .bin files only
+    eval_fraction: float = 0.05  # tail of the token stream held out for evaluation
+    threads: int = 2  # Grain reader threads
+    prefetch: int = 4  # batches read ahead
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    global_batch: int = 16  # sequences per optimizer step, over all devices and processes
+    microbatches: int = 1  # gradient accumulation: global_batch is split into this many sequential chunks
+    lr: float = 3e-3
+    warmup_steps: int = 30  # linear warmup; capped at train.steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    eval_every: int = 100  # 0 disables periodic evaluation (it still runs at the end)
+    eval_batches: int = 4
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {_one_line(e)}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
+        tree = loaded
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.steps=100)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    cfg = _build(Config(), tree, "")
+    validate(cfg)
+    return cfg
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            nxt = node[p] = {}
+        node = nxt
+    node[parts[-1]] = value
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config tree, e.g. ``["run.dir", ...]`` (dict-valued options end at their name)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += all_keys(tp, name + ".")
+        else:
+            keys.append(name)
+    return keys
+
+
+def _unknown_key(name: str) -> ConfigError:
+    candidates = all_keys() + [f"mesh.rules.{k}" for k in _default_rules()]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {name!r}{hint}")
+
+
+def _first_leaf(key: str, value: Any) -> str:
+    while isinstance(value, dict) and value:
+        k, value = next(iter(value.items()))
+        key = f"{key}.{k}"
+    return key
+
+
+def _build(default: Any, tree: Any, prefix: str):
+    """A copy of the dataclass instance ``default`` with the values of the nested mapping ``tree`` applied."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
+    cls = type(default)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in tree.items():
+        if k not in names:
+            raise _unknown_key(_first_leaf(prefix + str(k), v))
+    changes = {}
+    for name, value in tree.items():
+        tp, current, dotted = hints[name], getattr(default, name), prefix + name
+        if dataclasses.is_dataclass(tp):
+            changes[name] = _build(current, value, dotted + ".")
+        elif typing.get_origin(tp) is dict:
+            # Mappings merge into the defaults, so that one rule can be overridden alone.
+            changes[name] = {**current, **_coerce(tp, value, dotted)}
+        else:
+            changes[name] = _coerce(tp, value, dotted)
+    return dataclasses.replace(default, **changes)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, name)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, args))}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}={value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}={value!r} must be a string")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping, got {value!r}")
+        return dict(value)
+    raise TypeError(f"unsupported config type {tp} for {name}")  # a bug in this module, not a user error
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation (everything that needs no devices)
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _positive(name: str, value: float) -> None:
+    _require(value > 0, f"{name}={value} must be > 0")
+
+
+def validate(cfg: Config) -> None:
+    """Check ranges and cross-field constraints; raise :class:`ConfigError` naming the first bad value."""
+    m, t, d = cfg.model, cfg.train, cfg.data
+    _require(bool(cfg.run.dir), "run.dir must not be empty")
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        _positive(f"model.{name}", getattr(m, name))
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
+    else:
+        _require(m.d_model % m.n_heads == 0,
+                 f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
+    _require(m.n_heads % m.n_kv_heads == 0,
+             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
+    _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for rotary embeddings")
+    _positive("model.rope_theta", m.rope_theta)
+    _positive("model.norm_eps", m.norm_eps)
+    _positive("model.init_std", m.init_std)
+
+    for name in ("steps", "global_batch", "microbatches", "eval_batches", "log_every"):
+        _positive(f"train.{name}", getattr(t, name))
+    _require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
+    _positive("train.lr", t.lr)
+    _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _require(0 <= t.b1 < 1, f"train.b1={t.b1} must be in [0, 1)")
+    _require(0 <= t.b2 < 1, f"train.b2={t.b2} must be in [0, 1)")
+    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: only at the end)")
+    _require(t.global_batch % t.microbatches == 0,
+             f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
+
+    _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
+    _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
+    _require(d.threads >= 0, f"data.threads={d.threads} must be >= 0")
+    _require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
+    if d.source not in ("embedded", "synthetic"):
+        _require(d.source.endswith((".bin", ".npy")),
+                 f"data.source={d.source!r} must be 'embedded', 'synthetic' or a .bin/.npy token file")
+        _require(os.path.isfile(d.source), f"data.source file {d.source!r} does not exist")
+
+    if cfg.runtime.cpu_devices is not None:
+        _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
+    _validate_mesh(cfg)
+
+
+def _validate_mesh(cfg: Config) -> None:
+    sizes = {f"mesh.{part}.{ax}": getattr(getattr(cfg.mesh, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
+    fills = [k for k, v in sizes.items() if v == -1]
+    _require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join(fills)}")
+    for k, v in sizes.items():
+        _require(v == -1 or v >= 1, f"{k}={v} must be >= 1 (or -1 for one axis to fill the rest)")
+
+    known = set(MESH_AXES)
+    needed = set(_default_rules())
+    for logical in cfg.mesh.rules:
+        if logical not in needed:
+            raise _unknown_key(f"mesh.rules.{logical}")
+    missing = sorted(needed - set(cfg.mesh.rules))
+    _require(not missing, f"mesh.rules is missing logical axes: {', '.join(missing)}")
+    for logical, target in cfg.mesh.rules.items():
+        targets = target if isinstance(target, list) else [target]
+        for ax in targets:
+            _require(ax is None or ax in known,
+                     f"mesh.rules.{logical}={target!r} names an unknown mesh axis; valid: {', '.join(MESH_AXES)} or null")
+
+    # Divisibility by the fixed axis sizes now; the -1 axis is checked again once it is resolved (mesh.py).
+    check_divisibility(cfg, {ax: fixed_axis_size(cfg, ax) for ax in MESH_AXES})
+
+
+def fixed_axis_size(cfg: Config, axis: str) -> int:
+    """Product of the ici and dcn sizes of ``axis``, counting -1 as 1."""
+    return max(getattr(cfg.mesh.ici, axis), 1) * max(getattr(cfg.mesh.dcn, axis), 1)
+
+
+def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
+    """Shapes that must split evenly over the mesh axes their logical axes map to."""
+    m, t = cfg.model, cfg.train
+    tensor = axis_sizes["tensor"]
+    _require(m.n_heads % tensor == 0, f"model.n_heads={m.n_heads} is not divisible by the tensor axis size {tensor}")
+    _require(m.n_kv_heads % tensor == 0,
+             f"model.n_kv_heads={m.n_kv_heads} is not divisible by the tensor axis size {tensor}")
+    batch_axes = cfg.mesh.rules.get("batch")
+    batch_axes = batch_axes if isinstance(batch_axes, list) else [batch_axes]
+    dp = 1
+    for ax in batch_axes:
+        if ax is not None:
+            dp *= axis_sizes[ax]
+    micro = t.global_batch // t.microbatches
+    _require(micro % dp == 0,
+             f"train.global_batch={t.global_batch} (/{t.microbatches} microbatches = {micro}) is not divisible by the "
+             f"data-parallel size {dp} ({' x '.join(a for a in batch_axes if a)})")
+
+
+def resolved_cpu_devices(cfg: Config) -> int:
+    """``runtime.cpu_devices``, or the product of the mesh's fixed axis sizes when unset."""
+    if cfg.runtime.cpu_devices is not None:
+        return cfg.runtime.cpu_devices
+    n = 1
+    for ax in MESH_AXES:
+        n *= fixed_axis_size(cfg, ax)
+    return n

@@ -1,0 +1,150 @@
+"""Llama-style decoder in Flax NNX.
+
+Token embedding, pre-norm blocks of RMSNorm + grouped-query attention with rotary positions + SwiGLU MLP, a final
+RMSNorm, tied or untied output projection. Layers are created stacked (leading ``layers`` axis) and applied with
+``jax.lax.scan``: one compiled block whatever the depth, and few state leaves.
+
+Every parameter names its logical axes (``embed``, ``mlp``, ``heads``, ...) and key activations are constrained to
+logical axes (``batch``, ``act_embed``, ...). The mapping to mesh axes lives in the config (``mesh.rules``) and is
+applied by the caller through ``nnx.logical_axis_rules``; this module never names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import with_logical_constraint
+
+from jaxtrain.config import ModelConfig
+from kernels import mha_reference
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep the outputs of weight matmuls, recompute the cheap elementwise work and attention probabilities.
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _init(std: float, axes: tuple[str | None, ...]):
+    return nnx.with_partitioning(nnx.initializers.normal(std), axes)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of x [batch, seq, heads, head_dim] for positions 0..seq-1 (half-split layout)."""
+    seq, dim = x.shape[1], x.shape[-1]
+    freqs = theta ** (-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2 / dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]  # [seq, dim/2]
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, hd = cfg.d_model, cfg.resolved_head_dim
+        common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = nnx.LinearGeneral(d, (cfg.n_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "heads", "head_dim")), **common)
+        self.k = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+        self.v = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+        # Scaled init of residual-branch outputs (GPT-2): keeps the residual stream's variance independent of depth.
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1), kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """x: [batch, seq, embed] -> [batch, seq, embed]."""
+        q = with_logical_constraint(self.q(x), ("batch", "act_seq", "act_heads", None))
+        k = with_logical_constraint(self.k(x), ("batch", "act_seq", "act_kv_heads", None))
+        v = with_logical_constraint(self.v(x), ("batch", "act_seq", "act_kv_heads", None))
+        q, k = rotary(q, self.cfg.rope_theta), rotary(k, self.cfg.rope_theta)
+        out = mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
+        out = with_logical_constraint(out, ("batch", "act_seq", "act_heads", None))
+        return self.o(out)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_init(cfg.init_std, ("embed", "mlp")), **common)
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_init(cfg.init_std, ("embed", "mlp")), **common)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_init(out_std, ("mlp", "embed")), **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """SwiGLU. x: [batch, seq, embed] -> [batch, seq, embed]; hidden [batch, seq, mlp]."""
+        h = nnx.silu(self.gate(x)) * self.up(x)
+        h = with_logical_constraint(h, ("batch", "act_seq", "act_mlp"))
+        return self.down(h)
+
+
+def _norm(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
+                       scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",)), rngs=rngs)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        self.attn_norm = _norm(cfg, dtype, param_dtype, rngs)
+        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.mlp_norm = _norm(cfg, dtype, param_dtype, rngs)
+        self.mlp = MLP(cfg, dtype, param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), segment_ids)
+        x = with_logical_constraint(x, ("batch", "act_seq", "act_embed"))
+        x = x + self.mlp(self.mlp_norm(x))
+        return with_logical_constraint(x, ("batch", "act_seq", "act_embed"))
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer. ``dtype`` is the compute dtype (a jnp dtype, already resolved from "auto")."""
+
+    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        param_dtype = jnp.dtype(cfg.param_dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+                               embedding_init=_init(cfg.init_std, ("vocab", "embed")), rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, dtype, param_dtype, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = _norm(cfg, dtype, param_dtype, rngs)
+        if not cfg.tie_embeddings:
+            self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                      kernel_init=_init(cfg.init_std, ("embed", "vocab")), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens: int [batch, seq] -> logits float32 [batch, seq, vocab] (logical: batch, act_seq, act_vocab)."""
+        # Gather the (vocab, fsdp)-sharded table before the lookup: XLA cannot partition a gather from a
+        # vocab-sharded table into a batch-sharded result without replicating it anyway (and warns).
+        table = with_logical_constraint(self.embed.embedding[...], (None, "act_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(self.embed.dtype)
+        x = with_logical_constraint(x, ("batch", "act_seq", "act_embed"))
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, segment_ids), None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+
+        x = self.final_norm(x)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.unembed(x)
+        return with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Analytic parameter counts: total, and the embedding table alone."""
+    d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
+    attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 3 * d * cfg.d_ff
+    per_layer = attn + mlp + 2 * d
+    embed = cfg.vocab_size * d
+    unembed = 0 if cfg.tie_embeddings else embed
+    return {"total": embed + unembed + l * per_layer + d, "embedding": embed}
