@@ -263,6 +263,11 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{name}={value!r} must be a number")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -138,7 +138,7 @@ class Trainer:
             loss = loss / k
             grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
         lr = self.schedule(ts.opt.step[...])
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ts.opt.update(ts.model, grads)
         return nnx.state(ts), {"loss": loss, "grad_norm": grad_norm, "lr": lr}
 

@@ -1,0 +1,74 @@
+"""The command line as a user meets it: bad input exits 2 with one line and leaves run.dir alone."""
+
+import json
+import os
+
+import pytest
+
+from conftest import run_cli
+
+BAD = {
+    "unknown key": (["train.stpes=3"], "did you mean 'train.steps'"),
+    "wrong type": (["train.global_batch=many"], "train.global_batch='many' must be an integer"),
+    "out of range": (["train.lr=-0.1"], "train.lr=-0.1 must be > 0"),
+    "bad choice": (["model.attention=magic"], "model.attention='magic' is not valid"),
+    "heads vs tensor": (["runtime.cpu_devices=8", "mesh.ici.tensor=3"], "not divisible by the tensor axis size 3"),
+    "mesh vs devices": (["runtime.cpu_devices=4", "mesh.ici.fsdp=8"], "has 8 devices but 4 are available"),
+    "-1 cannot fill": (["runtime.cpu_devices=6", "mesh.ici.data=4"], "cannot fill 6 devices"),
+    "batch vs data parallel": (["mesh.ici.data=3", "train.global_batch=16"], "not divisible by the data-parallel size 3"),
+    "missing data file": (["data.source=missing.bin"], "data.source file 'missing.bin' does not exist"),
+    "not key=value": (["train.steps"], "is not of the form key=value"),
+    "vocab too small for data": (["model.vocab_size=128"], "model.vocab_size=128 is smaller than the data's vocabulary"),
+    "two fill axes": (["mesh.ici.data=-1"], "only one mesh axis may be -1"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_exits_2_with_one_line(tmp_path, name):
+    overrides, expected = BAD[name]
+    run_dir = tmp_path / "existing"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("precious: true\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = {p: p.read_text() for p in run_dir.iterdir()}
+
+    proc = run_cli("train", f"run.dir={run_dir}", *overrides)
+
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert {p: p.read_text() for p in run_dir.iterdir()} == before
+
+
+def test_bad_config_file_and_subcommand():
+    proc = run_cli("train", "--config", "configs/nope.yaml")
+    assert proc.returncode == 2 and "config file 'configs/nope.yaml' does not exist" in proc.stderr
+    proc = run_cli("fly")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_subcommands():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    assert "train" in proc.stdout and "prepare" in proc.stdout
+
+
+def test_prepare_then_train_on_the_token_file(tmp_path):
+    text = tmp_path / "doc.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    out = tmp_path / "tokens.bin"
+    proc = run_cli("prepare", str(text), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((tmp_path / "tokens.bin.json").read_text())
+    assert meta == {**meta, "vocab_size": 256, "dtype": "uint16", "tokens": os.path.getsize(text)}
+    # refuses to overwrite
+    again = run_cli("prepare", str(text), "--out", str(out))
+    assert again.returncode == 2 and "already exists" in again.stderr
+
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", f"run.dir={run_dir}", f"data.source={out}", "train.steps=3", "data.seq_len=32",
+                   "train.eval_every=0")
+    assert proc.returncode == 0, proc.stderr
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
