@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             from jaxtrain import runtime, train  # JAX is imported only after the config is known to be good
 
+            runtime.quiet_logs()
             runtime.configure(cfg)
             train.train(cfg)
         elif args.command == "prepare":
@@ -54,4 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from jaxtrain.checkpoint import CheckpointError
+
+        if not isinstance(e, CheckpointError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0

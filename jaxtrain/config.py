@@ -122,8 +122,11 @@ class TrainConfig:
     global_batch: int = 16  # sequences per optimizer step, over all devices and processes
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many sequential chunks
     lr: float = 3e-3
-    warmup_steps: int = 30  # linear warmup; capped at train.steps
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup_steps: int = 30  # linear warmup from 0 to lr
+    # The cosine's horizon is its own option, not train.steps, so that extending or resuming a run with more steps
+    # does not rewrite the learning rates already used; past it the rate stays at lr * min_lr_ratio.
+    decay_steps: int = 300
+    min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
@@ -134,6 +137,16 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <run.dir>/checkpoints
+    every: int = 100  # save every N steps (and at the last step); 0: only at the last step
+    keep: int = 3  # the newest N checkpoints are kept
+    resume: str = "auto"  # auto (latest, if any) | never | a step number | a path to a checkpoint directory or step
+    init_from: str | None = None  # parameters only, fresh optimizer (fine-tuning); used when nothing is resumed
+    async_save: bool = True  # write in the background while training continues
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -141,6 +154,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -324,6 +338,8 @@ def validate(cfg: Config) -> None:
     _require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _positive("train.lr", t.lr)
     _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _require(t.decay_steps > t.warmup_steps,
+             f"train.decay_steps={t.decay_steps} must be > train.warmup_steps={t.warmup_steps} (it includes the warmup)")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _require(0 <= t.b1 < 1, f"train.b1={t.b1} must be in [0, 1)")
@@ -341,6 +357,14 @@ def validate(cfg: Config) -> None:
         _require(d.source.endswith((".bin", ".npy")),
                  f"data.source={d.source!r} must be 'embedded', 'synthetic' or a .bin/.npy token file")
         _require(os.path.isfile(d.source), f"data.source file {d.source!r} does not exist")
+
+    c = cfg.checkpoint
+    _require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0: only at the last step)")
+    _require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
+    _require(c.resume in ("auto", "never") or c.resume.isdigit() or os.path.isdir(c.resume),
+             f"checkpoint.resume={c.resume!r} must be auto, never, a step number, or an existing checkpoint directory")
+    if c.init_from is not None:
+        _require(os.path.isdir(c.init_from), f"checkpoint.init_from directory {c.init_from!r} does not exist")
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
@@ -397,6 +421,14 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
 
 def resolved_cpu_devices(cfg: Config) -> int:
     """``runtime.cpu_devices``, or the product of the mesh's fixed axis sizes when unset."""
+    c = cfg.checkpoint
+    _require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0: only at the last step)")
+    _require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
+    _require(c.resume in ("auto", "never") or c.resume.isdigit() or os.path.isdir(c.resume),
+             f"checkpoint.resume={c.resume!r} must be auto, never, a step number, or an existing checkpoint directory")
+    if c.init_from is not None:
+        _require(os.path.isdir(c.init_from), f"checkpoint.init_from directory {c.init_from!r} does not exist")
+
     if cfg.runtime.cpu_devices is not None:
         return cfg.runtime.cpu_devices
     n = 1

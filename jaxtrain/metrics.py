@@ -52,14 +52,17 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 class MetricsWriter:
     """Writes one record per logged step to the progress line, ``metrics.jsonl`` and TensorBoard (process 0 only)."""
 
-    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int):
+    def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int = 0):
+        """``start_step``: the step a resumed run restored; records after it (from the interrupted run) are dropped."""
         self.enabled, self.total_steps = enabled, total_steps
         self._jsonl = self._tb = None
         if enabled:
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+            path = os.path.join(run_dir, "metrics.jsonl")
+            _truncate_jsonl(path, start_step)
+            self._jsonl = open(path, "a", buffering=1)
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -88,6 +91,18 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Keep only the records of steps <= last_step, atomically (a resumed run logs the later steps again)."""
+    if not last_step or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float) -> str:

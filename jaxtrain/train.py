@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
 from jaxtrain.config import Config, TrainConfig, dump_yaml
 from jaxtrain.mesh import Rules, build_mesh, resolve_shape, rules_from_config
@@ -37,9 +38,8 @@ def compute_dtype(name: str) -> jnp.dtype:
 
 def make_optimizer(t: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed."""
-    warmup = min(t.warmup_steps, t.steps)
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=warmup, decay_steps=max(t.steps, warmup + 1),
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps, decay_steps=t.decay_steps,
         end_value=t.lr * t.min_lr_ratio)
 
     def decay_mask(params):
@@ -71,6 +71,7 @@ class Trainer:
     mesh: Mesh
     rules: Rules
     graphdef: Any
+    abstract_state: Any  # ShapeDtypeStructs with their target shardings: restore targets, planning
     state_sharding: Any
     batch_sharding: NamedSharding
     schedule: optax.Schedule
@@ -179,9 +180,11 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
         abstract = nnx.eval_shape(lambda: TrainState(Transformer(cfg.model, dtype, rngs=nnx.Rngs(0)), tx))
         graphdef, abstract_state = nnx.split(abstract)
         state_sharding = nnx.get_named_sharding(abstract_state, mesh)
+        abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                      abstract_state, state_sharding)
     batch_axes = dict(rules)["batch"]
     batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None))
-    return Trainer(cfg, mesh, rules, graphdef, state_sharding, batch_sharding, schedule, dtype)
+    return Trainer(cfg, mesh, rules, graphdef, abstract_state, state_sharding, batch_sharding, schedule, dtype)
 
 
 def effective_config(cfg: Config, num_devices: int, dtype: jnp.dtype) -> Config:
@@ -199,10 +202,13 @@ def effective_config(cfg: Config, num_devices: int, dtype: jnp.dtype) -> Config:
 
 @dataclass
 class RunResult:
-    losses: dict[int, float]  # step (1-based) -> training loss
+    losses: dict[int, float]  # step (1-based) -> training loss, for the steps this run executed
     eval_losses: dict[int, float]
     compile_seconds: float
     step_times: list[float]
+    start_step: int = 0  # the step restored from a checkpoint (0: fresh)
+    save_block_seconds: list[float] = dataclasses.field(default_factory=list)
+    preempted_at: int | None = None
 
 
 def train(cfg: Config, devices: list | None = None) -> RunResult:
@@ -210,32 +216,44 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     trainer = build_trainer(cfg, devices)
     t, d = cfg.train, cfg.data
     tokens = data_lib.load_tokens(d, cfg.model.vocab_size)
+    plan = ckpt.plan_restore(cfg, trainer.abstract_state)
     rows = trainer.local_rows()
     n_devices = trainer.mesh.devices.size
+    shape = resolve_shape(cfg.mesh, n_devices)
     is_main = jax.process_index() == 0
 
+    checkpointer = ckpt.Checkpointer(cfg, shape.describe())
     if is_main:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(effective_config(cfg, n_devices, trainer.dtype)))
-    shape = resolve_shape(cfg.mesh, n_devices)
     n_params = count_params(cfg.model)
     log_info(f"mesh {shape.describe()} on {n_devices} {jax.devices()[0].device_kind} device(s); model "
              f"{n_params['total'] / 1e6:.2f}M parameters, compute {trainer.dtype}, params {cfg.model.param_dtype}")
 
-    state = trainer.init_state()
+    state, start, data_state = ckpt.restore(plan, trainer.abstract_state, trainer.init_state)
+    if plan.kind == "resume":
+        log_info(f"resumed from {plan.directory}/{plan.step}")
+    elif plan.kind == "params":
+        log_info(f"initialised parameters from {plan.directory}/{plan.step}, fresh optimizer")
     train_step, eval_step, compile_s = trainer.compile(state)
     log_info(f"compiled train and eval steps in {compile_s:.2f} s")
 
-    batches = iter(data_lib.train_batches(tokens, d, seed=t.seed, global_batch=t.global_batch, steps=t.steps, rows=rows))
+    batches = data_lib.train_batches(tokens, d, seed=t.seed, global_batch=t.global_batch, steps=t.steps, rows=rows)
+    batches = iter(batches)
+    if data_state is not None:
+        if data_state.get("next_index") != start:
+            raise ckpt.CheckpointError(f"checkpoint step {start} holds data iterator state {data_state}, "
+                                       f"expected next_index={start}")
+        batches.set_state(data_state)
     eval_set = [trainer.to_device(b) for b in
                 data_lib.eval_batches(tokens, d, global_batch=t.global_batch, num_batches=t.eval_batches, rows=rows)]
 
     tokens_per_step = t.global_batch * d.seq_len
     flops_per_step = train_flops_per_token(cfg.model, d.seq_len) * tokens_per_step
     peak = peak_flops(jax.devices()[0].device_kind)
-    writer = MetricsWriter(cfg.run.dir, enabled=is_main, total_steps=t.steps)
-    result = RunResult({}, {}, compile_s, [])
+    writer = MetricsWriter(cfg.run.dir, enabled=is_main, total_steps=t.steps, start_step=start)
+    result = RunResult({}, {}, compile_s, [], start_step=start)
 
     def evaluate(st) -> float:
         return float(np.mean([jax.device_get(eval_step(st, b)) for b in eval_set]))
@@ -257,26 +275,45 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
             record["eval_loss"] = result.eval_losses[step] = evaluate(st)
         writer.write(record)
 
-    pending = None  # (step, metrics on device), fetched after the next step is dispatched
+    watch = ckpt.PreemptionWatch(checkpointer)
+    pending = None  # (step, metrics on device, state if it must be evaluated), fetched after the next dispatch
     last_done = None
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(start + 1, t.steps + 1):
             batch = trainer.to_device(next(batches))
             state, metrics = train_step(state, batch)
             if pending is not None:
                 last_done = _finish_pending(finish, pending, last_done)
-            wants_eval = step == t.steps or (t.eval_every and step % t.eval_every == 0)
+                pending = None
+            checkpointer.check()
+            preempted = watch.reached(step)
+            wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
             pending = (step, metrics, state if wants_eval else None)
             if wants_eval:  # evaluation needs this step's state: drain now
                 last_done = _finish_pending(finish, pending, last_done)
                 pending = None
+            if preempted or checkpointer.should_save(step):
+                result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
+            if preempted:
+                if pending is not None:
+                    _finish_pending(finish, pending, last_done)
+                    pending = None
+                checkpointer.wait()
+                result.preempted_at = step
+                log_info(f"stopped by a signal after step {step}; checkpoint saved to {checkpointer.directory}/{step}")
+                break
         if pending is not None:
             _finish_pending(finish, pending, last_done)
+        checkpointer.close()
     finally:
+        watch.close()
         writer.close()
-    if is_main:
+    if is_main and result.step_times:
+        last = max(result.losses)
         print(summary_line(compile_s=compile_s, step_times=result.step_times, tokens_per_step=tokens_per_step,
-                           final_loss=result.losses[t.steps]), flush=True)
+                           final_loss=result.losses[last]), flush=True)
+    elif is_main and start >= t.steps:
+        log_info(f"nothing to do: the checkpoint is already at step {start} = train.steps")
     return result
 
 

@@ -1,0 +1,237 @@
+"""Asynchronous Orbax checkpoints: save, resume (exactly, or onto another mesh), and stop cleanly on preemption.
+
+A checkpoint step holds two items: ``state`` (parameters, optimizer state and its step counter, each array written
+shard by shard from the devices that hold it) and ``meta`` (JSON: the Grain iterator state, the effective config,
+mesh, versions and time). Orbax writes a step into a temporary directory and renames it when complete, so a save
+that was interrupted is never seen as a step. Restoring reads each array straight into the shardings of the
+*current* mesh: nothing is gathered on one host, and the mesh may differ from the one that saved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxtrain import __version__
+from jaxtrain.config import Config, ConfigError, to_dict
+
+
+class CheckpointError(RuntimeError):
+    """A save failed (directory not writable, disk full, ...): training must not go on without checkpoints."""
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """Where training starts: nothing (fresh), a full train state, or parameters only (``init_from``)."""
+
+    kind: str  # "fresh" | "resume" | "params"
+    directory: str | None = None
+    step: int | None = None
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(cfg.run.dir, "checkpoints"))
+
+
+def _manager(directory: str, cfg: Config | None = None, *, read_only: bool = False,
+             partial: bool = False) -> ocp.CheckpointManager:
+    """Orbax's manager for ``directory``; ``partial`` reads ``state`` with the PyTree handler, which can restore a
+    subtree (the standard handler's on-disk format is the same)."""
+    c = cfg.checkpoint if cfg else None
+    options = ocp.CheckpointManagerOptions(
+        create=not read_only,
+        read_only=read_only,
+        enable_async_checkpointing=c.async_save if c else False,
+        # `every` and the final step are decided by the loop (should_save); keep the newest `keep`.
+        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(c.every) if c and c.every else None,
+        preservation_policy=ocp.checkpoint_managers.LatestN(c.keep) if c else None,
+    )
+    handlers = {"state": ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _step_dir(path: str) -> tuple[str, int | None]:
+    """A checkpoint path given by the user: a step directory (``.../40``) or a directory of steps."""
+    path = os.path.abspath(path.rstrip("/"))
+    base = os.path.basename(path)
+    if base.isdigit():
+        return os.path.dirname(path), int(base)
+    return path, None
+
+
+def _existing_steps(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(_manager(directory, read_only=True).all_steps())
+
+
+def plan_restore(cfg: Config, abstract_state: Any) -> RestorePlan:
+    """Decide what to restore and check it fits ``abstract_state``, without reading any array or writing anything."""
+    c, own = cfg.checkpoint, checkpoint_dir(cfg)
+    own_steps = _existing_steps(own)
+    plan = RestorePlan("fresh")
+    if c.resume == "never":
+        if own_steps:
+            raise ConfigError(f"checkpoint.resume=never but {own} already holds steps {own_steps}; use a new run.dir "
+                              "or checkpoint.dir (existing checkpoints are never overwritten)")
+    elif c.resume == "auto":
+        if own_steps:
+            plan = RestorePlan("resume", own, own_steps[-1])
+    elif c.resume.isdigit():
+        step = int(c.resume)
+        if step not in own_steps:
+            raise ConfigError(f"checkpoint.resume={step}: no such step in {own}; steps there: {own_steps or 'none'}")
+        plan = RestorePlan("resume", own, step)
+    else:
+        directory, step = _step_dir(c.resume)
+        steps = _existing_steps(directory)
+        if step is None and steps:
+            step = steps[-1]
+        if step not in steps:
+            raise ConfigError(f"checkpoint.resume={c.resume!r} holds no complete checkpoint; steps there: {steps or 'none'}")
+        plan = RestorePlan("resume", directory, step)
+    if plan.kind == "fresh" and c.init_from:
+        directory, step = _step_dir(c.init_from)
+        steps = _existing_steps(directory)
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: {steps or 'none'}")
+        plan = RestorePlan("params", directory, step)
+    if plan.kind == "resume" and plan.step > cfg.train.steps:
+        raise ConfigError(f"the checkpoint to resume is at step {plan.step}, beyond train.steps={cfg.train.steps}; "
+                          f"raise train.steps or set checkpoint.resume")
+    if plan.kind != "fresh":
+        target = abstract_state if plan.kind == "resume" else {"model": abstract_state["model"]}
+        _check_shapes(plan, target)
+    return plan
+
+
+def _leaf_name(path) -> str:
+    keys = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return ".".join(k for k in keys if k not in ("value", ".value"))
+
+
+def _check_shapes(plan: RestorePlan, target: Any) -> None:
+    saved = _manager(plan.directory, read_only=True).item_metadata(plan.step)["state"]
+    saved_shapes = {_leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        name = _leaf_name(path)
+        if name not in saved_shapes:
+            raise ConfigError(f"checkpoint {plan.directory}/{plan.step} has no {name!r} (the model or optimizer "
+                              "differs from the one that saved it)")
+        if saved_shapes[name] != tuple(leaf.shape):
+            raise ConfigError(f"checkpoint {plan.directory}/{plan.step} does not fit this model: {name} has shape "
+                              f"{saved_shapes[name]} there but {tuple(leaf.shape)} here")
+
+
+def restore(plan: RestorePlan, abstract_state: Any, fresh_state):
+    """(state, step, data iterator state or None). ``fresh_state()`` makes a new state where the plan needs one."""
+    if plan.kind == "fresh":
+        return fresh_state(), 0, None
+    manager = _manager(plan.directory, read_only=True, partial=plan.kind == "params")
+    if plan.kind == "resume":
+        out = manager.restore(plan.step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                                 meta=ocp.args.JsonRestore()))
+        return out["state"], plan.step, out["meta"]["data_iterator"]
+    # Parameters only: read the model subtree, keep the fresh optimizer state.
+    state = fresh_state()
+    out = manager.restore(plan.step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item={"model": abstract_state["model"]}, partial_restore=True)))
+    state["model"] = out["state"]["model"]
+    return state, 0, None
+
+
+class Checkpointer:
+    """Saves into ``checkpoint_dir(cfg)``; wraps Orbax errors as CheckpointError."""
+
+    def __init__(self, cfg: Config, mesh_description: str):
+        self.cfg, self.directory = cfg, checkpoint_dir(cfg)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"checkpoint directory {self.directory!r} is not writable: {e.strerror}") from None
+        self._manager = _manager(self.directory, cfg)
+        self._meta = {"config": to_dict(cfg), "mesh": mesh_description, "jaxtrain_version": __version__,
+                      "jax_version": jax.__version__}
+
+    def should_save(self, step: int) -> bool:
+        return step == self.cfg.train.steps or self._manager.should_save(step)
+
+    def save(self, step: int, state: Any, data_iterator_state: dict) -> float:
+        """Start saving ``step``; returns the seconds the caller was blocked (the device-to-host copy)."""
+        meta = {**self._meta, "step": step, "data_iterator": data_iterator_state, "time": time.time()}
+        t0 = time.perf_counter()
+        try:
+            self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                             meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # an earlier async save's failure surfaces here too
+            raise CheckpointError(f"a checkpoint save in {self.directory} failed (seen when saving step {step}): "
+                                  f"{_reason(e)}") from e
+        return time.perf_counter() - t0
+
+    def check(self) -> None:
+        """Raise now if a background save has failed, rather than at the next save."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {_reason(e)}") from e
+
+    def wait(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"writing checkpoints in {self.directory} failed: {_reason(e)}") from e
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+
+def _reason(e: BaseException) -> str:
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
+
+
+class PreemptionWatch:
+    """SIGTERM/SIGINT -> stop after the current step, at a step all processes agree on.
+
+    With ``jax.distributed`` initialised, JAX's preemption service catches SIGTERM and Orbax's
+    ``reached_preemption`` returns True on every process at the same step; SIGINT is turned into SIGTERM so it takes
+    the same road. Without it (e.g. a library caller that set up JAX itself), a local flag does the job for one process.
+    """
+
+    def __init__(self, checkpointer: Checkpointer):
+        self._manager, self._flag, self._old = checkpointer._manager, False, {}
+        self._service = jax.distributed.is_initialized()
+        handlers = {signal.SIGINT: self._forward} if self._service else {signal.SIGINT: self._set, signal.SIGTERM: self._set}
+        for sig, handler in handlers.items():
+            self._old[sig] = signal.signal(sig, handler)
+
+    def _forward(self, *_):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _set(self, *_):
+        self._flag = True
+
+    def reached(self, step: int) -> bool:
+        return self._manager.reached_preemption(step) if self._service else self._flag
+
+    def close(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,227 @@
+"""Checkpoints: exact resume after SIGKILL, elastic resume onto another mesh, preemption, faults, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import train as train_lib
+from jaxtrain.config import ConfigError
+
+from conftest import REPO, run_cli
+
+# Small and float32 so that runs are quick and comparisons exact.
+SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
+         "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=5", "train.decay_steps=60"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _losses(run_dir):
+    """step -> loss from metrics.jsonl (JSON floats round-trip exactly, so equality here is bit equality)."""
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def start_and_wait_for_step(args, step, timeout=120):
+    """Start `python -m jaxtrain train ARGS`; return (process, lines read) once `step` has been logged."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxtrain", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env())
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) >= step:
+            return proc, lines
+    proc.kill()
+    raise AssertionError("step never logged:\n" + "".join(lines))
+
+
+def test_sigkill_then_resume_is_bit_exact(tmp_path):
+    common = [*SMALL, "runtime.cpu_devices=2", "mesh.ici.fsdp=2", "train.steps=24", "checkpoint.every=5"]
+    ref = run_cli("train", f"run.dir={tmp_path / 'ref'}", *common)
+    assert ref.returncode == 0, ref.stderr
+
+    run_dir = tmp_path / "killed"
+    proc, _ = start_and_wait_for_step([f"run.dir={run_dir}", *common], 12)
+    proc.kill()
+    proc.wait()
+    resumed = run_cli("train", f"run.dir={run_dir}", *common)
+    assert resumed.returncode == 0, resumed.stderr
+    restored = int(resumed.stderr.split("resumed from ")[1].split("\n")[0].rsplit("/", 1)[1])
+    assert 5 <= restored <= 12 and restored % 5 == 0
+    first_logged = int(resumed.stdout.split("step ")[1].split("/")[0])
+    assert first_logged == restored + 1
+    expected, got = _losses(tmp_path / "ref"), _losses(run_dir)
+    assert sorted(got) == list(range(1, 25))  # the steps the killed run logged after its checkpoint were dropped
+    assert {s: got[s] for s in range(restored + 1, 25)} == {s: expected[s] for s in range(restored + 1, 25)}
+
+
+def test_elastic_resume(tmp_path):
+    from jaxtrain.config import load_config
+
+    def cfg(run, *extra):
+        return load_config(None, [f"run.dir={tmp_path / run}", *SMALL, "checkpoint.every=10", *extra])
+
+    full = train_lib.train(cfg("full", "train.steps=30", "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
+    first = train_lib.train(cfg("elastic", "train.steps=20", "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
+    assert max(first.losses) == 20
+    second = train_lib.train(cfg("elastic", "train.steps=30", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"),
+                             devices=jax.devices()[:4])
+    assert second.start_step == 20 and sorted(second.losses) == list(range(21, 31))
+    np.testing.assert_allclose([second.losses[s] for s in range(21, 31)], [full.losses[s] for s in range(21, 31)],
+                               rtol=1e-4)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_the_current_step_and_exits_0(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", *SMALL, "train.steps=500", "checkpoint.every=1000"]
+    proc, _ = start_and_wait_for_step(args, 4)
+    sent = time.time()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    elapsed = time.time() - sent
+    assert proc.returncode == 0, out
+    assert elapsed < 10
+    stopped = int(out.split("stopped by a signal after step ")[1].split(";")[0])
+    assert f"checkpoint saved to {run_dir / 'checkpoints'}/{stopped}" in out
+    assert sorted(int(p) for p in os.listdir(run_dir / "checkpoints")) == [stopped]
+
+    again = run_cli("train", *args[:-2], f"train.steps={stopped + 2}")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("step ")[1].split("/")[0] == str(stopped + 1)
+
+
+def test_an_interrupted_save_is_never_restored(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", *SMALL, "checkpoint.every=5"]
+    assert run_cli("train", *args, "train.steps=10").returncode == 0
+    # What a crash mid-write leaves: Orbax's temporary directory for the next step, half written.
+    partial = run_dir / "checkpoints" / "15.orbax-checkpoint-tmp-1234"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "junk").write_bytes(b"\0" * 100)
+    resumed = run_cli("train", *args, "train.steps=12")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from " + str(run_dir / "checkpoints" / "10") in resumed.stderr
+
+
+@pytest.mark.slow
+def test_kill_during_a_large_async_save_falls_back_to_the_previous_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    # ~50M parameters: with AdamW a 600 MB state whose write takes seconds.
+    big = ["model.d_model=1024", "model.d_ff=4096", "model.n_layers=4", "model.vocab_size=256",
+           "train.global_batch=2", "data.seq_len=16", "model.dtype=float32", "train.eval_every=0",
+           "train.eval_batches=1", "checkpoint.every=2", "train.steps=100", f"run.dir={run_dir}"]
+    proc, _ = start_and_wait_for_step(big, 3)  # step 2's save is written in the background now or soon
+    ckpts = run_dir / "checkpoints"
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.startswith("4.orbax-checkpoint-tmp") for p in ckpts.iterdir()):
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert any(n.startswith("4.orbax-checkpoint-tmp") for n in names), names  # killed mid-write
+    resumed = run_cli("train", *big[:-2], f"run.dir={run_dir}", "train.steps=3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {ckpts}/2" in resumed.stderr
+
+
+def test_bad_resume_inputs_exit_2_and_leave_checkpoints_alone(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", *SMALL, "checkpoint.every=5", "train.steps=10"]
+    assert run_cli("train", *args).returncode == 0
+    ckpts = run_dir / "checkpoints"
+
+    def snapshot():
+        return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in ckpts.rglob("*")}
+
+    before = snapshot()
+    cases = {
+        "model.d_ff=256": "does not fit this model: model.blocks.mlp.down.kernel has shape (4, 384, 128) there but (4, 256, 128) here",
+        "checkpoint.resume=7": "checkpoint.resume=7: no such step",
+        "checkpoint.resume=never": "checkpoint.resume=never but",
+        "train.steps=8": "beyond train.steps=8",
+        f"checkpoint.dir={tmp_path / 'a_file' / 'ckpt'}": "is not writable",
+    }
+    (tmp_path / "a_file").write_text("not a directory")
+    for override, message in cases.items():
+        proc = run_cli("train", *args, override)
+        assert proc.returncode == 2, (override, proc.stderr)
+        assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, (override, proc.stderr)
+    assert "steps there: [5, 10]" in run_cli("train", *args, "checkpoint.resume=7").stderr
+    assert snapshot() == before
+
+
+def test_disk_full_during_a_save_fails_loudly_and_keeps_earlier_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", *SMALL, "checkpoint.every=5", "model.d_model=256", "model.d_ff=768"]
+    assert run_cli("train", *args, "train.steps=5", "checkpoint.async_save=false").returncode == 0
+    # A file-size limit makes the kernel refuse large writes with EFBIG, as a full disk refuses them with ENOSPC.
+    proc = subprocess.run(["bash", "-c", 'ulimit -f 2000; exec "$@"', "_", sys.executable, "-m", "jaxtrain", "train",
+                           *args, "train.steps=20"], capture_output=True, text=True, cwd=REPO, env=_env(), timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: a checkpoint save in") and "File too large" in last
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == ["5"]
+    resumed = run_cli("train", *args, "train.steps=6")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr
+
+
+def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
+    from jaxtrain.config import load_config
+
+    src = tmp_path / "pretrain"
+    base = [*SMALL, "mesh.ici.fsdp=1"]
+    train_lib.train(load_config(None, [f"run.dir={src}", *base, "train.steps=5"]), devices=jax.devices()[:1])
+    cfg = load_config(None, [f"run.dir={tmp_path / 'finetune'}", *base, "train.steps=1",
+                             f"checkpoint.init_from={src / 'checkpoints'}"])
+    trainer = train_lib.build_trainer(cfg, jax.devices()[:1])
+    from jaxtrain import checkpoint as ckpt
+
+    plan = ckpt.plan_restore(cfg, trainer.abstract_state)
+    assert plan.kind == "params" and plan.step == 5
+    state, start, _ = ckpt.restore(plan, trainer.abstract_state, trainer.init_state)
+    full, _, _ = ckpt.restore(ckpt.RestorePlan("resume", str(src / "checkpoints"), 5), trainer.abstract_state,
+                              trainer.init_state)
+    assert start == 0 and int(state["opt"]["step"][...]) == 0 and int(full["opt"]["step"][...]) == 5
+    for a, b in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(full["model"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fresh = trainer.init_state()
+    mu = [x for x in jax.tree.leaves(state["opt"]["opt_state"]) if x.ndim > 1]
+    assert all(not np.any(np.asarray(x)) for x in mu)  # zero moments
+    assert not np.array_equal(np.asarray(jax.tree.leaves(fresh["model"])[0]), np.asarray(jax.tree.leaves(state["model"])[0]))
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):
+        ckpt.plan_restore(load_config(None, [f"run.dir={tmp_path / 'x'}", *base,
+                                             f"checkpoint.init_from={tmp_path}"]), trainer.abstract_state)
+
+
+@pytest.mark.slow
+def test_acceptance_sigkill_after_step_45_of_120_on_fsdp8(tmp_path):
+    common = ["model.dtype=float32", "model.param_dtype=float32", "runtime.cpu_devices=8", "mesh.ici.fsdp=8",
+              "train.steps=120", "checkpoint.every=10"]
+    ref = run_cli("train", f"run.dir={tmp_path / 'ref'}", *common, timeout=900)
+    assert ref.returncode == 0, ref.stderr
+    run_dir = tmp_path / "killed"
+    proc, _ = start_and_wait_for_step([f"run.dir={run_dir}", *common], 45, timeout=600)
+    proc.kill()
+    proc.wait()
+    resumed = run_cli("train", f"run.dir={run_dir}", *common, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr
+    first = int(resumed.stdout.split("step ")[1].split("/")[0])
+    assert first in (31, 41)  # the last complete checkpoint, 40 (or 30 if 40's write was still in flight)
+    expected, got = _losses(tmp_path / "ref"), _losses(run_dir)
+    assert {s: got[s] for s in range(first, 121)} == {s: expected[s] for s in range(first, 121)}
