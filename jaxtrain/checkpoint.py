@@ -19,7 +19,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxtrain import __version__
-from jaxtrain.config import Config, ConfigError, to_dict
+from jaxtrain.config import Config, ConfigError
 
 
 class CheckpointError(RuntimeError):
@@ -48,8 +48,8 @@ def _manager(directory: str, cfg: Config | None = None, *, read_only: bool = Fal
         create=not read_only,
         read_only=read_only,
         enable_async_checkpointing=c.async_save if c else False,
-        # `every` and the final step are decided by the loop (should_save); keep the newest `keep`.
-        save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(c.every) if c and c.every else None,
+        # When to save is decided by Checkpointer.should_save (every N steps, the last step, preemption) and
+        # passed with force=True; Orbax decides what to keep.
         preservation_policy=ocp.checkpoint_managers.LatestN(c.keep) if c else None,
     )
     handlers = {"state": ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
@@ -151,7 +151,8 @@ def restore(plan: RestorePlan, abstract_state: Any, fresh_state):
 class Checkpointer:
     """Saves into ``checkpoint_dir(cfg)``; wraps Orbax errors as CheckpointError."""
 
-    def __init__(self, cfg: Config, mesh_description: str):
+    def __init__(self, cfg: Config, metadata: dict):
+        """``metadata``: JSON-able facts stored with every step (effective config, mesh, ...)."""
         self.cfg, self.directory = cfg, checkpoint_dir(cfg)
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -162,15 +163,16 @@ class Checkpointer:
         except OSError as e:
             raise ConfigError(f"checkpoint directory {self.directory!r} is not writable: {e.strerror}") from None
         self._manager = _manager(self.directory, cfg)
-        self._meta = {"config": to_dict(cfg), "mesh": mesh_description, "jaxtrain_version": __version__,
-                      "jax_version": jax.__version__}
+        self._meta = {**metadata, "jaxtrain_version": __version__, "jax_version": jax.__version__}
 
     def should_save(self, step: int) -> bool:
-        return step == self.cfg.train.steps or self._manager.should_save(step)
+        every = self.cfg.checkpoint.every
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
     def save(self, step: int, state: Any, data_iterator_state: dict) -> float:
-        """Start saving ``step``; returns the seconds the caller was blocked (the device-to-host copy)."""
+        """Start saving ``step``; returns the seconds the save held the caller once the state was computed."""
         meta = {**self._meta, "step": step, "data_iterator": data_iterator_state, "time": time.time()}
+        jax.block_until_ready(state)  # a save needs the values anyway; don't count the step's compute as save cost
         t0 = time.perf_counter()
         try:
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

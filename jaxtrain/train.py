@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
-from jaxtrain.config import Config, TrainConfig, dump_yaml
+from jaxtrain.config import Config, TrainConfig, dump_yaml, to_dict
 from jaxtrain.mesh import Rules, build_mesh, resolve_shape, rules_from_config
 from jaxtrain.metrics import MetricsWriter, log_info, peak_flops, summary_line, train_flops_per_token
 from jaxtrain.model import Transformer, count_params
@@ -222,11 +222,13 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     shape = resolve_shape(cfg.mesh, n_devices)
     is_main = jax.process_index() == 0
 
-    checkpointer = ckpt.Checkpointer(cfg, shape.describe())
+    effective = effective_config(cfg, n_devices, trainer.dtype)
+    checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": shape.describe(),
+                                           "processes": jax.process_count(), "devices": n_devices})
     if is_main:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
-            f.write(dump_yaml(effective_config(cfg, n_devices, trainer.dtype)))
+            f.write(dump_yaml(effective))
     n_params = count_params(cfg.model)
     log_info(f"mesh {shape.describe()} on {n_devices} {jax.devices()[0].device_kind} device(s); model "
              f"{n_params['total'] / 1e6:.2f}M parameters, compute {trainer.dtype}, params {cfg.model.param_dtype}")

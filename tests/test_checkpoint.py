@@ -225,3 +225,13 @@ def test_acceptance_sigkill_after_step_45_of_120_on_fsdp8(tmp_path):
     assert first in (31, 41)  # the last complete checkpoint, 40 (or 30 if 40's write was still in flight)
     expected, got = _losses(tmp_path / "ref"), _losses(run_dir)
     assert {s: got[s] for s in range(first, 121)} == {s: expected[s] for s in range(first, 121)}
+
+
+@pytest.mark.parametrize("every, keep, expected", [(0, 3, [7]), (2, 2, [6, 7]), (3, 5, [3, 6, 7])])
+def test_save_schedule_and_retention(tmp_path, every, keep, expected):
+    from jaxtrain.config import load_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", *SMALL, "train.steps=7", "mesh.ici.fsdp=1",
+                             f"checkpoint.every={every}", f"checkpoint.keep={keep}"])
+    train_lib.train(cfg, devices=jax.devices()[:1])
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == expected

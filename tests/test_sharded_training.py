@@ -90,3 +90,20 @@ def test_fsdp8_holds_an_eighth_of_the_embedding_per_device(make_config):
     table = state["model"]["embed"]["embedding"][...]
     assert {s.data.shape for s in table.addressable_shards} == {(cfg.model.vocab_size, cfg.model.d_model // 8)}
     assert len({s.device for s in table.addressable_shards}) == 8
+
+
+@pytest.mark.parametrize("remat", ["full", "save_matmuls"])
+def test_rematerialisation_does_not_change_the_numbers(make_config, reference, remat):
+    losses = _losses(make_config, [f"model.remat={remat}", "mesh.ici.fsdp=2"], 2)
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_bfloat16_compute_with_float32_parameters_trains(make_config, reference):
+    cfg = make_config(*STEPS, "model.dtype=bfloat16", "mesh.ici.fsdp=1")
+    trainer = train_lib.build_trainer(cfg, jax.devices()[:1])
+    assert trainer.dtype == jax.numpy.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(trainer.abstract_state["model"])} == {np.dtype("float32")}
+    result = train_lib.train(cfg, devices=jax.devices()[:1])
+    losses = np.array([result.losses[s] for s in range(1, 9)])
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, reference, rtol=2e-2)  # bfloat16 matmuls stay close to float32

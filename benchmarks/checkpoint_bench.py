@@ -1,0 +1,75 @@
+"""What do checkpoints cost the training loop? Prints figures; asserts nothing.
+
+    python benchmarks/checkpoint_bench.py [key=value ...]     (default: configs/125m.yaml's train state on CPU)
+
+1. Blocking time of one save of the full train state (parameters + AdamW moments), asynchronous vs synchronous:
+   how long `save()` holds the loop, and how long the write takes in all.
+2. End-to-end: the same short run with a checkpoint every N steps versus only at the end; the final save and its
+   wait are outside the compared window (the sum of step times).
+"""
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+from jaxtrain.config import load_config
+
+REPEATS = 3
+
+
+def main(argv):
+    every, steps = 5, 20
+    # The 125M model's state is what is measured; a short sequence and tiny batch keep CPU steps affordable.
+    overrides = ["data.seq_len=128", "train.global_batch=2", "model.dtype=float32", "train.eval_every=0",
+                 "train.eval_batches=1", "model.remat=none", *argv]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        cfg = load_config("configs/125m.yaml", [f"run.dir={tmp}/x", *overrides])
+        from jaxtrain import checkpoint as ckpt
+        from jaxtrain import runtime, train
+
+        runtime.configure(cfg)
+        runtime.quiet_logs()
+        import jax
+
+        trainer = train.build_trainer(cfg)
+        state = trainer.init_state()
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        rows = []
+        for async_save in (True, False):
+            c = load_config("configs/125m.yaml", [f"run.dir={tmp}/save-{async_save}", *overrides,
+                                                  f"checkpoint.async_save={str(async_save).lower()}"])
+            saver = ckpt.Checkpointer(c, {"benchmark": True})
+            blocked, total = [], []
+            for step in range(1, REPEATS + 1):
+                t0 = time.perf_counter()
+                blocked.append(saver.save(step, state, {"next_index": step}))
+                saver.wait()
+                total.append(time.perf_counter() - t0)
+            saver.close()
+            rows.append((async_save, statistics.median(blocked), statistics.median(total)))
+
+        runs = {}
+        for label, n in (("every %d" % every, every), ("end only", 0)):
+            c = load_config("configs/125m.yaml", [f"run.dir={tmp}/run-{n}", *overrides, f"train.steps={steps}",
+                                                  f"checkpoint.every={n}"])
+            result = train.train(c)
+            runs[label] = (sum(result.step_times), statistics.median(result.step_times), result.save_block_seconds)
+
+    print(f"\nmachine: {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "
+          f"train state {nbytes / 1e9:.2f} GB (125M parameters + AdamW moments, float32)")
+    print("| save | loop blocked (median of %d) | save complete |" % REPEATS)
+    print("| --- | --- | --- |")
+    for async_save, blocked, total in rows:
+        print(f"| {'async' if async_save else 'sync'} | {blocked:.3f} s | {total:.3f} s |")
+    base = runs["end only"][0]
+    print(f"\n{steps} steps (sum of step times, steps 2-{steps}):")
+    for label, (total, median, blocks) in runs.items():
+        saves = ", ".join(f"{b:.2f}" for b in blocks)
+        print(f"  checkpoint {label:>8}: {total:.2f} s, median step {median:.3f} s, save() blocked: [{saves}] s, "
+              f"slowdown {100 * (total / base - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
