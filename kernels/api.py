@@ -1,0 +1,112 @@
+"""Public entry point: ``kernels.flash_attention`` validates its inputs, then dispatches to a kernel.
+
+Implementations:
+  * ``impl="pallas"`` (default): ``kernels.flash_pallas``; ``interpret=True`` runs it on CPU; on GPU it lowers
+    through Pallas' Triton backend (``backend="triton"``; see that module's docstring for why).
+  * ``impl="triton"``: ``kernels.flash_triton``, the Triton language through jax-triton; CUDA GPU only.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import flash_pallas, flash_triton
+
+IMPLS = ("pallas", "triton")
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _shape(name, x):
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(shape)
+
+
+def validate(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl="pallas", interpret=False,
+             backend="triton"):
+    """Raise ValueError naming the first problem with the arguments of ``flash_attention``; launch nothing."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    qs, ks, vs = _shape("q", q), _shape("k", k), _shape("v", v)
+    for name, s in (("q", qs), ("k", ks), ("v", vs)):
+        if len(s) != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {s}")
+    if ks != vs:
+        raise ValueError(f"k and v must have the same shape, got k {ks} and v {vs}")
+    (b, s, h, d), (kb, kss, kvh, kd) = qs, ks
+    if kb != b:
+        raise ValueError(f"batch mismatch: q has batch {b}, k and v have batch {kb}")
+    if kss != s:
+        raise ValueError(f"sequence mismatch: q has seq {s}, k and v have seq {kss} (self-attention needs equal)")
+    if kd != d:
+        raise ValueError(f"head_dim mismatch: q has head_dim {d}, k and v have head_dim {kd}")
+    if min(b, s, h, kvh) < 1:
+        raise ValueError(f"empty input: q shape {qs}, k shape {ks}")
+    if h % kvh:
+        raise ValueError(f"heads={h} is not divisible by kv_heads={kvh}: each kv head must serve a whole group "
+                         "of query heads")
+    supported = flash_pallas.SUPPORTED_HEAD_DIMS if impl == "pallas" else flash_triton.SUPPORTED_HEAD_DIMS
+    if d not in supported:
+        raise ValueError(f"unsupported head_dim={d} for impl={impl!r}: supported {supported} "
+                         "(GPU tiles must be powers of two)")
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if dtypes.pop() not in {jnp.dtype(t) for t in DTYPES}:
+        raise ValueError(f"unsupported dtype {q.dtype}: expected float32, bfloat16 or float16")
+    if segment_ids is not None:
+        seg_shape = _shape("segment_ids", segment_ids)
+        if seg_shape != (b, s):
+            raise ValueError(f"segment_ids must have shape [batch, seq] = {(b, s)}, got {seg_shape}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers, got dtype {segment_ids.dtype}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or not np.isfinite(sm_scale)):
+        raise ValueError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
+    if impl == "triton" and interpret:
+        raise ValueError("interpret=True is only available for impl='pallas'; impl='triton' runs on a CUDA GPU")
+    if impl == "pallas" and backend not in flash_pallas.BACKENDS:
+        raise ValueError(flash_pallas._backend_error(backend))
+    if impl == "triton" and backend != "triton":
+        raise ValueError(f"backend={backend!r} applies to impl='pallas' only")
+
+
+def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
+                    impl: str = "pallas", interpret: bool = False, backend: str = "triton", **block_sizes):
+    """Flash multi-head self-attention with grouped-query support, differentiable w.r.t. q, k and v.
+
+    Args:
+      q: [batch, seq, heads, head_dim], float32 / bfloat16 / float16.
+      k, v: [batch, seq, kv_heads, head_dim], same dtype; kv_heads divides heads and query head h reads kv head
+        h // (heads // kv_heads) (multi-query attention is kv_heads == 1).
+      causal: a query attends only to keys at or before its position.
+      segment_ids: optional int [batch, seq]; a token attends only to tokens with the same id (packed sequences).
+      sm_scale: softmax scale; default 1 / sqrt(head_dim).
+      impl: "pallas" (Pallas kernel; CPU via interpret=True, GPU via Pallas' Triton lowering) or "triton"
+        (Triton language via jax-triton; CUDA GPU only).
+      interpret: run the Pallas kernels in the Pallas interpreter (CPU; slow, for testing).
+      backend: GPU lowering of the Pallas kernels; "triton" is the one implemented.
+      **block_sizes: tiles and launch parameters. impl="pallas": block_q, block_k (forward), block_q_bwd,
+        block_k_bwd (backward), num_warps, num_stages. impl="triton": block_m, block_n, block_m_bwd,
+        block_n_bwd, num_warps, num_stages. Tiles are powers of two >= 16 and are clamped to the sequence.
+
+    Returns:
+      [batch, seq, heads, head_dim] in q's dtype. Softmax statistics and accumulators are float32.
+
+    Raises:
+      ValueError: a bad argument (rank, shapes, head_dim, dtype, impl, block sizes), before any launch.
+      RuntimeError: impl="triton" without a CUDA GPU or without triton / jax-triton installed.
+    """
+    validate(q, k, v, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale, impl=impl,
+             interpret=interpret, backend=backend)
+    if impl == "pallas":
+        return flash_pallas.flash_attention_pallas(q, k, v, causal=bool(causal), segment_ids=segment_ids,
+                                                   sm_scale=sm_scale, interpret=interpret, backend=backend,
+                                                   **block_sizes)
+    return flash_triton.flash_attention_triton(q, k, v, causal=bool(causal), segment_ids=segment_ids,
+                                               sm_scale=sm_scale, **block_sizes)

@@ -1,0 +1,282 @@
+"""Benchmark flash attention: ``python -m kernels.bench [--out DIR] [--smoke]``.
+
+For bfloat16, head dims 64 and 128, causal and not, and sequence lengths 1k..16k at a constant number of tokens
+per batch (batch = tokens // seq), it times forward and forward+backward of each implementation, reports TFLOP/s
+(forward 4·B·S²·H·D, halved when causal; backward 2.5x forward, so forward+backward is 3.5x) and the largest error
+against a float32 XLA reference (largest absolute difference of the output, and of dq, dk, dv up to
+--grad-check-max-seq). Implementations:
+
+  pallas      this repository's Pallas kernel (kernels.flash_pallas)
+  triton      this repository's Triton kernel through jax-triton (kernels.flash_triton)
+  xla         jax.nn.dot_product_attention(implementation="xla")
+  cudnn       jax.nn.dot_product_attention(implementation="cudnn")
+  jax_pallas  JAX's bundled Pallas attention op (jax.experimental.pallas.ops.gpu.attention.mha), a peer
+
+Each (implementation, shape) runs in isolation: a failure (out of memory, unsupported, missing package) is
+recorded in its row and the rest go on. Results are printed as a table and written as Markdown and CSV to --out
+(rewritten after every row, so a crash keeps what was measured).
+The full sweep is sized for one GPU call of under 10 minutes (--time-budget stops starting new rows when spent).
+On a machine without a GPU it refuses, unless --smoke: tiny sizes, Pallas kernels in interpret mode, so that the
+code path is exercised on CPU (the numbers then mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import flash_attention, mha_reference
+
+IMPLS = ("pallas", "triton", "xla", "cudnn", "jax_pallas")
+COLUMNS = ("impl", "dtype", "batch", "seq", "heads", "kv_heads", "head_dim", "causal", "status", "fwd_ms",
+           "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "max_err_fwd", "max_err_grad")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+
+    def fwd_flops(self) -> float:
+        flops = 4.0 * self.batch * self.seq * self.seq * self.heads * self.head_dim
+        return flops / 2 if self.causal else flops
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def attention_fn(impl: str, shape: Shape, interpret: bool):
+    """(q, k, v) -> out for one implementation; raises if it cannot run here."""
+    if impl == "pallas":
+        return functools.partial(flash_attention, causal=shape.causal, impl="pallas", interpret=interpret)
+    if impl == "triton":
+        return functools.partial(flash_attention, causal=shape.causal, impl="triton")
+    if impl in ("xla", "cudnn"):
+        return functools.partial(jax.nn.dot_product_attention, is_causal=shape.causal, implementation=impl)
+    if impl == "jax_pallas":
+        with warnings.catch_warnings():  # jax 0.11 deprecates this module in favour of tokamax
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention as peer
+
+        group = shape.heads // shape.kv_heads
+        # Its defaults need seq to be a multiple of 128 (forward) and of 32 (backward); clamp for --smoke.
+        blocks = peer.BlockSizes(block_q=min(128, shape.seq), block_k=min(128, shape.seq), block_q_dkv=32,
+                                 block_kv_dkv=32, block_q_dq=32, block_kv_dq=32)
+
+        def run(q, k, v):
+            # The peer has no grouped-query support: it gets k and v repeated (only when kv_heads < heads).
+            if group > 1:
+                k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            return peer.mha(q, k, v, None, sm_scale=shape.head_dim**-0.5, causal=shape.causal,
+                            block_sizes=blocks, interpret=interpret)
+
+        return run
+    raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
+
+
+def _time(fn, args, iters: int) -> float:
+    """Median wall time in ms of ``fn(*args)`` after one warm-up call (which also compiles)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def make_inputs(shape: Shape, dtype, seed: int = 0):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (shape.batch, shape.seq, shape.heads, shape.head_dim), dtype)
+    k = jax.random.normal(kk, (shape.batch, shape.seq, shape.kv_heads, shape.head_dim), dtype)
+    v = jax.random.normal(kv, (shape.batch, shape.seq, shape.kv_heads, shape.head_dim), dtype)
+    do = jax.random.normal(kd, q.shape, dtype)
+    return q, k, v, do
+
+
+def _fwd_bwd(fn):
+    def run(q, k, v, do):
+        out, pull = jax.vjp(fn, q, k, v)
+        return (out, *pull(do))
+
+    return jax.jit(run)
+
+
+@functools.lru_cache(maxsize=1)
+def _reference(shape: Shape, dtype_name: str, with_grads: bool):
+    """Float32 XLA reference of the same (rounded) inputs: out, and dq, dk, dv when asked."""
+    q, k, v, do = (x.astype(jnp.float32) for x in make_inputs(shape, jnp.dtype(dtype_name)))
+    ref = functools.partial(mha_reference, causal=shape.causal)
+    if with_grads:
+        return jax.device_get(_fwd_bwd(ref)(q, k, v, do))
+    return (jax.device_get(jax.jit(ref)(q, k, v)),)
+
+
+def _max_err(got, want) -> float:
+    return float(np.max(np.abs(np.asarray(got, np.float32) - want)))
+
+
+def bench_one(impl: str, shape: Shape, dtype, *, iters: int, interpret: bool, grad_check_max_seq: int) -> dict:
+    row = dict(impl=impl, dtype=jnp.dtype(dtype).name, batch=shape.batch, seq=shape.seq, heads=shape.heads,
+               kv_heads=shape.kv_heads, head_dim=shape.head_dim, causal=shape.causal, status="ok")
+    try:
+        fn = attention_fn(impl, shape, interpret)
+        q, k, v, do = make_inputs(shape, dtype)
+        fwd = jax.jit(fn)
+        both = _fwd_bwd(fn)
+        row["fwd_ms"] = _time(fwd, (q, k, v), iters)
+        row["fwdbwd_ms"] = _time(both, (q, k, v, do), iters)
+        flops = shape.fwd_flops()
+        row["fwd_tflops"] = flops / (row["fwd_ms"] * 1e-3) / 1e12
+        row["fwdbwd_tflops"] = 3.5 * flops / (row["fwdbwd_ms"] * 1e-3) / 1e12
+        check_grads = shape.seq <= grad_check_max_seq
+        want = _reference(shape, row["dtype"], check_grads)
+        got = jax.device_get(both(q, k, v, do)) if check_grads else (jax.device_get(fwd(q, k, v)),)
+        row["max_err_fwd"] = _max_err(got[0], want[0])
+        if check_grads:
+            row["max_err_grad"] = max(_max_err(g, w) for g, w in zip(got[1:], want[1:]))
+    except Exception as e:  # noqa: BLE001 - one implementation's failure must not stop the others
+        message = " ".join(f"{type(e).__name__}: {e}".split())
+        row["status"] = "error: " + message[:300]
+        if os.environ.get("BENCH_TRACEBACKS"):
+            traceback.print_exc()
+    return row
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def write_reports(rows: list[dict], out_dir: str, header: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path = os.path.join(out_dir, "flash_attention_bench.csv")
+    md_path = os.path.join(out_dir, "flash_attention_bench.md")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: row.get(c, "") for c in COLUMNS})
+    with open(md_path, "w") as f:
+        f.write(f"# Flash attention benchmark\n\n{header}\n\n")
+        f.write("| " + " | ".join(COLUMNS) + " |\n")
+        f.write("|" + "---|" * len(COLUMNS) + "\n")
+        for row in rows:
+            f.write("| " + " | ".join(_fmt(row.get(c)).replace("|", "/") for c in COLUMNS) + " |\n")
+    return csv_path, md_path
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ("impl", "batch", "seq", "head_dim", "causal", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops",
+            "max_err_fwd", "max_err_grad", "status")
+    table = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    table = [[cell if len(cell) <= 60 else cell[:57] + "..." for cell in line] for line in table]
+    widths = [max(len(c), *(len(line[i]) for line in table)) if table else len(c) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for line in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="bench_out", help="directory for flash_attention_bench.{md,csv}")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, interpret mode: exercise the code on CPU")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--seq-lens", default=None, help="comma-separated (default 1024,2048,4096,8192,16384)")
+    p.add_argument("--head-dims", default=None, help="comma-separated (default 64,128)")
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per batch, batch*seq (default 16384)")
+    p.add_argument("--model-dim", type=int, default=None, help="heads = model_dim // head_dim (default 2048)")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: heads (multi-head attention)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (default 10)")
+    p.add_argument("--grad-check-max-seq", type=int, default=4096,
+                   help="compare gradients with the float32 reference up to this seq (its S x S memory grows)")
+    p.add_argument("--time-budget", type=float, default=540.0,
+                   help="seconds; rows not started when it is spent are recorded as skipped")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    gpu = _has_gpu()
+    if not gpu and not args.smoke:
+        raise SystemExit("kernels.bench: no GPU visible to JAX (backend: "
+                         f"{jax.default_backend()}); the sweep is meant for a GPU. Use --smoke to exercise the "
+                         "code path on CPU with tiny sizes in interpret mode.")
+    interpret = not gpu
+    if args.smoke:
+        defaults = dict(seq_lens="64", head_dims="64", tokens=128, model_dim=128, iters=1)
+    else:
+        defaults = dict(seq_lens="1024,2048,4096,8192,16384", head_dims="64,128", tokens=16384, model_dim=2048,
+                        iters=10)
+    seq_lens = [int(x) for x in (args.seq_lens or defaults["seq_lens"]).split(",")]
+    head_dims = [int(x) for x in (args.head_dims or defaults["head_dims"]).split(",")]
+    tokens = args.tokens or defaults["tokens"]
+    model_dim = args.model_dim or defaults["model_dim"]
+    iters = args.iters or defaults["iters"]
+    causals = {"both": (True, False), "true": (True,), "false": (False,)}[args.causal]
+    impls = [x for x in args.impls.split(",") if x]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"kernels.bench: unknown implementation(s) {unknown}; expected {list(IMPLS)}")
+    dtype = jnp.bfloat16
+
+    header = (f"jax {jax.__version__}, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+              f"dtype bfloat16, {tokens} tokens per batch, model dim {model_dim}, median of {iters} iterations"
+              + (", SMOKE MODE (interpret, tiny sizes: timings are meaningless)" if args.smoke else ""))
+    print(header, flush=True)
+    start = time.perf_counter()
+    rows = []
+    for d in head_dims:
+        for causal in causals:
+            for s in seq_lens:
+                heads = max(1, model_dim // d)
+                shape = Shape(batch=max(1, tokens // s), seq=s, heads=heads, kv_heads=args.kv_heads or heads,
+                              head_dim=d, causal=causal)
+                for impl in impls:
+                    if time.perf_counter() - start > args.time_budget:
+                        row = dict(impl=impl, dtype="bfloat16", batch=shape.batch, seq=s, heads=shape.heads,
+                                   kv_heads=shape.kv_heads, head_dim=d, causal=causal,
+                                   status=f"skipped: --time-budget {args.time_budget:.0f}s spent")
+                    else:
+                        row = bench_one(impl, shape, dtype, iters=iters, interpret=interpret,
+                                        grad_check_max_seq=args.grad_check_max_seq)
+                    rows.append(row)
+                    # Rewritten after every row: a crash that takes the process down keeps what was measured.
+                    write_reports(rows, args.out, header)
+                    print(f"  {impl:<10} d={d:<4} causal={causal!s:<5} seq={s:<6} "
+                          f"{_fmt(row.get('fwd_ms'))} ms / {_fmt(row.get('fwdbwd_ms'))} ms  {row['status'][:100]}",
+                          flush=True)
+                _reference.cache_clear()  # free the S x S-sized reference before the next shape
+    print()
+    print_table(rows)
+    csv_path, md_path = write_reports(rows, args.out, header)
+    print(f"\nwrote {md_path} and {csv_path} in {time.perf_counter() - start:.0f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

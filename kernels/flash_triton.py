@@ -1,0 +1,526 @@
+"""Flash multi-head self-attention in the Triton language, launched from JAX with ``jax_triton.triton_call``.
+
+Same contract as ``kernels.flash_pallas`` (see ``kernels.api.flash_attention``): q [batch, seq, heads, head_dim],
+k, v [batch, seq, kv_heads, head_dim], output [batch, seq, heads, head_dim] in q's dtype, differentiable through
+``jax.custom_vjp``. GPU only.
+
+This is the road JAX's own deprecation note for the Pallas Triton backend points to (official Triton + jax-triton),
+kept beside the Pallas kernel so that either can carry on if the other's toolchain moves.
+
+Kernels (FlashAttention-2, contiguous [B, S, H, D] layouts, base-2 exponentials):
+  * ``_fwd_kernel``: grid (query tiles, batch*heads); online softmax over kv tiles with float32 accumulators; writes
+    o and the base-2 log-sum-exp [B, H, S]. Causal: tiles above the diagonal are never visited (loop bound) and
+    only diagonal tiles are masked.
+  * ``_dq_kernel``: grid (query tiles, batch*heads); loops over kv tiles.
+  * ``_dkdv_kernel``: grid (kv tiles, batch*kv_heads); loops over the group's query heads and their query tiles,
+    so dk and dv are summed over the heads that share a kv head without any atomics or per-head copies.
+  * ``delta = rowsum(o * do)`` is a fused XLA reduction.
+Any sequence length: loads and stores are masked (constexpr ``EVEN`` skips the masks when the tiles divide the
+sequence). Masked logits take a large finite negative value, so no row ever computes ``exp(-inf + inf)``.
+
+``triton`` and ``jax_triton`` are imported only when a kernel is launched, so this module imports without them.
+The kernel bodies are module-level functions wrapped with ``triton.jit`` on first use (``_kernels``): Triton's
+interpreter (TRITON_INTERPRET=1, used by the tests on CPU) resolves ``tl`` and helper kernels through the module
+globals, so they are bound there rather than in a closure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+
+import numpy as np
+
+LOG2E = math.log2(math.e)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
+MIN_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Triton tile sizes (powers of two >= 16) and launch parameters; first guesses for H100/H200, not tuned."""
+
+    block_m: int = 128  # forward query tile
+    block_n: int = 64  # forward kv tile
+    block_m_bwd: int = 64
+    block_n_bwd: int = 64
+    num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8
+    num_stages: int = 2
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown block-size keyword(s) {unknown} for impl='triton'; accepted: {sorted(names)}")
+        sizes = cls(**kwargs)
+        for name in ("block_m", "block_n", "block_m_bwd", "block_n_bwd"):
+            b = getattr(sizes, name)
+            if not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1):
+                raise ValueError(f"{name}={b!r} must be a power of two >= {MIN_BLOCK}")
+        if sizes.num_warps is not None and sizes.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={sizes.num_warps!r} must be one of 1, 2, 4, 8, 16")
+        if not isinstance(sizes.num_stages, int) or sizes.num_stages < 1:
+            raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
+        return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static description of one attention call: shapes, tiles and the constexprs of every kernel."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    sm_scale: float
+    has_segments: bool
+    dtype: str  # numpy dtype name of q/k/v
+    sizes: BlockSizes
+
+    @property
+    def num_warps(self) -> int:
+        return self.sizes.num_warps or (4 if self.head_dim <= 64 else 8)
+
+    def _tiles(self, bm: int, bn: int) -> tuple[int, int]:
+        cap = max(MIN_BLOCK, 1 << (self.seq - 1).bit_length())  # next power of two >= seq
+        return min(bm, cap), min(bn, cap)
+
+    def _common(self, bm: int, bn: int) -> dict:
+        return dict(
+            SEQ=self.seq, H=self.heads, KVH=self.kv_heads, HEAD_DIM=self.head_dim, BLOCK_M=bm, BLOCK_N=bn,
+            CAUSAL=self.causal, HAS_SEG=self.has_segments, EVEN=(self.seq % bm == 0 and self.seq % bn == 0),
+            QK_SCALE=self.sm_scale * LOG2E, SM_SCALE=self.sm_scale,
+            # float32 users get float32 matmuls; Triton's default for fp32 dots would be TF32.
+            INPUT_PRECISION="ieee" if self.dtype == "float32" else "tf32",
+        )
+
+    def forward(self):
+        """-> (grid, constexprs) for ``_fwd_kernel``."""
+        bm, bn = self._tiles(self.sizes.block_m, self.sizes.block_n)
+        return (_cdiv(self.seq, bm), self.batch * self.heads), self._common(bm, bn)
+
+    def dq(self):
+        bm, bn = self._tiles(self.sizes.block_m_bwd, self.sizes.block_n_bwd)
+        return (_cdiv(self.seq, bm), self.batch * self.heads), self._common(bm, bn)
+
+    def dkdv(self):
+        bm, bn = self._tiles(self.sizes.block_m_bwd, self.sizes.block_n_bwd)
+        return (_cdiv(self.seq, bn), self.batch * self.kv_heads), self._common(bm, bn)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernel bodies (Triton language). Wrapped with triton.jit by _kernels(), which also binds these names:
+# --------------------------------------------------------------------------------------------------------------
+
+tl = None  # triton.language
+_TL_MASK_VALUE = None  # tl.constexpr(MASK_VALUE)
+_fwd_inner = _dq_inner = _dkdv_inner = None  # the jitted *_inner_src helpers
+
+
+def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
+                   SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ptrs = offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+        if EVEN:
+            k = tl.load(k_base + ptrs)
+            v = tl.load(v_base + ptrs)
+        else:
+            k = tl.load(k_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+            v = tl.load(v_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE
+        valid = tl.full((BLOCK_N,), 1, tl.int1)[None, :]
+        if not EVEN:
+            valid = valid & (offs_n[None, :] < SEQ)
+        if ON_DIAG:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        if HAS_SEG:
+            k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
+            valid = valid & (q_seg[:, None] == k_seg[None, :])
+        if (not EVEN) or ON_DIAG or HAS_SEG:
+            s = tl.where(valid, s, _TL_MASK_VALUE)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+def _fwd_kernel_src(Q, K, V, SEG, O, LSE,
+                    SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                    EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # int64: batch offsets overflow int32 at long sequences
+    h = bh % H
+    kvh = h // (H // KVH)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    k_base = K + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    v_base = V + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    seg_base = SEG + b * SEQ
+    if EVEN:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+    if HAS_SEG:
+        q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+    else:
+        q_seg = offs_m  # unused placeholder: HAS_SEG is a constexpr
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    if CAUSAL:
+        # Keys below the tile's first query row need no causal mask; keys past its last row are skipped.
+        full_hi = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, 0, full_hi,
+                                   SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, full_hi, hi,
+                                   SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
+    else:
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, 0, SEQ,
+                                   SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
+    out = acc / l_i[:, None]
+    lse = m_i + tl.math.log2(l_i)
+    o_ptrs = O + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    lse_ptrs = LSE + (b * H + h) * SEQ + offs_m
+    if EVEN:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty))
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < SEQ)
+        tl.store(lse_ptrs, lse, mask=offs_m < SEQ)
+
+
+def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
+                  SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ptrs = offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+        if EVEN:
+            k = tl.load(k_base + ptrs)
+            v = tl.load(v_base + ptrs)
+        else:
+            k = tl.load(k_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+            v = tl.load(v_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE
+        valid = tl.full((BLOCK_N,), 1, tl.int1)[None, :]
+        if not EVEN:
+            valid = valid & (offs_n[None, :] < SEQ)
+        if ON_DIAG:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        if HAS_SEG:
+            k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
+            valid = valid & (q_seg[:, None] == k_seg[None, :])
+        if (not EVEN) or ON_DIAG or HAS_SEG:
+            s = tl.where(valid, s, _TL_MASK_VALUE)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=INPUT_PRECISION)
+    return dq
+
+
+def _dq_kernel_src(Q, K, V, SEG, DO, LSE, DELTA, DQ,
+                   SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                   EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    kvh = h // (H // KVH)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ptrs = b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    stat_ptrs = (b * H + h) * SEQ + offs_m
+    k_base = K + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    v_base = V + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    seg_base = SEG + b * SEQ
+    if EVEN:
+        q = tl.load(Q + row_ptrs)
+        do = tl.load(DO + row_ptrs)
+        lse = tl.load(LSE + stat_ptrs)
+        delta = tl.load(DELTA + stat_ptrs)
+    else:
+        q = tl.load(Q + row_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+        do = tl.load(DO + row_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+        lse = tl.load(LSE + stat_ptrs, mask=offs_m < SEQ, other=0.0)
+        delta = tl.load(DELTA + stat_ptrs, mask=offs_m < SEQ, other=0.0)
+    if HAS_SEG:
+        q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+    else:
+        q_seg = offs_m
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    if CAUSAL:
+        full_hi = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, 0, full_hi,
+                       SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, full_hi, hi,
+                       SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
+    else:
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, 0, SEQ,
+                       SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
+    dq = dq * SM_SCALE
+    if EVEN:
+        tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty))
+    else:
+        tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_m[:, None] < SEQ)
+
+
+def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base, lo, hi,
+                    SEQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        ptrs = offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+        if EVEN:
+            q = tl.load(q_base + ptrs)
+            do = tl.load(do_base + ptrs)
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        else:
+            q = tl.load(q_base + ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+            do = tl.load(do_base + ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=offs_m < SEQ, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=offs_m < SEQ, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE  # [BLOCK_M, BLOCK_N]
+        valid = tl.full((BLOCK_M,), 1, tl.int1)[:, None]
+        if not EVEN:
+            valid = valid & (offs_m[:, None] < SEQ) & (offs_n[None, :] < SEQ)
+        if ON_DIAG:
+            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+        if HAS_SEG:
+            q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+            valid = valid & (q_seg[:, None] == k_seg[None, :])
+        if (not EVEN) or ON_DIAG or HAS_SEG:
+            s = tl.where(valid, s, _TL_MASK_VALUE)
+        p = tl.math.exp2(s - lse[:, None])
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+def _dkdv_kernel_src(Q, K, V, SEG, DO, LSE, DELTA, DK, DV,
+                     SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                     EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bkv = tl.program_id(1)
+    b = (bkv // KVH).to(tl.int64)
+    kvh = bkv % KVH
+    GROUP: tl.constexpr = H // KVH
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kv_ptrs = b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+    if EVEN:
+        k = tl.load(K + kv_ptrs)
+        v = tl.load(V + kv_ptrs)
+    else:
+        k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+    seg_base = SEG + b * SEQ
+    if HAS_SEG:
+        k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
+    else:
+        k_seg = offs_n
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+    if CAUSAL:
+        # Query tiles wholly before this kv tile are skipped; those wholly after it need no causal mask.
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        full_lo = tl.minimum(((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, SEQ)
+    else:
+        lo = 0
+        full_lo = 0
+    for g in range(GROUP):
+        # All query heads of this kv head accumulate into the same dk/dv: the GQA sum, in registers.
+        h = kvh * GROUP + g
+        q_base = Q + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM
+        do_base = DO + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM
+        lse_base = LSE + (b * H + h) * SEQ
+        delta_base = DELTA + (b * H + h) * SEQ
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
+                                 lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, True, EVEN, QK_SCALE,
+                                 INPUT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
+                             full_lo, SEQ, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, False, EVEN, QK_SCALE,
+                             INPUT_PRECISION)
+    dk = dk * SM_SCALE
+    if EVEN:
+        tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty))
+        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty))
+    else:
+        tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < SEQ)
+        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < SEQ)
+
+
+@functools.cache
+def _kernels() -> types.SimpleNamespace:
+    """Import Triton and wrap the kernel bodies with ``triton.jit`` (once). Raises ImportError without Triton."""
+    import triton
+    import triton.language
+
+    g = globals()
+    g["tl"] = triton.language
+    g["_TL_MASK_VALUE"] = triton.language.constexpr(MASK_VALUE)  # Triton reads only constexpr globals
+    # The kernels call the helpers by these global names.
+    g["_fwd_inner"] = triton.jit(_fwd_inner_src)
+    g["_dq_inner"] = triton.jit(_dq_inner_src)
+    g["_dkdv_inner"] = triton.jit(_dkdv_inner_src)
+    return types.SimpleNamespace(
+        fwd=triton.jit(_fwd_kernel_src), dq=triton.jit(_dq_kernel_src), dkdv=triton.jit(_dkdv_kernel_src)
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launch sequence, written against a `launch` callable so the same plan runs under jax-triton (GPU) or Triton's
+# CPU interpreter (tests): launch(kernel, inputs, out_shapes [(shape, dtype)], grid, constexprs, num_warps,
+# num_stages) -> list of outputs.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def run_forward(launch, plan: Plan, q, k, v, seg):
+    """-> (o [B, S, H, D] in q's dtype, lse [B, H, S] float32 base 2). ``seg`` is int32 [B, S] or a dummy [1]."""
+    grid, meta = plan.forward()
+    o, lse = launch(_kernels().fwd, (q, k, v, seg),
+                    [(q.shape, q.dtype), ((plan.batch, plan.heads, plan.seq), np.float32)],
+                    grid, meta, plan.num_warps, plan.sizes.num_stages)
+    return o, lse
+
+
+def run_backward(launch, plan: Plan, q, k, v, seg, do, lse, delta):
+    """-> (dq, dk, dv). ``delta`` = rowsum(o * do) as float32 [B, H, S]."""
+    kern = _kernels()
+    grid, meta = plan.dq()
+    (dq,) = launch(kern.dq, (q, k, v, seg, do, lse, delta), [(q.shape, q.dtype)], grid, meta, plan.num_warps,
+                   plan.sizes.num_stages)
+    grid, meta = plan.dkdv()
+    dk, dv = launch(kern.dkdv, (q, k, v, seg, do, lse, delta), [(k.shape, k.dtype), (v.shape, v.dtype)], grid,
+                    meta, plan.num_warps, plan.sizes.num_stages)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# JAX side
+# --------------------------------------------------------------------------------------------------------------
+
+
+def availability_error() -> str | None:
+    """Why impl='triton' cannot run here, or None when it can (a CUDA GPU, triton and jax_triton importable)."""
+    import jax
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        return (f"impl='triton' needs a CUDA GPU, but JAX sees none (backend: {jax.default_backend()}); "
+                "use impl='pallas' (interpret=True runs it on CPU)")
+    for module, hint in (("triton", "pip install triton"), ("jax_triton", "pip install jax-triton")):
+        try:
+            __import__(module)
+        except ImportError as e:
+            return f"impl='triton' needs the '{module}' package, which is not importable ({e}); {hint}"
+    return None
+
+
+def _jax_triton_launch(kernel, inputs, out_shapes, grid, meta, num_warps, num_stages):
+    import jax
+    import jax_triton as jt
+
+    outs = jt.triton_call(
+        *inputs, kernel=kernel, out_shape=[jax.ShapeDtypeStruct(s, d) for s, d in out_shapes], grid=grid,
+        num_warps=num_warps, num_stages=num_stages, **meta)
+    return list(outs)
+
+
+def _custom_vjp():
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def attention(q, k, v, seg, plan):
+        return run_forward(_jax_triton_launch, plan, q, k, v, seg)[0]
+
+    def fwd(q, k, v, seg, plan):
+        o, lse = run_forward(_jax_triton_launch, plan, q, k, v, seg)
+        return o, (q, k, v, seg, o, lse)
+
+    def bwd(plan, res, do):
+        q, k, v, seg, o, lse = res
+        delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+        dq, dk, dv = run_backward(_jax_triton_launch, plan, q, k, v, seg, do, lse, delta)
+        return dq, dk, dv, None
+
+    attention.defvjp(fwd, bwd)
+    return jax.jit(attention, static_argnums=(4,))
+
+
+_attention = None
+
+
+def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
+              block_sizes: dict) -> Plan:
+    b, s, h, d = q_shape
+    sizes = BlockSizes.from_kwargs(block_sizes)
+    scale = d**-0.5 if sm_scale is None else float(sm_scale)
+    return Plan(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
+                has_segments=has_segments, dtype=np.dtype(dtype).name, sizes=sizes)
+
+
+def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
+                           **block_sizes):
+    """Triton flash attention via jax-triton. Inputs are assumed validated (see ``kernels.api.flash_attention``).
+
+    Args:
+      q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; segment_ids: int [batch, seq].
+      block_sizes: fields of ``BlockSizes``.
+
+    Returns:
+      [batch, seq, heads, head_dim] in q's dtype. Raises RuntimeError when no GPU / triton / jax_triton.
+    """
+    global _attention
+    plan = make_plan(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=sm_scale,
+                     has_segments=segment_ids is not None, block_sizes=block_sizes)
+    reason = availability_error()
+    if reason:
+        raise RuntimeError(reason)
+    import jax.numpy as jnp
+
+    _kernels()
+    if _attention is None:
+        _attention = _custom_vjp()
+    # jax-triton passes arrays only; a kernel without segments gets a one-element dummy it never reads.
+    seg = jnp.zeros((1,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    return _attention(q, k, v, seg, plan)
