@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxtrain import __version__
 from jaxtrain.config import Config, ConfigError
@@ -67,9 +68,11 @@ def _step_dir(path: str) -> tuple[str, int | None]:
 
 
 def _existing_steps(directory: str) -> list[int]:
+    """Complete steps in ``directory``, read from the file system alone: every process of a job must decide alike,
+    and creating a CheckpointManager here would be a collective step that the processes could take unevenly."""
     if not os.path.isdir(directory):
         return []
-    return sorted(_manager(directory, read_only=True).all_steps())
+    return sorted(ocp.utils.checkpoint_steps(directory))
 
 
 def plan_restore(cfg: Config, abstract_state: Any) -> RestorePlan:
@@ -119,7 +122,7 @@ def _leaf_name(path) -> str:
 
 
 def _check_shapes(plan: RestorePlan, target: Any) -> None:
-    saved = _manager(plan.directory, read_only=True).item_metadata(plan.step)["state"]
+    saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(plan.directory) / str(plan.step) / "state").tree
     saved_shapes = {_leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = _leaf_name(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from jaxtrain.config import ConfigError
 
@@ -42,12 +43,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_tag()}{e}", file=sys.stderr)
         return 2
     except Exception as e:
         from jaxtrain.checkpoint import CheckpointError
+        from jaxtrain.distributed import DistributedError
 
-        if not isinstance(e, CheckpointError):
-            raise
-        print(f"error: {e}", file=sys.stderr)
+        if not isinstance(e, (CheckpointError, DistributedError)):
+            # A bug or a runtime failure (e.g. a lost peer): the traceback matters, and so does which process.
+            traceback.print_exc()
+            print(f"error: {_tag()}{type(e).__name__}: {' '.join(str(e).split())[:500]}", file=sys.stderr)
+            return 1
+        print(f"error: {_tag()}{e}", file=sys.stderr)
         return 1
+
+
+def _tag() -> str:
+    if "jaxtrain.runtime" in sys.modules:
+        return sys.modules["jaxtrain.runtime"].process_tag()
+    return ""

@@ -34,7 +34,7 @@ class RunConfig:
 
 @dataclass
 class RuntimeConfig:
-    # Emulated CPU devices; None means "as many as the mesh's fixed axes need" (see `resolved_cpu_devices`).
+    # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (see `resolved_cpu_devices`).
     cpu_devices: int | None = None
 
 
@@ -147,6 +147,27 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistConfig:
+    # Multi-process settings. Unset: taken from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else
+    # from Slurm inside `srun`, else a single process. All three or none.
+    coordinator: str | None = None  # host:port of process 0's coordination service
+    num_processes: int | None = None
+    process_id: int | None = None
+    init_timeout_s: int = 120  # how long to wait for every process to join
+    heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
+
+
+@dataclass
+class CheckConfig:
+    # `python -m jaxtrain check`: collective bandwidth and per-device matmul health check.
+    sizes_mb: list = field(default_factory=lambda: [0.25, 4.0, 16.0])  # message sizes per device
+    iters: int = 5
+    matmul_size: int = 1024
+    min_busbw_gbps: float = 0.0  # fail if an axis's bus bandwidth at the largest size is below this (0: no bound)
+    min_matmul_fraction: float = 0.5  # fail if a device's matmul rate is below this fraction of the median
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -155,6 +176,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,6 +310,10 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{name}={value!r} must be a string")
+    if origin is list or tp is list:
+        if not isinstance(value, list) or not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"{name}={value!r} must be a non-empty list of numbers, e.g. [1, 4, 16]")
+        return list(value)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{name} must be a mapping, got {value!r}")
@@ -368,6 +395,23 @@ def validate(cfg: Config) -> None:
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
+    dist = cfg.dist
+    given = [n for n in ("coordinator", "num_processes", "process_id") if getattr(dist, n) is not None]
+    _require(len(given) in (0, 3), f"dist.{', dist.'.join(given)} given without the others: set dist.coordinator, "
+                                   "dist.num_processes and dist.process_id together, or none of them")
+    if given:
+        _require(":" in dist.coordinator, f"dist.coordinator={dist.coordinator!r} must be host:port")
+        _positive("dist.num_processes", dist.num_processes)
+        _require(0 <= dist.process_id < dist.num_processes,
+                 f"dist.process_id={dist.process_id} must be in [0, dist.num_processes={dist.num_processes})")
+    _positive("dist.init_timeout_s", dist.init_timeout_s)
+    _positive("dist.heartbeat_timeout_s", dist.heartbeat_timeout_s)
+    ck = cfg.check
+    _require(all(v > 0 for v in ck.sizes_mb), f"check.sizes_mb={ck.sizes_mb} must all be > 0")
+    _positive("check.iters", ck.iters)
+    _positive("check.matmul_size", ck.matmul_size)
+    _require(ck.min_busbw_gbps >= 0, f"check.min_busbw_gbps={ck.min_busbw_gbps} must be >= 0")
+    _require(0 <= ck.min_matmul_fraction <= 1, f"check.min_matmul_fraction={ck.min_matmul_fraction} must be in [0, 1]")
     _validate_mesh(cfg)
 
 
@@ -419,19 +463,11 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
              f"data-parallel size {dp} ({' x '.join(a for a in batch_axes if a)})")
 
 
-def resolved_cpu_devices(cfg: Config) -> int:
-    """``runtime.cpu_devices``, or the product of the mesh's fixed axis sizes when unset."""
-    c = cfg.checkpoint
-    _require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0: only at the last step)")
-    _require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
-    _require(c.resume in ("auto", "never") or c.resume.isdigit() or os.path.isdir(c.resume),
-             f"checkpoint.resume={c.resume!r} must be auto, never, a step number, or an existing checkpoint directory")
-    if c.init_from is not None:
-        _require(os.path.isdir(c.init_from), f"checkpoint.init_from directory {c.init_from!r} does not exist")
-
+def resolved_cpu_devices(cfg: Config, num_processes: int = 1) -> int:
+    """``runtime.cpu_devices``, or (when unset) the product of the mesh's fixed axis sizes shared by the processes."""
     if cfg.runtime.cpu_devices is not None:
         return cfg.runtime.cpu_devices
     n = 1
     for ax in MESH_AXES:
         n *= fixed_axis_size(cfg, ax)
-    return n
+    return max(1, n // num_processes)

@@ -113,4 +113,7 @@ def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: 
 
 
 def log_info(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    """A timestamped line on stderr, every process (tagged with its index in multi-process jobs)."""
+    from jaxtrain.runtime import process_tag
+
+    print(f"[{time.strftime('%H:%M:%S')}] {process_tag()}{msg}", file=sys.stderr, flush=True)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import jax
 
 from jaxtrain import distributed
 from jaxtrain.config import Config, resolved_cpu_devices
 
 
-def configure(cfg: Config) -> None:
-    """Emulated CPU devices (``runtime.cpu_devices``; no effect on GPU/TPU devices), then ``jax.distributed``."""
-    jax.config.update("jax_num_cpu_devices", resolved_cpu_devices(cfg))
-    distributed.initialize_single_process()
+def configure(cfg: Config) -> distributed.Settings:
+    """Emulated CPU devices (``runtime.cpu_devices`` per process; no effect on GPU devices), then ``jax.distributed``."""
+    settings = distributed.resolve(cfg.dist)
+    jax.config.update("jax_num_cpu_devices", resolved_cpu_devices(cfg, settings.expected_processes))
+    distributed.initialize(cfg.dist, settings)
+    return settings
 
 
 def quiet_logs() -> None:
@@ -19,3 +25,40 @@ def quiet_logs() -> None:
     import absl.logging
 
     absl.logging.set_verbosity(absl.logging.ERROR)
+
+
+class _Tee:
+    def __init__(self, stream, file):
+        self.stream, self.file = stream, file
+
+    def write(self, text):
+        self.file.write(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.file.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def process_log(run_dir: str):
+    """Copy this process's stdout and stderr (Python-level) into ``<run_dir>/logs/process_<i>.log``."""
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    path = os.path.join(run_dir, "logs", f"process_{jax.process_index()}.log")
+    with open(path, "a", buffering=1) as f:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(out, f), _Tee(err, f)
+        try:
+            yield path
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+def process_tag() -> str:
+    """"[process i/n] " in multi-process jobs, else ""."""
+    if "jax" in sys.modules and jax.distributed.is_initialized() and jax.process_count() > 1:
+        return f"[process {jax.process_index()}/{jax.process_count()}] "
+    return ""

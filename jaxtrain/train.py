@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
+from jaxtrain import runtime
 from jaxtrain.config import Config, TrainConfig, dump_yaml, to_dict
 from jaxtrain.mesh import Rules, build_mesh, resolve_shape, rules_from_config
 from jaxtrain.metrics import MetricsWriter, log_info, peak_flops, summary_line, train_flops_per_token
@@ -214,10 +215,8 @@ class RunResult:
 def train(cfg: Config, devices: list | None = None) -> RunResult:
     """Train as configured. Everything that can fail on user input fails before ``run.dir`` is touched."""
     trainer = build_trainer(cfg, devices)
-    t, d = cfg.train, cfg.data
-    tokens = data_lib.load_tokens(d, cfg.model.vocab_size)
+    tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     plan = ckpt.plan_restore(cfg, trainer.abstract_state)
-    rows = trainer.local_rows()
     n_devices = trainer.mesh.devices.size
     shape = resolve_shape(cfg.mesh, n_devices)
     is_main = jax.process_index() == 0
@@ -229,6 +228,17 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(effective))
+    with runtime.process_log(cfg.run.dir):
+        return _train(cfg, trainer, tokens, plan, checkpointer, shape)
+
+
+def _train(cfg, trainer, tokens, plan, checkpointer, shape) -> RunResult:
+    t, d = cfg.train, cfg.data
+    rows = trainer.local_rows()
+    n_devices = trainer.mesh.devices.size
+    is_main = jax.process_index() == 0
+    if jax.process_count() > 1:
+        log_info(f"reads rows [{rows[0]}, {rows[1]}) of each global batch of {t.global_batch}")
     n_params = count_params(cfg.model)
     log_info(f"mesh {shape.describe()} on {n_devices} {jax.devices()[0].device_kind} device(s); model "
              f"{n_params['total'] / 1e6:.2f}M parameters, compute {trainer.dtype}, params {cfg.model.param_dtype}")

@@ -1,0 +1,440 @@
+"""Sweep: a real short training run per mesh (or other overrides), side by side with the planner's prediction.
+
+Each run is its own process (``python -m jaxtrain train run.dir=... overrides...``), so a shape that fails (bad
+config, out of memory, a crash in XLA) is recorded with its error and the sweep goes on. The runs' own
+``metrics.jsonl`` and closing summary give the measurements; the planner (``jaxtrain.plan``) compiles the same step
+in this process for the prediction, with the CPU's measured rates as the hardware.
+
+An experiment file (YAML)::
+
+    name: cpu8-tiny
+    config: null                  # base config file for every run (default: the built-in tiny config)
+    dir: runs/sweep-cpu8-tiny     # sweep.csv, sweep.md, sweep.png, and runs/<name>/ for each run
+    overrides: [runtime.cpu_devices=8, train.steps=12]   # every run
+    runs:                         # a list, or "all": every mesh the planner finds valid
+      - {name: data8, overrides: [mesh.ici.data=8, mesh.ici.fsdp=1]}
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from jaxtrain.config import ConfigError, load_config, resolved_cpu_devices
+
+_EXPERIMENT_KEYS = {"name", "config", "dir", "overrides", "runs"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclass
+class RunSpec:
+    name: str
+    overrides: list[str]  # the experiment's, then the run's own
+
+
+@dataclass
+class Experiment:
+    name: str
+    config: str | None
+    dir: str
+    overrides: list[str]
+    runs: list[RunSpec] | str  # or "all"
+
+
+@dataclass
+class Record:
+    """One row of the sweep: what was run, what was measured, what the planner predicted."""
+
+    name: str
+    mesh: str = ""
+    status: str = "ok"  # ok | failed
+    error: str = ""
+    compile_s: float | None = None
+    median_step_s: float | None = None
+    tokens_per_s: float | None = None
+    peak_rss_bytes: int | None = None
+    final_loss: float | None = None
+    steps_measured: int = 0
+    predicted_step_s: float | None = None
+    predicted_step_overlap_s: float | None = None
+    predicted_memory_bytes_per_device: int | None = None
+    predicted_fits: bool | None = None
+    prediction_error: str = ""
+    wall_s: float | None = None
+    run_dir: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def measured_over_predicted(self) -> float | None:
+        if self.median_step_s and self.predicted_step_s:
+            return self.median_step_s / self.predicted_step_s
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The experiment file
+
+
+def _string_list(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and "=" in v for v in value):
+        raise ConfigError(f"{where} must be a list of key=value strings")
+    return list(value)
+
+
+def load_experiment(path: str, extra_overrides: list[str] = (), directory: str | None = None) -> Experiment:
+    """Read and check an experiment file; ``extra_overrides`` (command line) apply to every run, last."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"experiment file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"experiment file {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"experiment file {path!r} must hold a mapping")
+    unknown = sorted(set(raw) - _EXPERIMENT_KEYS)
+    if unknown:
+        raise ConfigError(f"experiment file {path!r}: unknown keys {', '.join(unknown)}; "
+                          f"valid: {', '.join(sorted(_EXPERIMENT_KEYS))}")
+    if any(o.partition("=")[0].strip() == "run.dir" for o in extra_overrides):
+        raise ConfigError("run.dir is set per run by the sweep; use --dir for the sweep's directory")
+    name = str(raw.get("name") or Path(path).stem)
+    common = _string_list(raw.get("overrides"), "overrides") + list(extra_overrides)
+    runs_raw = raw.get("runs", "all")
+    if runs_raw == "all":
+        runs: list[RunSpec] | str = "all"
+    elif isinstance(runs_raw, list) and runs_raw:
+        runs = [_run_spec(i, r, common) for i, r in enumerate(runs_raw)]
+        names = [r.name for r in runs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"experiment file {path!r}: run names must be unique, repeated: {', '.join(dupes)}")
+    else:
+        raise ConfigError(f"experiment file {path!r}: runs must be a non-empty list or 'all'")
+    config = raw.get("config")
+    if config is not None and not os.path.isfile(config):
+        raise ConfigError(f"experiment file {path!r}: config file {config!r} does not exist")
+    return Experiment(name, config, directory or str(raw.get("dir") or f"runs/sweep-{name}"), common, runs)
+
+
+def _run_spec(index: int, raw: Any, common: list[str]) -> RunSpec:
+    if not isinstance(raw, dict) or set(raw) - {"name", "overrides"}:
+        raise ConfigError(f"runs[{index}] must be a mapping with 'name' and 'overrides'")
+    own = _string_list(raw.get("overrides"), f"runs[{index}].overrides")
+    name = str(raw.get("name") or f"run{index}")
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"runs[{index}].name={name!r} may only use letters, digits and _ . + -")
+    if any(o.partition("=")[0].strip() == "run.dir" for o in own):
+        raise ConfigError(f"runs[{index}] sets run.dir; the sweep places each run under its own directory")
+    return RunSpec(name, common + own)
+
+
+def expand_runs(exp: Experiment) -> list[RunSpec]:
+    """The experiment's runs; for ``all``, one per mesh the planner finds valid on the configured devices."""
+    if exp.runs != "all":
+        return list(exp.runs)
+    from jaxtrain.plan import enumerate_shapes, mesh_label
+
+    cfg = load_config(exp.config, exp.overrides)
+    n = resolved_cpu_devices(cfg)
+    runs = []
+    for shape in enumerate_shapes(cfg, n, nodes=1):
+        sizes = [f"mesh.{part}.{ax}={v}" for part, vals in (("ici", shape.ici), ("dcn", shape.dcn))
+                 for ax, v in zip(("data", "fsdp", "tensor"), vals)]
+        runs.append(RunSpec(re.sub(r"[^A-Za-z0-9_.+-]+", "_", mesh_label(shape)), exp.overrides + sizes))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running one training process
+
+
+def train_command(exp: Experiment, run: RunSpec, run_dir: str) -> list[str]:
+    """The subprocess: the project's own CLI, fresh (no resume) so that a re-run sweep measures again."""
+    base = ["--config", exp.config] if exp.config else []
+    return [sys.executable, "-m", "jaxtrain", "train", *base, f"run.dir={run_dir}", "checkpoint.resume=never",
+            *run.overrides]
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The records of a run's metrics.jsonl (a missing file is no records)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize_metrics(records: list[dict], tokens_per_step: int) -> dict:
+    """Median step time (the first step is the compile and carries no step_time), tokens/s, final loss."""
+    times = [r["step_time"] for r in records if r.get("step_time") is not None]
+    median = statistics.median(times) if times else None
+    return {"median_step_s": median, "tokens_per_s": tokens_per_step / median if median else None,
+            "final_loss": records[-1]["loss"] if records else None, "steps_measured": len(times)}
+
+
+def compile_seconds(stdout: str, stderr: str) -> float | None:
+    """The compile time the train command reports (closing summary, else its log line)."""
+    m = re.search(r"compile ([\d.]+) s", stdout) or re.search(r"compiled train and eval steps in ([\d.]+) s", stderr)
+    return float(m.group(1)) if m else None
+
+
+def last_error_line(stderr: str) -> str:
+    """The line that says why a run failed: its ``error:`` line, else the last exception line, else the tail."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error:") or re.match(r"^[\w.]+(Error|Exception)\b", ln):
+            return ln
+    return lines[-1] if lines else ""
+
+
+def run_training(cmd: list[str], run_dir: str, total_steps: int,
+                 progress: Callable[[int, float | None], None]) -> tuple[int, str, str, int, float]:
+    """Run ``cmd``, calling ``progress(step, loss)`` as metrics.jsonl grows; returns (exit status, stdout, stderr,
+    the child's peak resident memory in bytes, wall seconds). Output goes to files in run_dir (no pipe to fill)."""
+    os.makedirs(run_dir, exist_ok=True)
+    out_path, err_path = os.path.join(run_dir, "stdout.log"), os.path.join(run_dir, "stderr.log")
+    t0 = time.perf_counter()
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        seen = 0
+        while True:
+            # os.wait4 gives this child's own peak RSS; Popen.wait would not.
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            records = read_metrics(run_dir)
+            if len(records) != seen:
+                seen = len(records)
+                progress(records[-1]["step"], records[-1].get("loss"))
+            time.sleep(0.3)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped above: tell Popen, so it does not wait again
+    with open(out_path) as f_out, open(err_path) as f_err:
+        stdout, stderr = f_out.read(), f_err.read()
+    return proc.returncode, stdout, stderr, usage.ru_maxrss * 1024, time.perf_counter() - t0  # ru_maxrss: KiB
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The planner's prediction
+
+
+class Predictor:
+    """The planner in this process: compiles each run's step on emulated CPU devices, with measured CPU rates."""
+
+    def __init__(self, n_devices: int):
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", n_devices)
+        self.devices = jax.devices("cpu")
+        self._hardware: dict[int, Any] = {}
+
+    def predict(self, cfg) -> dict:
+        from jaxtrain import plan
+
+        n = resolved_cpu_devices(cfg)
+        if n > len(self.devices):
+            raise ConfigError(f"the run needs {n} devices but the sweep started {len(self.devices)}")
+        devices = self.devices[:n]
+        if n not in self._hardware:
+            self._hardware[n] = plan.measure_cpu(devices)
+        shape = plan.given_shape(cfg, n, nodes=math.prod(plan.resolve_shape(cfg.mesh, n).dcn))
+        return plan.candidate_result(cfg, shape, self._hardware[n], plan.compile_step(cfg, shape, devices))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The sweep
+
+
+def sweep(exp: Experiment, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+          predict: bool = True) -> list[Record]:
+    """Run every run of the experiment, one process each; write sweep.csv, sweep.md and sweep.png into exp.dir."""
+    runs = expand_runs(exp)
+    os.makedirs(exp.dir, exist_ok=True)
+    configs: dict[str, Any] = {}
+    for run in runs:  # check every config up front; a bad one is recorded, not fatal
+        try:
+            configs[run.name] = load_config(exp.config, run.overrides)
+        except ConfigError as e:
+            configs[run.name] = e
+    n_max = max([resolved_cpu_devices(c) for c in configs.values() if not isinstance(c, ConfigError)] or [1])
+    predictor = Predictor(n_max) if predict else None
+    records = []
+    tty = sys.stderr.isatty()
+    for i, run in enumerate(runs, 1):
+        head = f"[{i}/{len(runs)}] {run.name}"
+        rec = Record(run.name, overrides=run.overrides)
+        cfg = configs[run.name]
+        if not isinstance(cfg, ConfigError):
+            from jaxtrain.plan import mesh_label, resolve_shape
+
+            try:
+                rec.mesh = mesh_label(resolve_shape(cfg.mesh, resolved_cpu_devices(cfg)))
+            except ConfigError:
+                pass
+        if predictor is not None and not isinstance(cfg, ConfigError):
+            log(f"{head}: planning")
+            _predict_into(rec, predictor, cfg)
+        elif isinstance(cfg, ConfigError):
+            rec.prediction_error = str(cfg)
+        records.append(_measure_into(rec, exp, run, cfg, head, log, tty))
+        write_outputs(exp, records)  # after every run: an interrupted sweep keeps what it measured
+    return records
+
+
+def _predict_into(rec: Record, predictor: Predictor, cfg) -> None:
+    try:
+        p = predictor.predict(cfg)
+    except ConfigError as e:
+        rec.prediction_error = str(e)
+        return
+    except Exception as e:  # the planner failing on one shape must not stop the sweep
+        rec.prediction_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        return
+    rec.predicted_step_s = p["est_step_seconds"]
+    rec.predicted_step_overlap_s = p["est_step_seconds_overlap"]
+    rec.predicted_memory_bytes_per_device = p["memory_bytes_per_device"]
+    rec.predicted_fits = p["fits"]
+
+
+def _measure_into(rec: Record, exp: Experiment, run: RunSpec, cfg, head: str, log, tty: bool) -> Record:
+    run_dir = os.path.join(exp.dir, "runs", run.name)
+    rec.run_dir = run_dir
+    if os.path.isdir(run_dir):  # a previous sweep's run of the same name: measure afresh
+        shutil.rmtree(run_dir)
+    total = cfg.train.steps if not isinstance(cfg, ConfigError) else 0
+
+    def progress(step: int, loss: float | None) -> None:
+        if tty:
+            loss_text = f" loss {loss:.4f}" if loss is not None else ""
+            print(f"\r{head}: step {step}/{total}{loss_text}   ", end="", file=sys.stderr, flush=True)
+
+    log(f"{head}: training ({rec.mesh or 'config error expected'})")
+    status, stdout, stderr, rss, wall = run_training(train_command(exp, run, run_dir), run_dir, total, progress)
+    if tty:
+        print(file=sys.stderr)
+    rec.wall_s, rec.peak_rss_bytes = wall, rss
+    records = read_metrics(run_dir)
+    if status != 0:
+        rec.status, rec.error = "failed", f"exit {status}: {last_error_line(stderr)}"
+    if not isinstance(cfg, ConfigError):
+        rec.compile_s = compile_seconds(stdout, stderr)
+        summary = summarize_metrics(records, cfg.train.global_batch * cfg.data.seq_len)
+        for k, v in summary.items():
+            setattr(rec, k, v)
+    done = (f"median step {rec.median_step_s * 1e3:.1f} ms" if rec.median_step_s else "no step timed")
+    pred = f", predicted {rec.predicted_step_s * 1e3:.1f} ms" if rec.predicted_step_s else ""
+    log(f"{head}: {rec.status} in {wall:.1f} s; {done}{pred}" + (f"; {rec.error}" if rec.error else ""))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs
+
+CSV_FIELDS = ["name", "mesh", "status", "error", "compile_s", "median_step_s", "predicted_step_s",
+              "predicted_step_overlap_s", "measured_over_predicted", "tokens_per_s", "peak_rss_bytes",
+              "predicted_memory_bytes_per_device", "predicted_fits", "final_loss", "steps_measured",
+              "prediction_error", "wall_s", "run_dir", "overrides"]
+
+
+def write_outputs(exp: Experiment, records: list[Record]) -> dict[str, str | None]:
+    """sweep.csv, sweep.md and sweep.png (None when matplotlib is missing) in exp.dir."""
+    paths = {"csv": os.path.join(exp.dir, "sweep.csv"), "md": os.path.join(exp.dir, "sweep.md")}
+    write_csv(paths["csv"], records)
+    with open(paths["md"], "w") as f:
+        f.write(markdown(exp, records))
+    paths["png"] = write_chart(os.path.join(exp.dir, "sweep.png"), exp.name, records)
+    return paths
+
+
+def _row(rec: Record) -> dict:
+    row = {k: getattr(rec, k) for k in CSV_FIELDS}
+    row["overrides"] = " ".join(rec.overrides)
+    return row
+
+
+def write_csv(path: str, records: list[Record]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for rec in records:
+            writer.writerow({k: "" if v is None else v for k, v in _row(rec).items()})
+
+
+def _num(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "" if x is None else spec.format(x * scale)
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def markdown(exp: Experiment, records: list[Record]) -> str:
+    """The sweep as a Markdown table, with a note of how each column was obtained."""
+    lines = [f"# Sweep `{exp.name}`", "",
+             "| run | mesh | status | compile s | median step ms | predicted ms | measured / predicted | tokens/s | "
+             "peak RSS MB | predicted MB/device | final loss |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        cells = [r.name, _md_cell(r.mesh), r.status, _num(r.compile_s, "{:.2f}"), _num(r.median_step_s, "{:.1f}", 1e3),
+                 _num(r.predicted_step_s, "{:.1f}", 1e3), _num(r.measured_over_predicted, "{:.2f}"),
+                 _num(r.tokens_per_s, "{:,.0f}"), _num(r.peak_rss_bytes, "{:,.0f}", 1e-6),
+                 _num(r.predicted_memory_bytes_per_device, "{:,.1f}", 1e-6), _num(r.final_loss, "{:.4f}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    problems = [(r.name, r.error or r.prediction_error) for r in records if r.error or r.prediction_error]
+    if problems:
+        lines += ["", "Errors:", ""] + [f"- `{n}`: {_md_cell(e)}" for n, e in problems]
+    lines += ["",
+              "Measured: one `python -m jaxtrain train` process per run; median of the timed steps in its "
+              "`metrics.jsonl` (the first step, the compile, is not timed); compile time from its summary; peak RSS "
+              "of the whole process (all emulated devices plus the runtime). Predicted: `jaxtrain plan` for the same "
+              "config with the CPU's measured matmul rate and memory bandwidth shared by the devices, no overlap.",
+              ""]
+    return "\n".join(lines)
+
+
+def write_chart(path: str, title: str, records: list[Record]) -> str | None:
+    """Measured and predicted step time per run, as grouped bars (failed runs labelled). None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: sweep.png not written: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return None
+    names = [r.name for r in records]
+    measured = [(r.median_step_s or 0) * 1e3 for r in records]
+    predicted = [(r.predicted_step_s or 0) * 1e3 for r in records]
+    x = range(len(records))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(records) + 2), 4.5))
+    width = 0.38
+    ax.bar([i - width / 2 for i in x], measured, width, label="measured (median step)")
+    ax.bar([i + width / 2 for i in x], predicted, width, label="predicted (plan, no overlap)")
+    top = max(measured + predicted + [1.0])
+    for i, r in enumerate(records):
+        if r.status != "ok":
+            ax.text(i, top * 0.05, "failed", ha="center", rotation=90, color="red")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"sweep {title}: measured vs predicted step time")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Start N processes of `python -m jaxtrain ARGS...` on this machine as one multi-process JAX job.
+#
+#   launch/local.sh N train run.dir=/tmp/m runtime.cpu_devices=4 mesh.dcn.data=2 mesh.ici.fsdp=4
+#
+# Process i gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=i; its output
+# lines are prefixed with "[i] ". SIGINT/SIGTERM are forwarded to every process (they stop at a step they agree on
+# and checkpoint it). If any process fails, the others are stopped and the launcher exits with the failing status.
+# PYTHON (default python3) picks the interpreter; GRACE_S (default 20) is how long stopped processes get before
+# SIGKILL.
+set -u
+if [ $# -lt 2 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
+  echo "usage: launch/local.sh N COMMAND [ARGS...]   (N >= 1 processes of python -m jaxtrain COMMAND ARGS...)" >&2
+  exit 2
+fi
+n=$1; shift
+python=${PYTHON:-python3}
+grace=${GRACE_S:-20}
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+pids=()
+for ((i = 0; i < n; i++)); do
+  JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i \
+    "$python" -u -m jaxtrain "$@" > >(sed -u "s/^/[$i] /") 2>&1 &
+  pids+=($!)
+done
+
+forward() {
+  for pid in "${pids[@]}"; do kill -"$1" "$pid" 2>/dev/null; done
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+
+stop_all() {  # TERM, then KILL whatever is left after the grace period
+  forward TERM
+  local deadline=$((SECONDS + grace))
+  while [ $SECONDS -lt $deadline ]; do
+    local alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ $alive -eq 0 ] && return
+    sleep 0.2
+  done
+  forward KILL
+}
+
+status=0
+live=("${pids[@]}")
+while [ ${#live[@]} -gt 0 ]; do
+  wait -n -p done_pid "${live[@]}" 2>/dev/null
+  rc=$?
+  if [ -z "${done_pid:-}" ]; then
+    # Interrupted by a forwarded signal, or the remaining children were already reaped (they ended together):
+    # keep only the ones still running.
+    next=()
+    for pid in "${live[@]}"; do kill -0 "$pid" 2>/dev/null && next+=("$pid"); done
+    live=("${next[@]}")
+    continue
+  fi
+  next=()
+  for pid in "${live[@]}"; do [ "$pid" != "$done_pid" ] && next+=("$pid"); done
+  live=("${next[@]}")
+  if [ $rc -ne 0 ] && [ $status -eq 0 ]; then
+    for ((i = 0; i < n; i++)); do [ "${pids[$i]}" = "$done_pid" ] && idx=$i; done
+    echo "launch/local.sh: process ${idx:-?} exited with status $rc; stopping the others" >&2
+    status=$rc
+    stop_all
+  fi
+  unset done_pid
+done
+wait  # let the output prefixers flush
+exit $status
