@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels.flash_pallas checks the same)
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -95,7 +96,9 @@ class ModelConfig:
     init_std: float = 0.02
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on accelerators, float32 on CPU
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attention: Literal["xla"] = "xla"
+    # xla: reference einsum; cudnn: jax.nn.dot_product_attention's cuDNN kernel (GPU, 16-bit); pallas / triton:
+    # jaxtrain's flash kernels (pallas runs interpreted, slowly, on CPU); auto: cudnn on GPU, xla on CPU.
+    attention: Literal["xla", "cudnn", "pallas", "triton", "auto"] = "xla"
     remat: Literal["none", "full", "save_matmuls"] = "none"
 
     @property
@@ -110,6 +113,10 @@ class DataConfig:
     source: str = "embedded"
     seq_len: int = 128
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # for .bin files only
+    # Packed documents: with document_mask a token attends only to tokens of its own document, the segments being
+    # cut after each eos_id token (0 separates documents of the byte-level sources).
+    document_mask: bool = False
+    eos_id: int = 0
     eval_fraction: float = 0.05  # tail of the token stream held out for evaluation
     threads: int = 2  # Grain reader threads
     prefetch: int = 4  # batches read ahead
@@ -356,6 +363,11 @@ def validate(cfg: Config) -> None:
     _require(m.n_heads % m.n_kv_heads == 0,
              f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
     _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for rotary embeddings")
+    if m.attention in ("pallas", "triton"):
+        _require(m.resolved_head_dim in FLASH_HEAD_DIMS, f"model.attention={m.attention} needs a head dim in "
+                 f"{FLASH_HEAD_DIMS}, got {m.resolved_head_dim}; set model.head_dim")
+    _require(not (m.attention == "cudnn" and cfg.data.document_mask),
+             "model.attention=cudnn cannot mask documents (data.document_mask=true); use pallas, triton or xla")
     _positive("model.rope_theta", m.rope_theta)
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)

@@ -14,16 +14,51 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import partitioning as nn_partitioning
 from flax.linen import with_logical_constraint
 
 from jaxtrain.config import ModelConfig
-from kernels import mha_reference
+from kernels import flash_attention, mha_reference
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Keep the outputs of weight matmuls, recompute the cheap elementwise work and attention probabilities.
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+def attention(q, k, v, segment_ids, impl: str) -> jax.Array:
+    """Causal self-attention. q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim].
+
+    ``impl`` is ``model.attention``; "auto" is cuDNN's fused kernel on GPU (jaxtrain's Pallas kernel where segments
+    are needed, which cuDNN's entry point does not take) and the XLA reference elsewhere. The flash kernels are
+    custom calls that XLA cannot partition, so they run under ``shard_map`` on each device's shard: batch and heads
+    split over the mesh axes their logical names map to.
+    """
+    if impl == "auto":
+        impl = ("cudnn" if segment_ids is None else "pallas") if jax.default_backend() == "gpu" else "xla"
+    if impl == "xla":
+        return mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
+    if impl == "cudnn":
+        if segment_ids is not None:
+            raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    interpret = jax.default_backend() == "cpu"
+
+    def local(q, k, v, segment_ids):
+        return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, interpret=interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(q, k, v, segment_ids)
+    q_spec = nn_partitioning.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
+    kv_spec = nn_partitioning.logical_to_mesh_axes(("batch", "act_seq", "act_kv_heads", None))
+    seg_spec = nn_partitioning.logical_to_mesh_axes(("batch", "act_seq"))
+    if segment_ids is None:
+        return jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec),
+                             out_specs=q_spec, check_vma=False)(q, k, v)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, segment_ids)
 
 
 def _init(std: float, axes: tuple[str | None, ...]):
@@ -58,7 +93,7 @@ class Attention(nnx.Module):
         k = with_logical_constraint(self.k(x), ("batch", "act_seq", "act_kv_heads", None))
         v = with_logical_constraint(self.v(x), ("batch", "act_seq", "act_kv_heads", None))
         q, k = rotary(q, self.cfg.rope_theta), rotary(k, self.cfg.rope_theta)
-        out = mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
+        out = attention(q, k, v, segment_ids, self.cfg.attention)
         out = with_logical_constraint(out, ("batch", "act_seq", "act_heads", None))
         return self.o(out)
 

@@ -113,7 +113,12 @@ class Trainer:
 
     def _loss(self, params, graphdef, tokens):
         model = nnx.merge(graphdef, params)
-        return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        inputs, segments = tokens[:, :-1], None
+        if self.cfg.data.document_mask:
+            # A document ends with its eos token; the next token starts a new segment.
+            is_eos = (inputs == self.cfg.data.eos_id).astype(jnp.int32)
+            segments = jnp.cumsum(is_eos, axis=1) - is_eos
+        return cross_entropy(model(inputs, segments), tokens[:, 1:])
 
     def train_step(self, state, batch):
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
