@@ -18,6 +18,7 @@ from jaxtrain.config import ConfigError
 COMMANDS = {
     "train": ("jaxtrain.commands.train", "train a model (defaults: the tiny model on the embedded corpus)"),
     "prepare": ("jaxtrain.commands.prepare", "tokenise text files into a token file for data.source"),
+    "check": ("jaxtrain.commands.check", "health check: per-device matmul and collective bandwidth per mesh axis"),
 }
 
 
