@@ -35,9 +35,7 @@ class Settings:
 
     @property
     def expected_processes(self) -> int:
-        if self.num_processes is not None:
-            return self.num_processes
-        return int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", "1")))
+        return self.num_processes or 1
 
 
 def _free_port() -> int:
@@ -46,8 +44,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env_int(name: str) -> int:
-    value = os.environ[name]
+def _env_int(environ, name: str) -> int:
+    value = environ[name]
     if not value.isdigit():
         raise ConfigError(f"environment variable {name}={value!r} must be a non-negative integer")
     return int(value)
@@ -63,12 +61,12 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
         if len(present) != 3:
             missing = ", ".join(n for n in names if n not in environ)
             raise ConfigError(f"{', '.join(present)} set in the environment but not {missing}: set all three or none")
-        n, i = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
+        n, i = _env_int(environ, "JAX_NUM_PROCESSES"), _env_int(environ, "JAX_PROCESS_ID")
         if i >= n:
             raise ConfigError(f"JAX_PROCESS_ID={i} must be below JAX_NUM_PROCESSES={n}")
         return Settings(environ["JAX_COORDINATOR_ADDRESS"], n, i, "environment")
     if "SLURM_STEP_NODELIST" in environ and int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))) > 1:
-        return Settings(None, None, None, "slurm")
+        return Settings(None, int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))), None, "slurm")
     return Settings(f"127.0.0.1:{_free_port()}", 1, 0, "single")
 
 
@@ -82,7 +80,8 @@ def initialize(dist: DistConfig, settings: Settings) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
-            coordinator_address=settings.coordinator, num_processes=settings.num_processes,
+            coordinator_address=settings.coordinator,
+            num_processes=None if settings.source == "slurm" else settings.num_processes,  # Slurm: JAX detects
             process_id=settings.process_id, initialization_timeout=dist.init_timeout_s,
             heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
     except Exception as e:  # JAX raises various errors here; all mean the group did not form

@@ -68,6 +68,9 @@ class Hardware:
     compute_efficiency: float
     device_kind: str = ""
     mem_fraction: float = 1.0  # the part of hbm_bytes a step may use (allocator pool)
+    # Fixed cost of one collective, whatever its size. Measured for the CPU at hand; 0 (bandwidth only) for the
+    # shipped GPU files, which carry datasheet numbers only.
+    collective_latency: float = 0.0
 
     @property
     def usable_bytes(self) -> float:
@@ -76,6 +79,11 @@ class Hardware:
 
 _HW_FLOATS = ("peak_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
               "compute_efficiency")
+# ASSUMPTION for the CPU at hand, like the GPU files' compute_efficiency: the fraction of the best measured matmul
+# rate that XLA's CPU code sustains over a whole transformer step (small matmuls, softmax, elementwise work). On this
+# project's 2-core machine the tiny model runs ~39 GFLOP/s on one device against 180-310 GFLOP/s for plain matmuls.
+# `jaxtrain sweep` prints the measured / predicted ratio that checks it.
+CPU_COMPUTE_EFFICIENCY = 0.2
 
 
 def known_hardware() -> list[str]:
@@ -100,8 +108,9 @@ def load_hardware(name: str) -> Hardware:
         raise ConfigError(f"hardware file {str(path)!r} lacks: {', '.join(missing)}")
     values = dict(raw, name=str(raw.get("name", path.stem)), device=str(raw.get("device", path.stem)))
     try:
-        for k in _HW_FLOATS:  # PyYAML reads "989e12" (no sign in the exponent) as a string
-            values[k] = float(values[k])
+        for k in (*_HW_FLOATS, "mem_fraction", "collective_latency"):
+            if k in values:  # PyYAML reads "989e12" (no sign in the exponent) as a string
+                values[k] = float(values[k])
         values["devices_per_node"] = int(values["devices_per_node"])
     except (TypeError, ValueError):
         raise ConfigError(f"hardware file {str(path)!r}: numeric fields must be numbers") from None
@@ -122,7 +131,7 @@ def gpu_mem_fraction() -> float:
 
 
 def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
-    """The CPU at hand as "hardware": a measured f32 matmul rate and copy bandwidth, shared by ``len(devices)``.
+    """The CPU at hand as "hardware": a measured f32 matmul rate, copy bandwidth and collective latency.
 
     Emulated CPU devices share the host's cores and memory, so each gets 1/n of the measured rates and of the RAM;
     collectives between them are memory copies, so both link classes run at the per-device memory bandwidth.
@@ -140,10 +149,23 @@ def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
     bandwidth = 2 * big.nbytes / _best_time(lambda: scale(big).block_until_ready(), seconds)  # read + write
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name="cpu (measured)", device=f"emulated {dev.device_kind} devices sharing one host",
-                    peak_flops=flops / n,
-                    hbm_bytes=ram / n, hbm_bandwidth=bandwidth / n, devices_per_node=n,
+                    peak_flops=flops / n, hbm_bytes=ram / n, hbm_bandwidth=bandwidth / n, devices_per_node=n,
                     intra_node_bandwidth=bandwidth / n, inter_node_bandwidth=bandwidth / n,
-                    compute_efficiency=1.0, device_kind=dev.device_kind)
+                    compute_efficiency=CPU_COMPUTE_EFFICIENCY, device_kind=dev.device_kind,
+                    collective_latency=_psum_latency(devices, seconds) if n > 1 else 0.0)
+
+
+def _psum_latency(devices: list, seconds: float) -> float:
+    """Seconds for one all-reduce of a few bytes over ``devices`` (a step's many small collectives pay this)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(devices), ("x",))
+    x = jax.device_put(jnp.ones((len(devices), 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
+    psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
+                                 out_specs=PartitionSpec("x")))
+    return _best_time(lambda: psum(x).block_until_ready(), seconds)
 
 
 def _best_time(fn: Callable[[], Any], seconds: float) -> float:
@@ -388,10 +410,13 @@ def multiplicities(module: HloModule) -> tuple[dict[str, int], list[str]]:
                 n = int(trip.group(1)) if trip else 1
                 body = re.search(r"\bbody=%([\w.\-]+)", ins.attrs).group(1)
                 visit(body, times * n)
-            elif ins.opcode not in ("fusion",):  # fusions hold no collectives; skip their (many) bodies
+            elif ins.opcode == "call":  # a call's body is its to_apply
                 for callee in _called(ins):
+                    visit(callee, times)
+            elif ins.opcode != "fusion":  # fusions hold no collectives; skip their (many) bodies
+                for callee in _called(ins):  # async wrappers, conditional branches (each counted: an upper bound)
                     if not re.search(rf"\b(to_apply|condition)=%{re.escape(callee)}\b", ins.attrs):
-                        visit(callee, times)
+                        visit(callee, times)  # to_apply of a reduce or collective is its reduction function
 
     visit(module.entry, 1)
     return counts, unknown
@@ -531,14 +556,19 @@ def _op_name(ins: Instr) -> str:
 
 
 def _elements_of(module: HloModule, ins: Instr) -> list[tuple[int, str]]:
-    """(element index, the value that carries it) for an all-reduce: itself, or its get-tuple-elements."""
+    """(element index, the value that carries it) for an all-reduce: itself, or its get-tuple-elements.
+
+    An asynchronous all-reduce-start (GPU) delivers its result through its all-reduce-done."""
+    done = [u for u in module.users.get(ins.name, []) if u.opcode == "all-reduce-done"]
+    value = done[0] if done else ins
     if not ins.shape.startswith("("):
-        return [(0, ins.name)]
-    out = []
-    for user in module.users.get(ins.name, []):
+        return [(0, value.name)]
+    by_index: dict[int, str] = {}
+    for user in module.users.get(value.name, []):
         if user.opcode == "get-tuple-element":
-            out.append((int(re.search(r"index=(\d+)", user.attrs).group(1)), user.name))
-    return out
+            by_index.setdefault(int(re.search(r"index=(\d+)", user.attrs).group(1)), user.name)
+    n_elements = len(_ARRAY_RE.findall(ins.shape))
+    return [(i, by_index.get(i, value.name)) for i in range(n_elements)]  # an unused element still moves
 
 
 def _rewrite_all_reduces(module: HloModule, elements, mesh_sizes: tuple[int, ...], param_axes: frozenset[str]
@@ -791,13 +821,17 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
     tokens = cfg.train.global_batch * cfg.data.seq_len
     flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / n * remat_factor(cfg)
     compute_s = flops / (hw.peak_flops * hw.compute_efficiency)
-    ici_bytes = dcn_bytes = 0.0
+    ici_bytes = dcn_bytes = ici_latency = dcn_latency = 0.0
     summary: dict[tuple[str, str], dict] = {}
     for c in colls:
         a, b, axes = group_span(shape, c.groups)
         within, across = link_bytes(c.kind, c.total_bytes, a, b, crosses=b > 1)
         ici_bytes += within
         dcn_bytes += across
+        if b > 1:
+            dcn_latency += c.count * hw.collective_latency
+        else:
+            ici_latency += c.count * hw.collective_latency
         key = (c.kind, "+".join(axes) or "-")
         row = summary.setdefault(key, {"kind": c.kind, "axes": axes, "crosses_nodes": b > 1, "bytes": 0, "count": 0,
                                        "intra_node_bytes": 0.0, "inter_node_bytes": 0.0})
@@ -807,7 +841,8 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
         row["inter_node_bytes"] += across
     est = Estimate(compute_s=compute_s,
                    optimizer_s=_optimizer_bytes_moved(params_bytes, opt_bytes) / hw.hbm_bandwidth,
-                   ici_s=ici_bytes / hw.intra_node_bandwidth, dcn_s=dcn_bytes / hw.inter_node_bandwidth,
+                   ici_s=ici_bytes / hw.intra_node_bandwidth + ici_latency,
+                   dcn_s=dcn_bytes / hw.inter_node_bandwidth + dcn_latency,
                    ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
     return est, sorted(summary.values(), key=lambda r: -r["bytes"])
 
@@ -988,7 +1023,8 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
         f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {hw.compute_efficiency:g}; memory {_bytes(hw.hbm_bytes)} x "
         f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links {_rate(hw.intra_node_bandwidth, 'B/s')} "
-        f"in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes (per device, each way)",
+        f"in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes (per device, each way)"
+        + (f"; {hw.collective_latency * 1e6:.0f} us per collective" if hw.collective_latency else ""),
         "",
     ]
     lines += _table(["#", "mesh (ici | dcn)", "params", "optimizer", "temp", "total", "fits", "all-reduce",

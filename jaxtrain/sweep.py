@@ -74,6 +74,7 @@ class Record:
     predicted_fits: bool | None = None
     prediction_error: str = ""
     wall_s: float | None = None
+    load_avg: float | None = None  # the host's 1-minute load average when the run started (a shared machine's noise)
     run_dir: str = ""
     overrides: list[str] = field(default_factory=list)
 
@@ -261,39 +262,47 @@ class Predictor:
 
 
 def sweep(exp: Experiment, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
-          predict: bool = True) -> list[Record]:
-    """Run every run of the experiment, one process each; write sweep.csv, sweep.md and sweep.png into exp.dir."""
+          predict: bool = True) -> tuple[list[Record], dict[str, str | None]]:
+    """Run every run of the experiment, one process each. sweep.csv, sweep.md and sweep.png in exp.dir are rewritten
+    after every run (an interrupted sweep keeps what it measured); returns the records and those paths."""
     runs = expand_runs(exp)
     os.makedirs(exp.dir, exist_ok=True)
-    configs: dict[str, Any] = {}
-    for run in runs:  # check every config up front; a bad one is recorded, not fatal
-        try:
-            configs[run.name] = load_config(exp.config, run.overrides)
-        except ConfigError as e:
-            configs[run.name] = e
+    configs = {run.name: _load(exp, run) for run in runs}  # a bad config is recorded, not fatal
     n_max = max([resolved_cpu_devices(c) for c in configs.values() if not isinstance(c, ConfigError)] or [1])
     predictor = Predictor(n_max) if predict else None
-    records = []
+    records, paths = [], {}
     tty = sys.stderr.isatty()
     for i, run in enumerate(runs, 1):
         head = f"[{i}/{len(runs)}] {run.name}"
-        rec = Record(run.name, overrides=run.overrides)
         cfg = configs[run.name]
-        if not isinstance(cfg, ConfigError):
-            from jaxtrain.plan import mesh_label, resolve_shape
-
-            try:
-                rec.mesh = mesh_label(resolve_shape(cfg.mesh, resolved_cpu_devices(cfg)))
-            except ConfigError:
-                pass
-        if predictor is not None and not isinstance(cfg, ConfigError):
+        rec = Record(run.name, overrides=run.overrides, mesh=_mesh_of(cfg))
+        if isinstance(cfg, ConfigError):
+            rec.prediction_error = str(cfg)
+        elif predictor is not None:
             log(f"{head}: planning")
             _predict_into(rec, predictor, cfg)
-        elif isinstance(cfg, ConfigError):
-            rec.prediction_error = str(cfg)
         records.append(_measure_into(rec, exp, run, cfg, head, log, tty))
-        write_outputs(exp, records)  # after every run: an interrupted sweep keeps what it measured
-    return records
+        paths = write_outputs(exp, records)
+    return records, paths
+
+
+def _load(exp: Experiment, run: RunSpec):
+    try:
+        return load_config(exp.config, run.overrides)
+    except ConfigError as e:
+        return e
+
+
+def _mesh_of(cfg) -> str:
+    """The run's mesh label, or "" when its config or mesh is invalid (the run will say why)."""
+    from jaxtrain.plan import mesh_label, resolve_shape
+
+    if isinstance(cfg, ConfigError):
+        return ""
+    try:
+        return mesh_label(resolve_shape(cfg.mesh, resolved_cpu_devices(cfg)))
+    except ConfigError:
+        return ""
 
 
 def _predict_into(rec: Record, predictor: Predictor, cfg) -> None:
@@ -323,7 +332,8 @@ def _measure_into(rec: Record, exp: Experiment, run: RunSpec, cfg, head: str, lo
             loss_text = f" loss {loss:.4f}" if loss is not None else ""
             print(f"\r{head}: step {step}/{total}{loss_text}   ", end="", file=sys.stderr, flush=True)
 
-    log(f"{head}: training ({rec.mesh or 'config error expected'})")
+    log(f"{head}: training ({rec.mesh or 'invalid config'})")
+    rec.load_avg = os.getloadavg()[0]
     status, stdout, stderr, rss, wall = run_training(train_command(exp, run, run_dir), run_dir, total, progress)
     if tty:
         print(file=sys.stderr)
@@ -348,7 +358,7 @@ def _measure_into(rec: Record, exp: Experiment, run: RunSpec, cfg, head: str, lo
 CSV_FIELDS = ["name", "mesh", "status", "error", "compile_s", "median_step_s", "predicted_step_s",
               "predicted_step_overlap_s", "measured_over_predicted", "tokens_per_s", "peak_rss_bytes",
               "predicted_memory_bytes_per_device", "predicted_fits", "final_loss", "steps_measured",
-              "prediction_error", "wall_s", "run_dir", "overrides"]
+              "prediction_error", "wall_s", "load_avg", "run_dir", "overrides"]
 
 
 def write_outputs(exp: Experiment, records: list[Record]) -> dict[str, str | None]:
@@ -387,13 +397,14 @@ def markdown(exp: Experiment, records: list[Record]) -> str:
     """The sweep as a Markdown table, with a note of how each column was obtained."""
     lines = [f"# Sweep `{exp.name}`", "",
              "| run | mesh | status | compile s | median step ms | predicted ms | measured / predicted | tokens/s | "
-             "peak RSS MB | predicted MB/device | final loss |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "peak RSS MB | predicted MB/device | final loss | load avg |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in records:
         cells = [r.name, _md_cell(r.mesh), r.status, _num(r.compile_s, "{:.2f}"), _num(r.median_step_s, "{:.1f}", 1e3),
                  _num(r.predicted_step_s, "{:.1f}", 1e3), _num(r.measured_over_predicted, "{:.2f}"),
                  _num(r.tokens_per_s, "{:,.0f}"), _num(r.peak_rss_bytes, "{:,.0f}", 1e-6),
-                 _num(r.predicted_memory_bytes_per_device, "{:,.1f}", 1e-6), _num(r.final_loss, "{:.4f}")]
+                 _num(r.predicted_memory_bytes_per_device, "{:,.1f}", 1e-6), _num(r.final_loss, "{:.4f}"),
+                 _num(r.load_avg, "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
     problems = [(r.name, r.error or r.prediction_error) for r in records if r.error or r.prediction_error]
     if problems:
@@ -402,7 +413,9 @@ def markdown(exp: Experiment, records: list[Record]) -> str:
               "Measured: one `python -m jaxtrain train` process per run; median of the timed steps in its "
               "`metrics.jsonl` (the first step, the compile, is not timed); compile time from its summary; peak RSS "
               "of the whole process (all emulated devices plus the runtime). Predicted: `jaxtrain plan` for the same "
-              "config with the CPU's measured matmul rate and memory bandwidth shared by the devices, no overlap.",
+              "config with the CPU's measured matmul rate, memory bandwidth and collective latency shared by the "
+              "devices, no overlap. Load avg: the host's 1-minute load when the run started (on a shared machine, "
+              "steps slow down with it).",
               ""]
     return "\n".join(lines)
 

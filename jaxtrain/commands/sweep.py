@@ -19,12 +19,11 @@ def run(args) -> int:
     from jaxtrain import runtime
 
     runtime.quiet_logs()
-    records = sweep.sweep(exp, predict=not args.no_predict)
-    paths = sweep.write_outputs(exp, records)
+    records, paths = sweep.sweep(exp, predict=not args.no_predict)
     failed = [r.name for r in records if r.status != "ok"]
     print(f"sweep {exp.name}: {len(records) - len(failed)} of {len(records)} run(s) ok"
           + (f", failed: {', '.join(failed)}" if failed else ""))
     for kind in ("csv", "md", "png"):
-        if paths[kind]:
+        if paths.get(kind):
             print(f"wrote {paths[kind]}")
     return 1 if records and len(failed) == len(records) else 0
