@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
 
 import jax
@@ -51,6 +53,22 @@ def _env_int(environ, name: str) -> int:
     return int(value)
 
 
+def _wait_for_coordinator(settings: Settings, timeout_s: int) -> None:
+    host, _, port = settings.coordinator.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=2).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"process {settings.process_id} of {settings.num_processes} could not reach the coordinator "
+                    f"{settings.coordinator} within dist.init_timeout_s={timeout_s} s ({e.strerror or e}); "
+                    "is process 0 running, and is the address right?") from None
+            time.sleep(0.5)
+
+
 def resolve(dist: DistConfig, environ=os.environ) -> Settings:
     """Where this process's multi-process settings come from (see the module docstring)."""
     if dist.coordinator is not None:
@@ -75,7 +93,15 @@ def initialize(dist: DistConfig, settings: Settings) -> None:
     if jax.distributed.is_initialized():
         return
     multi = settings.expected_processes > 1
+    if multi and settings.process_id:  # a worker: fail clearly if the coordinator never comes up
+        _wait_for_coordinator(settings, dist.init_timeout_s)
     if multi:
+        # JAX itself aborts the process (exit 134, "RegisterTask ... DEADLINE_EXCEEDED") when peers are missing
+        # at the deadline; say first what is being waited for.
+        print(f"[process {settings.process_id if settings.process_id is not None else '?'}/"
+              f"{settings.expected_processes}] joining the job at {settings.coordinator or 'the Slurm coordinator'}; "
+              f"all {settings.expected_processes} processes must join within dist.init_timeout_s="
+              f"{dist.init_timeout_s} s", file=sys.stderr, flush=True)
         # CPU devices of different processes talk through gloo (no effect on GPU backends, which use NCCL).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:

@@ -72,6 +72,7 @@ def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
     np.testing.assert_allclose([final[s] for s in range(7, 10)], [expected[s] for s in range(7, 10)], rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_launcher_stops_the_job_when_a_process_is_killed(tmp_path):
     proc = subprocess.Popen([os.path.join(REPO, "launch/local.sh"), "2", "train", f"run.dir={tmp_path}",
                              "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=2000",
@@ -108,16 +109,33 @@ def test_distributed_settings_errors():
     assert resolve(cfg.dist, {}).source == "single"
 
 
-def test_a_peer_that_never_arrives_times_out_with_a_clear_error(tmp_path):
+def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_path):
+    # A worker whose coordinator never comes up: jaxtrain's own one-line error.
     env = _env() | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     start = time.time()
-    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path}", "dist.init_timeout_s=5"],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'a'}",
+                           "dist.init_timeout_s=3"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert time.time() - start < 60
     last = proc.stderr.strip().splitlines()[-1]
-    assert "process 1 of 2 could not join the job at 127.0.0.1:1 within dist.init_timeout_s=5 s" in last
-    assert not os.listdir(tmp_path)
+    assert "process 1 of 2 could not reach the coordinator 127.0.0.1:1 within dist.init_timeout_s=3 s" in last
+    # A coordinator whose peer never arrives: JAX ends it at the deadline (it aborts; jaxtrain said what it awaited).
+    env = _env() | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:%d" % _free_port(), "JAX_NUM_PROCESSES": "2",
+                    "JAX_PROCESS_ID": "0"}
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'b'}",
+                           "dist.init_timeout_s=3"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode != 0 and time.time() - start < 60
+    assert "all 2 processes must join within dist.init_timeout_s=3 s" in proc.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_health_check_on_8_devices(tmp_path):
