@@ -243,7 +243,7 @@ def given_shape(cfg: Config, n_devices: int, nodes: int) -> MeshShape:
 
 def mesh_label(shape: MeshShape) -> str:
     """Short human label: ``fsdp8``, ``data2 fsdp2 tensor2``, ``fsdp8 | dcn data8``."""
-    ici = " ".join(f"{a}{s}" for a, s in zip(MESH_AXES, shape.ici) if s > 1) or "1"
+    ici = " ".join(f"{a}{s}" for a, s in zip(MESH_AXES, shape.ici) if s > 1) or "one-device"
     dcn = " ".join(f"{a}{s}" for a, s in zip(MESH_AXES, shape.dcn) if s > 1)
     return f"{ici} | dcn {dcn}" if dcn else ici
 
@@ -1018,12 +1018,14 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     tokens = cfg.train.global_batch * cfg.data.seq_len
     lines = [
         f"model: {count_params(m)['total'] / 1e6:,.1f}M parameters ({m.param_dtype}), compute "
-        f"{compute_dtype(m.dtype).name}, remat {m.remat}; {tokens:,} tokens/step (global_batch "
-        f"{cfg.train.global_batch} x seq_len {cfg.data.seq_len}, {cfg.train.microbatches} microbatch(es))",
+        f"{compute_dtype(m.dtype).name}, attention {m.attention}, remat {m.remat}; {tokens:,} tokens/step "
+        f"(global_batch {cfg.train.global_batch} x seq_len {cfg.data.seq_len}, {cfg.train.microbatches} "
+        "microbatch(es))",
         f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
         f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {hw.compute_efficiency:g}; memory {_bytes(hw.hbm_bytes)} x "
-        f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links {_rate(hw.intra_node_bandwidth, 'B/s')} "
-        f"in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes (per device, each way)"
+        f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links "
+        f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
+        "(per device, each way)"
         + (f"; {hw.collective_latency * 1e6:.0f} us per collective" if hw.collective_latency else ""),
         "",
     ]

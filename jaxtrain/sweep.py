@@ -204,7 +204,7 @@ def last_error_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_training(cmd: list[str], run_dir: str, total_steps: int,
+def run_training(cmd: list[str], run_dir: str,
                  progress: Callable[[int, float | None], None]) -> tuple[int, str, str, int, float]:
     """Run ``cmd``, calling ``progress(step, loss)`` as metrics.jsonl grows; returns (exit status, stdout, stderr,
     the child's peak resident memory in bytes, wall seconds). Output goes to files in run_dir (no pipe to fill)."""
@@ -334,7 +334,7 @@ def _measure_into(rec: Record, exp: Experiment, run: RunSpec, cfg, head: str, lo
 
     log(f"{head}: training ({rec.mesh or 'invalid config'})")
     rec.load_avg = os.getloadavg()[0]
-    status, stdout, stderr, rss, wall = run_training(train_command(exp, run, run_dir), run_dir, total, progress)
+    status, stdout, stderr, rss, wall = run_training(train_command(exp, run, run_dir), run_dir, progress)
     if tty:
         print(file=sys.stderr)
     rec.wall_s, rec.peak_rss_bytes = wall, rss

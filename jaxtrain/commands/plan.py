@@ -51,8 +51,7 @@ def run(args) -> int:
             raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} contradicts --hardware {args.hardware} "
                               f"--nodes {nodes} ({n_devices} devices); drop it")
         hw = dataclasses.replace(hw, mem_fraction=args.mem_fraction or plan.gpu_mem_fraction())
-        if cfg.model.dtype == "auto":  # what "auto" resolves to on the GPU, not on the CPU that compiles
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="bfloat16"))
+        cfg = _as_on_gpu(cfg)
         shapes = _shapes(plan, cfg, args.overrides, n_devices, nodes)
 
     if hw is not None:
@@ -88,6 +87,27 @@ def run(args) -> int:
     else:
         print(plan.format_report(cfg, hw, n_devices, nodes, result))
     return 0
+
+
+def _as_on_gpu(cfg):
+    """The config with "auto" choices resolved as on the GPU, not as on the CPU that compiles the plan.
+
+    dtype auto -> bfloat16. attention auto -> cuDNN's fused kernel on GPU, which the CPU cannot compile; its stand-in
+    is jaxtrain's Pallas flash kernel (interpreted on CPU), whose memory, like cuDNN's, grows with the sequence,
+    not its square as the XLA reference's scores do. Collectives are the same either way.
+    """
+    from jaxtrain.config import ConfigError, validate
+
+    model = cfg.model
+    if model.dtype == "auto":
+        model = dataclasses.replace(model, dtype="bfloat16")
+    if model.attention == "auto":
+        model = dataclasses.replace(model, attention="pallas")
+        try:
+            validate(dataclasses.replace(cfg, model=model))
+        except ConfigError:  # e.g. a head dim the flash kernel does not take: auto would be XLA's reference too
+            model = dataclasses.replace(model, attention="xla")
+    return dataclasses.replace(cfg, model=model)
 
 
 def _shapes(plan, cfg, overrides, n_devices, nodes):

@@ -1,0 +1,284 @@
+"""The planner: collective bytes read from the compiled HLO against closed forms, memory, the cost model, the CLI.
+
+Compiles use the tiny model on the 8 emulated CPU devices that conftest sets up (a few seconds each); each mesh is
+compiled once per module.
+"""
+
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import FAST, run_cli
+from jaxtrain import plan
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.mesh import MeshShape, build_mesh, resolve_shape
+from jaxtrain.model import count_params
+
+MESHES = {
+    "data8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
+    "fsdp8": ["mesh.ici.fsdp=8"],
+    # tensor=8 needs 8 kv heads (the tiny model has 4)
+    "tensor8": ["mesh.ici.tensor=8", "mesh.ici.fsdp=1", "model.n_kv_heads=8"],
+    "data2fsdp4": ["mesh.ici.data=2", "mesh.ici.fsdp=4"],
+}
+
+
+def tiny(*overrides):
+    return load_config(None, ["runtime.cpu_devices=8", *FAST, *overrides])
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """name -> (config, shape, plan.Compiled), compiled on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cfg = tiny(*MESHES[name])
+            shape = resolve_shape(cfg.mesh, 8)
+            cache[name] = (cfg, shape, plan.compile_step(cfg, shape, jax.devices()[:8]))
+        return cache[name]
+
+    return get
+
+
+def by_kind(comp):
+    out = {k: 0 for k in plan.KINDS}
+    for c in comp.collectives:
+        out[c.kind] += c.total_bytes
+    return out
+
+
+def grad_bytes(cfg):
+    return count_params(cfg.model)["total"] * 4  # float32 parameters, so float32 gradients
+
+
+def test_data_parallel_all_reduces_the_gradients_once(compiled):
+    cfg, _, comp = compiled("data8")
+    kinds = by_kind(comp)
+    assert kinds["all-reduce"] == pytest.approx(grad_bytes(cfg), rel=0.10)
+    assert kinds["all-gather"] == kinds["reduce-scatter"] == 0
+    # The per-layer gradients are reduced inside the scanned layer loop: counted once per layer.
+    assert {c.count for c in comp.collectives} == {1, cfg.model.n_layers}
+
+
+def test_fsdp_gathers_parameters_twice_and_reduce_scatters_gradients(compiled):
+    cfg, _, comp = compiled("fsdp8")
+    kinds = by_kind(comp)
+    # Forward and again in the backward pass (no remat, yet XLA re-gathers rather than keep whole weights).
+    assert kinds["all-gather"] == pytest.approx(2 * grad_bytes(cfg), rel=0.10)
+    assert kinds["reduce-scatter"] == pytest.approx(grad_bytes(cfg), rel=0.10)
+    assert kinds["all-reduce"] < 0.01 * grad_bytes(cfg)  # only the replicated norm scales and scalars
+
+
+def test_tensor_parallel_all_reduces_activations_per_layer(compiled):
+    cfg, _, comp = compiled("tensor8")
+    m, t = cfg.model, cfg.train
+    activation = t.global_batch * cfg.data.seq_len * m.d_model * 4  # [batch, seq, embed] float32
+    # Per layer: forward, the attention and MLP outputs (partial sums over heads / d_ff); backward, the input
+    # gradients of q,k,v (one all-reduce once reassociated) and of gate,up. Plus one: the gradient into the final
+    # norm through the vocab-sharded tied output projection.
+    expected = (4 * m.n_layers + 1) * activation
+    assert by_kind(comp)["all-reduce"] == pytest.approx(expected, rel=0.10)
+    layer_ars = [c for c in comp.collectives if c.kind == "all-reduce" and c.count == m.n_layers]
+    assert len(layer_ars) == 4 and all(c.bytes == activation for c in layer_ars)
+
+
+def test_fsdp_state_is_an_eighth_of_data_parallel(compiled):
+    _, _, data = compiled("data8")
+    _, _, fsdp = compiled("fsdp8")
+    assert fsdp.params_bytes + fsdp.opt_bytes == pytest.approx((data.params_bytes + data.opt_bytes) / 8, rel=0.05)
+    assert data.opt_bytes == pytest.approx(2 * data.params_bytes, rel=0.01)  # AdamW: two moments
+    assert 0 < fsdp.temp_bytes and fsdp.memory_bytes >= fsdp.params_bytes + fsdp.opt_bytes + fsdp.temp_bytes
+
+
+def test_one_compile_serves_every_ici_dcn_split(compiled):
+    """The program depends on the axis sizes only; the ici/dcn split only renames devices (why plan() compiles once
+    per sizes)."""
+    _, _, a = compiled("data2fsdp4")
+    b = plan.compile_step(tiny(), MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)), jax.devices()[:8])
+    key = lambda comp: sorted((c.kind, c.bytes, c.count, c.groups.tolist().__repr__()) for c in comp.collectives)
+    assert key(a) == key(b) and a.memory_bytes == b.memory_bytes
+
+
+def test_node_coordinates_match_build_mesh():
+    """plan's logical id -> node mapping is the one build_mesh lays out (contiguous devices play a host)."""
+    for ici, dcn in [((1, 4, 1), (2, 1, 1)), ((2, 2, 1), (1, 2, 1)), ((1, 2, 2), (2, 1, 1))]:
+        shape = MeshShape(ici=ici, dcn=dcn)
+        cfg = plan.with_shape(tiny(), shape)
+        mesh = build_mesh(cfg, jax.devices()[:8])
+        per_host = 8 // math.prod(dcn)
+        ids = np.arange(8)
+        sub = plan._sub_coordinates(shape, ids)
+        nodes = {tuple(row) for row in sub[:, 0::2]}
+        host_of = [d.id // per_host for d in mesh.devices.flat]
+        for node in nodes:
+            members = [i for i in ids if tuple(sub[i, 0::2]) == node]
+            assert len({host_of[i] for i in members}) == 1  # one node = one host's devices
+
+
+def test_group_span_and_hierarchical_link_bytes():
+    shape = MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1))  # fsdp within a node, data across 2 nodes
+    over_data = np.array([[0, 4], [1, 5], [2, 6], [3, 7]])
+    over_fsdp = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert plan.group_span(shape, over_data) == (1, 2, ["data(dcn)"])
+    assert plan.group_span(shape, over_fsdp) == (4, 1, ["fsdp"])
+    assert plan.group_span(shape, np.arange(8)[None]) == (4, 2, ["data(dcn)", "fsdp"])
+    # Ring all-reduce of S over n devices sends 2 S (n-1)/n per device; hierarchically, the network carries only
+    # the 1/a shard each device holds after the in-node reduce-scatter.
+    assert plan.link_bytes("all-reduce", 800, 8, 1, False) == (1400, 0)
+    assert plan.link_bytes("all-reduce", 800, 1, 8, True) == (0, 1400)
+    assert plan.link_bytes("all-reduce", 800, 8, 8, True) == (1400, 175)
+    assert plan.link_bytes("all-gather", 800, 4, 2, True) == (600, 100)
+    assert plan.link_bytes("collective-permute", 800, 1, 2, True) == (0, 800)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("replica_groups={{0,2},{1,3}}, x", [[0, 2], [1, 3]]),
+    ("replica_groups={}, x", [[0, 1, 2, 3]]),
+    ("replica_groups=[2,2]<=[4], x", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), x", [[0, 2], [1, 3]]),
+    ("replica_groups=mesh['a'=2,'b'=2] {'a'}, x", [[0, 2], [1, 3]]),
+    ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}, x", [[0, 2], [1, 3]]),
+    ("replica_groups=mesh['a'=4] {'a':(2)2}, x", [[0, 1], [2, 3]]),
+])
+def test_replica_group_forms(text, expected):
+    assert plan.replica_groups(text, 4).tolist() == expected
+
+
+def test_hlo_parser_counts_loop_trips():
+    hlo = """HloModule m, num_partitions=2
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %p = (s32[], f32[16]{0}) parameter(0)
+  %v = f32[16]{0} get-tuple-element(%p), index=1
+  %ar = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %ar)
+}
+
+%cond (p.1: (s32[], f32[16])) -> pred[] {
+  %p.1 = (s32[], f32[16]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[16]{0}) tuple(%z, %a)
+  %w = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %g = f32[32]{0} all-gather(%a), channel_id=2, replica_groups={{0,1}}, dimensions={0}, use_global_device_ids=true
+  ROOT %r = f32[16]{0} get-tuple-element(%w), index=1
+}
+"""
+    colls, unknown = plan.collectives(hlo, (2, 1, 1))
+    assert unknown == []
+    got = sorted((c.kind, c.bytes, c.count) for c in colls)
+    assert got == [("all-gather", 128, 1), ("all-reduce", 64, 6)]
+
+
+def small_hardware(usable_bytes):
+    return plan.Hardware(name="test", device="test", peak_flops=1e12, hbm_bytes=usable_bytes, hbm_bandwidth=1e11,
+                         devices_per_node=8, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10,
+                         compute_efficiency=0.5)
+
+
+def test_plan_prunes_what_cannot_fit_and_marks_what_does_not(compiled):
+    cfg, fsdp_shape, fsdp = compiled("fsdp8")
+    _, _, data = compiled("data8")
+    # Less than data parallelism's parameters + optimizer state: data8 is pruned without compiling; fsdp8's state
+    # fits but not its whole step (temporaries included), so it is compiled and marked.
+    hw = small_hardware(data.params_bytes + data.opt_bytes - 1)
+    assert fsdp.params_bytes + fsdp.opt_bytes < hw.usable_bytes < fsdp.memory_bytes
+    shapes = [resolve_shape(tiny(*MESHES[n]).mesh, 8) for n in ("data8", "fsdp8")]
+    result = plan.plan(tiny(), shapes, hw, jax.devices()[:8])
+    assert [p["label"] for p in result["pruned"]] == ["data8"]
+    (cand,) = result["candidates"]
+    assert cand["label"] == "fsdp8" and cand["mesh"]["fsdp"] == 8 and not cand["fits"]
+    assert cand["memory_bytes_per_device"] == fsdp.memory_bytes
+    report = plan.format_report(tiny(), hw, 8, 1, result)
+    assert "fsdp8" in report and " NO " in report and "pruned" in report
+    assert plan.candidate_result(cfg, fsdp_shape, small_hardware(fsdp.memory_bytes), fsdp)["fits"]
+
+
+def test_hybrid_sharding_within_nodes_crosses_nodes_less(compiled):
+    """data=2 x fsdp=4 on 2 nodes of 4: sharding within a node and replicating across (ici fsdp 4, dcn data 2) sends
+    far fewer bytes between nodes than replicating within and sharding across (ici data 2 fsdp 2, dcn fsdp 2)."""
+    hw = small_hardware(1e12)
+    cfg, _, prog = compiled("data2fsdp4")
+    est = lambda shape: plan.estimate(cfg, shape, hw, prog.collectives, prog.params_bytes, prog.opt_bytes)[0]
+    hsdp = est(MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)))
+    reverse = est(MeshShape(ici=(2, 2, 1), dcn=(1, 2, 1)))
+    single = est(MeshShape(ici=(2, 4, 1), dcn=(1, 1, 1)))
+    grads = grad_bytes(cfg)
+    # HSDP: only the all-reduce of each device's 1/4 gradient shard crosses: 2 x G/4 x 1/2 = G/4. Reverse: fsdp
+    # spans 2 devices x 2 nodes, so its gathers (forward, backward) and reduce-scatter each cross with
+    # (G/2) x 1/2 = G/4: 3G/4 in all.
+    assert hsdp.dcn_bytes == pytest.approx(grads / 4, rel=0.15)
+    assert reverse.dcn_bytes == pytest.approx(0.75 * grads, rel=0.15)
+    assert single.dcn_bytes == 0 and single.serial_s < hsdp.serial_s < reverse.serial_s
+    assert single.overlap_s < single.serial_s
+
+
+# -- the command line ---------------------------------------------------------------------------------------------
+
+
+def test_cli_json_two_devices():
+    proc = run_cli("plan", "runtime.cpu_devices=2", *FAST, "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    cands = {(c["mesh"]["data"], c["mesh"]["fsdp"], c["mesh"]["tensor"]): c for c in result["candidates"]}
+    assert set(cands) == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    data, fsdp = cands[(2, 1, 1)], cands[(1, 2, 1)]
+    for c in result["candidates"]:
+        assert set(c["collective_bytes"]) == set(plan.KINDS)
+        assert c["mesh"]["dcn"] == {"data": 1, "fsdp": 1, "tensor": 1}
+        assert c["est_step_seconds"] > 0 and isinstance(c["fits"], bool)
+    assert fsdp["memory"]["params"] + fsdp["memory"]["optimizer"] < 0.6 * (data["memory"]["params"] +
+                                                                            data["memory"]["optimizer"])
+    assert data["collective_bytes"]["all-reduce"] > 0 and fsdp["collective_bytes"]["all-gather"] > 0
+    times = [c["est_step_seconds"] for c in result["candidates"]]
+    assert times == sorted(times)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--hardware", "h999-8x"], "unknown hardware 'h999-8x'; known: a100-8x, b200-8x, h100-8x, h200-8x"),
+    (["runtime.cpu_devices=7"], "no valid mesh over 7 device(s) on 1 node(s): "),
+    (["runtime.cpu_devices=8", "--nodes", "3"], "8 device(s) cannot be split evenly into 3 node(s)"),
+    (["--hardware", "h100-8x", "--nodes", "2", "mesh.ici.fsdp=4", "mesh.dcn.data=2"],
+     "has 8 devices but 16 are available"),
+    (["--hardware", "h100-8x", "--nodes", "0"], "--nodes=0 must be >= 1"),
+])
+def test_cli_bad_input_exits_2_with_one_line(args, expected):
+    proc = run_cli("plan", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr
+    assert expected in lines[0]
+
+
+def test_impossible_device_count_says_why():
+    with pytest.raises(ConfigError, match=r"no valid mesh over 7 device\(s\).*not divisible by the "):
+        plan.enumerate_shapes(tiny(), 7, 1)
+    shapes = plan.enumerate_shapes(tiny(), 64, 8)
+    assert all(s.dcn[2] == 1 and math.prod(s.dcn) == 8 and math.prod(s.ici) == 8 for s in shapes)
+    assert all(tiny().model.n_kv_heads % s.axis_sizes["tensor"] == 0 for s in shapes)
+
+
+def test_hardware_files_are_complete():
+    for name in plan.known_hardware():
+        hw = plan.load_hardware(name)
+        assert hw.devices_per_node == 8 and hw.inter_node_bandwidth < hw.intra_node_bandwidth
+    assert plan.load_hardware("h100-8x").inter_node_bandwidth == 50e9  # 400 Gb/s per GPU
+    assert plan.load_hardware("a100-8x").inter_node_bandwidth == 25e9  # 200 Gb/s per GPU
+    assert dataclasses.replace(plan.load_hardware("h200-8x"), mem_fraction=0.5).usable_bytes == 70.5e9

@@ -1,0 +1,94 @@
+"""The sweep: experiment files, measurements read back from real runs, one failing run recorded, outputs."""
+
+import csv
+import os
+
+import pytest
+import yaml
+
+from conftest import REPO, run_cli
+from jaxtrain import sweep
+from jaxtrain.config import ConfigError, load_config
+
+
+def write(tmp_path, body, name="exp.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(body))
+    return str(path)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"runz": []}, "unknown keys runz"),
+    ({"runs": [{"name": "a"}, {"name": "a"}]}, "run names must be unique, repeated: a"),
+    ({"runs": [{"name": "a", "overrides": ["run.dir=/x"]}]}, "sets run.dir"),
+    ({"runs": [{"name": "a b"}]}, "may only use letters"),
+    ({"runs": []}, "runs must be a non-empty list or 'all'"),
+    ({"overrides": ["train.steps"]}, "overrides must be a list of key=value strings"),
+    ({"config": "nope.yaml"}, "config file 'nope.yaml' does not exist"),
+])
+def test_bad_experiment_files(tmp_path, body, expected):
+    with pytest.raises(ConfigError, match=expected):
+        sweep.load_experiment(write(tmp_path, body))
+
+
+def test_shipped_example_is_valid_for_8_devices():
+    exp = sweep.load_experiment(os.path.join(REPO, "configs/experiments/cpu8-tiny.yaml"))
+    runs = sweep.expand_runs(exp)
+    assert len(runs) >= 4
+    for run in runs:
+        cfg = load_config(exp.config, run.overrides)
+        assert cfg.runtime.cpu_devices == 8 and cfg.train.steps <= 20
+
+
+def test_all_expands_to_the_planners_meshes(tmp_path):
+    exp = sweep.load_experiment(write(tmp_path, {"overrides": ["runtime.cpu_devices=2"], "runs": "all"}))
+    names = sorted(r.name for r in sweep.expand_runs(exp))
+    assert names == ["data2", "fsdp2", "tensor2"]
+
+
+def test_measurements_from_metrics_and_logs():
+    records = [{"step": 1, "loss": 5.0, "step_time": None}, {"step": 2, "loss": 4.0, "step_time": 0.30},
+               {"step": 3, "loss": 3.5, "step_time": 0.10}, {"step": 4, "loss": 3.0, "step_time": 0.20}]
+    s = sweep.summarize_metrics(records, tokens_per_step=1000)
+    assert s == {"median_step_s": 0.20, "tokens_per_s": 5000.0, "final_loss": 3.0, "steps_measured": 3}
+    assert sweep.compile_seconds("done: compile 2.51 s | median step 1 ms", "") == 2.51
+    assert sweep.compile_seconds("", "[12:00:00] compiled train and eval steps in 3.25 s") == 3.25
+    assert sweep.last_error_line("noise\nerror: model.n_heads=8 is not divisible\n") == \
+        "error: model.n_heads=8 is not divisible"
+    assert sweep.last_error_line("Traceback (most recent call last):\n  x\nValueError: boom\n") == "ValueError: boom"
+
+
+def test_sweep_runs_isolated_and_records_a_failure(tmp_path):
+    """Two real runs on 2 emulated devices: one trains, one has an impossible mesh; the sweep finishes both."""
+    exp = write(tmp_path, {
+        "name": "t",
+        "overrides": ["runtime.cpu_devices=2", "train.steps=4", "train.eval_every=0", "train.eval_batches=1",
+                      "data.threads=0", "checkpoint.every=0"],
+        "runs": [{"name": "fsdp2", "overrides": ["mesh.ici.fsdp=2"]},
+                 {"name": "tensor3", "overrides": ["mesh.ici.fsdp=1", "mesh.ici.tensor=3"]}],
+    })
+    out = tmp_path / "sweep"
+    proc = run_cli("sweep", "--config", exp, "--dir", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 of 2 run(s) ok, failed: tensor3" in proc.stdout
+    with open(out / "sweep.csv") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    ok, bad = rows["fsdp2"], rows["tensor3"]
+    assert ok["status"] == "ok" and ok["mesh"] == "fsdp2"
+    for key in ("compile_s", "median_step_s", "tokens_per_s", "peak_rss_bytes", "final_loss", "predicted_step_s",
+                "predicted_memory_bytes_per_device"):
+        assert float(ok[key]) > 0, key
+    assert int(ok["steps_measured"]) == 3  # step 1 is the compile
+    metrics_loss = [line for line in (out / "runs/fsdp2/metrics.jsonl").read_text().splitlines() if line]
+    assert len(metrics_loss) == 4
+    assert bad["status"] == "failed" and "not divisible by the tensor axis size 3" in bad["error"]
+    assert "exit 2" in bad["error"] and bad["predicted_step_s"] == ""
+    md = (out / "sweep.md").read_text()
+    assert "| fsdp2 | fsdp2 | ok |" in md and "tensor3" in md
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_cli_bad_input():
+    proc = run_cli("sweep", "--config", "configs/experiments/missing.yaml")
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        "error: experiment file 'configs/experiments/missing.yaml' does not exist"
