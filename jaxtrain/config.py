@@ -193,18 +193,7 @@ class Config:
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        try:
-            with open(path) as f:
-                loaded = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {_one_line(e)}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping at the top level")
-        tree = loaded
+    tree = read_yaml_mapping(path, "config file") if path is not None else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -217,6 +206,20 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     cfg = _build(Config(), tree, "")
     validate(cfg)
     return cfg
+
+
+def read_yaml_mapping(path: str, what: str) -> dict:
+    """The mapping at the top of a YAML file; ConfigError (naming ``what`` and the path) if absent or malformed."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} {path!r} does not exist")
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {_one_line(e)}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {path!r} must hold a mapping at the top level")
+    return loaded
 
 
 def _one_line(e: Exception) -> str:

@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 
-from jaxtrain.config import ConfigError, load_config, resolved_cpu_devices
+from jaxtrain.config import ConfigError, load_config, read_yaml_mapping, resolved_cpu_devices
 
 _EXPERIMENT_KEYS = {"name", "config", "dir", "overrides", "runs"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
@@ -99,15 +98,7 @@ def _string_list(value: Any, where: str) -> list[str]:
 
 def load_experiment(path: str, extra_overrides: list[str] = (), directory: str | None = None) -> Experiment:
     """Read and check an experiment file; ``extra_overrides`` (command line) apply to every run, last."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"experiment file {path!r} does not exist")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"experiment file {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"experiment file {path!r} must hold a mapping")
+    raw = read_yaml_mapping(path, "experiment file")
     unknown = sorted(set(raw) - _EXPERIMENT_KEYS)
     if unknown:
         raise ConfigError(f"experiment file {path!r}: unknown keys {', '.join(unknown)}; "

@@ -50,13 +50,14 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from kernels.tiling import MIN_BLOCK, checked_block_sizes
+
 # Finite, so that fully masked tiles give exp2(MASK - MASK) = 1 rather than NaN; see the module docstring.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tiles must be powers of two for the Triton lowering
 BACKENDS = ("triton",)
-MIN_BLOCK = 16  # smallest tile the GPU matrix units (tl.dot) accept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,20 +77,7 @@ class BlockSizes:
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ValueError(f"unknown block-size keyword(s) {unknown}; accepted: {sorted(names)}")
-        sizes = cls(**kwargs)
-        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
-            b = getattr(sizes, name)
-            if not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1):
-                raise ValueError(f"{name}={b!r} must be a power of two >= {MIN_BLOCK} (Triton tiles are 2^n)")
-        if sizes.num_warps is not None and sizes.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={sizes.num_warps!r} must be one of 1, 2, 4, 8, 16")
-        if not isinstance(sizes.num_stages, int) or sizes.num_stages < 1:
-            raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
-        return sizes
+        return checked_block_sizes(cls, kwargs, ("block_q", "block_k", "block_q_bwd", "block_k_bwd"), "pallas")
 
 
 @dataclasses.dataclass(frozen=True)

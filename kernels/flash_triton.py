@@ -33,10 +33,11 @@ import types
 
 import numpy as np
 
+from kernels.tiling import MIN_BLOCK, checked_block_sizes
+
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
-MIN_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,20 +53,7 @@ class BlockSizes:
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise ValueError(f"unknown block-size keyword(s) {unknown} for impl='triton'; accepted: {sorted(names)}")
-        sizes = cls(**kwargs)
-        for name in ("block_m", "block_n", "block_m_bwd", "block_n_bwd"):
-            b = getattr(sizes, name)
-            if not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1):
-                raise ValueError(f"{name}={b!r} must be a power of two >= {MIN_BLOCK}")
-        if sizes.num_warps is not None and sizes.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={sizes.num_warps!r} must be one of 1, 2, 4, 8, 16")
-        if not isinstance(sizes.num_stages, int) or sizes.num_stages < 1:
-            raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
-        return sizes
+        return checked_block_sizes(cls, kwargs, ("block_m", "block_n", "block_m_bwd", "block_n_bwd"), "triton")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
     two = tmp_path / "two"
     proc = local(2, "train", f"run.dir={two}", "runtime.cpu_devices=4", "mesh.dcn.data=2", "mesh.ici.fsdp=4", *F32,

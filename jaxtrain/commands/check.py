@@ -3,6 +3,7 @@
 import sys
 
 from jaxtrain.config import load_config
+from jaxtrain.commands import add_config_arguments
 
 
 def add_arguments(p):
@@ -10,8 +11,7 @@ def add_arguments(p):
                      "all-to-all) over every mesh axis, with bus bandwidth as nccl-tests defines it. Exits 1 naming "
                      "the axis or device that misses check.min_busbw_gbps / check.min_matmul_fraction or computes "
                      "wrong values. Uses the same mesh and process settings as train.")
-    p.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(p)
 
 
 def run(args) -> int:

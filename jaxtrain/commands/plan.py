@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+from jaxtrain.commands import add_config_arguments
 
 
 def add_arguments(p):
@@ -11,7 +12,6 @@ def add_arguments(p):
         "report memory per device, the collectives and their bytes, and an estimated step time, fastest first. "
         "Mesh overrides on the command line (mesh.ici.* / mesh.dcn.*) plan that one mesh; otherwise every valid "
         "factorisation of the devices over data, fsdp and tensor (tensor within a node) is planned.")
-    p.add_argument("--config", help="YAML config file (default: the built-in tiny config)")
     p.add_argument("--hardware", help="plan for this hardware (configs/hardware/NAME.yaml, or a .yaml path) on "
                                       "emulated CPU devices; default: the devices at hand (on CPU, measured rates)")
     p.add_argument("--nodes", type=int, help="number of nodes (default 1); with --hardware the device count is "
@@ -21,7 +21,7 @@ def add_arguments(p):
     p.add_argument("--mem-fraction", type=float, help="fraction of HBM a step may use (default: "
                                                       "XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(p)
 
 
 def mesh_given(overrides: list[str]) -> bool:

@@ -1,13 +1,13 @@
 """``python -m jaxtrain train [--config PATH] [key=value ...]``."""
 
 from jaxtrain.config import load_config
+from jaxtrain.commands import add_config_arguments
 
 
 def add_arguments(p):
     p.description = ("Train a model. Overrides are dotted key=value pairs, e.g. train.steps=100 mesh.ici.fsdp=8 "
                      "runtime.cpu_devices=8. Running the same command again resumes from the latest checkpoint.")
-    p.add_argument("--config", help="YAML config file (default: the built-in tiny config, = configs/tiny.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(p)
 
 
 def run(args) -> int:
