@@ -194,7 +194,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
 
 
 def effective_config(cfg: Config, num_devices: int, dtype: jnp.dtype) -> Config:
-    """The config with every "derived" value pinned: -1 mesh axis, device count, compute dtype."""
+    """The config with every "derived" value pinned: -1 mesh axis, per-process device count, compute dtype."""
     shape = resolve_shape(cfg.mesh, num_devices)
     ici = dataclasses.replace(cfg.mesh.ici, **dict(zip(("data", "fsdp", "tensor"), shape.ici)))
     dcn = dataclasses.replace(cfg.mesh.dcn, **dict(zip(("data", "fsdp", "tensor"), shape.dcn)))
@@ -202,7 +202,8 @@ def effective_config(cfg: Config, num_devices: int, dtype: jnp.dtype) -> Config:
         cfg,
         mesh=dataclasses.replace(cfg.mesh, ici=ici, dcn=dcn),
         model=dataclasses.replace(cfg.model, dtype=str(dtype)),
-        runtime=dataclasses.replace(cfg.runtime, cpu_devices=num_devices if jax.default_backend() == "cpu" else None),
+        runtime=dataclasses.replace(cfg.runtime, cpu_devices=num_devices // jax.process_count()
+                                    if jax.default_backend() == "cpu" else None),
     )
 
 
