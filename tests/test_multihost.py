@@ -80,8 +80,8 @@ def test_launcher_stops_the_job_when_a_process_is_killed(tmp_path):
                              *F32], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(),
                             start_new_session=True)
     deadline = time.time() + 300
-    for line in proc.stdout:
-        if line.startswith("[0] step 2/") or time.time() > deadline:
+    for line in proc.stdout:  # until process 0 has logged a step (steps are right-aligned: "step    2/2000")
+        if re.match(r"\[0\] step +[2-9]/", line) or time.time() > deadline:
             break
     victim = subprocess.run(["pgrep", "-f", f"run.dir={tmp_path}"], capture_output=True, text=True).stdout.split()
     children = [p for p in victim if p != str(proc.pid)]
