@@ -161,7 +161,8 @@ def test_health_check_with_two_processes():
     proc = local(2, "check", "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "check.sizes_mb=[0.25]",
                  "check.iters=2", "check.matmul_size=256")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[0] axis data: 2 devices (crosses hosts)" in proc.stdout and "[0] check passed" in proc.stdout
+    assert "[0] axis data: 2 devices (crosses hosts)" in proc.stdout
+    assert "[0] [process 0/2] check passed" in proc.stdout and "[1] [process 1/2] check passed" in proc.stdout
 
 
 def test_kubernetes_manifest_structure():
