@@ -202,9 +202,6 @@ class Checkpointer:
         self.wait()
         self._manager.close()
 
-    def steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
-
 
 def _reason(e: BaseException) -> str:
     while e.__cause__ is not None or e.__context__ is not None:

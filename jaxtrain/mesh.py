@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh
 
 from jaxtrain.config import MESH_AXES, ConfigError, Config, MeshConfig, check_divisibility
 
@@ -88,8 +88,3 @@ def rules_from_config(rules: dict) -> Rules:
     """Config rules (a mapping of logical name to mesh axis, list of axes, or None) in Flax's tuple form."""
     return tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in rules.items())
 
-
-def logical_to_sharding(mesh: Mesh, rules: Rules, axes: tuple[str | None, ...]) -> NamedSharding:
-    """The NamedSharding for an array whose dimensions have the given logical axis names."""
-    table = dict(rules)
-    return NamedSharding(mesh, PartitionSpec(*(table[a] if a is not None else None for a in axes)))

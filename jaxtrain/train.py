@@ -25,7 +25,7 @@ from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
 from jaxtrain import runtime
 from jaxtrain.config import Config, TrainConfig, dump_yaml, to_dict
-from jaxtrain.mesh import Rules, build_mesh, resolve_shape, rules_from_config
+from jaxtrain.mesh import MeshShape, Rules, build_mesh, resolve_shape, rules_from_config
 from jaxtrain.metrics import MetricsWriter, log_info, peak_flops, summary_line, train_flops_per_token
 from jaxtrain.model import Transformer, count_params
 
@@ -193,9 +193,8 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     return Trainer(cfg, mesh, rules, graphdef, abstract_state, state_sharding, batch_sharding, schedule, dtype)
 
 
-def effective_config(cfg: Config, num_devices: int, dtype: jnp.dtype) -> Config:
+def effective_config(cfg: Config, shape: MeshShape, num_devices: int, dtype: jnp.dtype) -> Config:
     """The config with every "derived" value pinned: -1 mesh axis, per-process device count, compute dtype."""
-    shape = resolve_shape(cfg.mesh, num_devices)
     ici = dataclasses.replace(cfg.mesh.ici, **dict(zip(("data", "fsdp", "tensor"), shape.ici)))
     dcn = dataclasses.replace(cfg.mesh.dcn, **dict(zip(("data", "fsdp", "tensor"), shape.dcn)))
     return dataclasses.replace(
@@ -227,7 +226,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     shape = resolve_shape(cfg.mesh, n_devices)
     is_main = jax.process_index() == 0
 
-    effective = effective_config(cfg, n_devices, trainer.dtype)
+    effective = effective_config(cfg, shape, n_devices, trainer.dtype)
     checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": shape.describe(),
                                            "processes": jax.process_count(), "devices": n_devices})
     if is_main:

@@ -2,8 +2,7 @@
 
 import sys
 
-from jaxtrain.config import load_config
-from jaxtrain.commands import add_config_arguments
+from jaxtrain.commands import add_config_arguments, start
 
 
 def add_arguments(p):
@@ -15,11 +14,9 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = start(args)
     from jaxtrain import check, runtime
 
-    runtime.quiet_logs()
-    runtime.configure(cfg)
     failures = check.run(cfg)
     tag = runtime.process_tag()
     for failure in failures:

@@ -1,7 +1,6 @@
 """``python -m jaxtrain train [--config PATH] [key=value ...]``."""
 
-from jaxtrain.config import load_config
-from jaxtrain.commands import add_config_arguments
+from jaxtrain.commands import add_config_arguments, start
 
 
 def add_arguments(p):
@@ -11,10 +10,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, args.overrides)
-    from jaxtrain import runtime, train  # JAX starts only once the config is known to be good
+    cfg = start(args)
+    from jaxtrain import train
 
-    runtime.quiet_logs()
-    runtime.configure(cfg)
     train.train(cfg)
     return 0
