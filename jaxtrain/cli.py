@@ -21,6 +21,7 @@ COMMANDS = {
     "check": ("jaxtrain.commands.check", "health check: per-device matmul and collective bandwidth per mesh axis"),
     "plan": ("jaxtrain.commands.plan", "compile the step for candidate meshes; memory, collectives, est. step time"),
     "sweep": ("jaxtrain.commands.sweep", "short real runs over meshes from an experiment file, vs the plan"),
+    "env": ("jaxtrain.commands.env", "what jax.distributed would get here (coordinator, process id, GPUs), from where"),
 }
 
 

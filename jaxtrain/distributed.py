@@ -1,27 +1,47 @@
-"""Multi-controller initialisation (``jax.distributed``): one process per host, before any other JAX use.
+"""Multi-controller initialisation (``jax.distributed``): before any other JAX use.
 
-Where the settings come from, first match wins:
+jaxtrain resolves every argument of ``jax.distributed.initialize`` itself and passes them all, with JAX's cluster
+auto-detection switched off (``cluster_detection_method="deactivate"``). Reason: JAX runs its detection whenever
+any of coordinator, process count, process id or ``local_device_ids`` is unset, and its Slurm detection then sets
+``local_device_ids=[SLURM_LOCALID]`` (``jax/_src/clusters/cluster.py``, jax 0.10.2 and 0.11.2): with one task per
+node each process drives GPU 0 only (jax-ml/jax#16788, AI-Hypercomputer/maxtext#3433); with Slurm binding one GPU
+per task (``--gpus-per-task=1``) task i asks for GPU ordinal i of the one it sees (jax-ml/jax#28194, #23452).
+
+Where each setting comes from, first match wins (``python -m jaxtrain env`` prints the result and its sources):
+
+coordinator, num_processes, process_id (all three from one place):
   1. the config: ``dist.coordinator``, ``dist.num_processes``, ``dist.process_id``;
   2. the environment: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` (what
      ``launch/local.sh`` and the Kubernetes manifest set);
-  3. Slurm, inside an ``srun`` step with more than one task (JAX's own Slurm detection: coordinator on the first
-     node, port 61440 + job id % 4096 unless ``JAX_COORDINATOR_PORT`` is set);
+  3. Slurm, inside an ``srun`` step with more than one task: JAX's own rule (``slurm_cluster.py``): the first host
+     of ``SLURM_STEP_NODELIST``, port ``JAX_COORDINATOR_PORT`` or 61440 + ``SLURM_JOB_ID`` % 4096;
+     ``SLURM_STEP_NUM_TASKS`` processes, id ``SLURM_PROCID``;
   4. a single process, with its coordinator on a free local port.
+local_device_ids (GPU ordinals as this process's CUDA numbers them, i.e. after ``CUDA_VISIBLE_DEVICES``):
+  1. the config: ``dist.local_device_ids``;
+  2. the environment: ``JAX_LOCAL_DEVICE_IDS`` (JAX's own variable, comma-separated);
+  3. Slurm, from this node's task count T and the count V of ``CUDA_VISIBLE_DEVICES`` entries (see
+     :func:`_slurm_local_devices`): one task per node uses all V; T tasks sharing the node's V GPUs take V/T each
+     (``--ntasks-per-node=8 --gpus-per-node=8``: task i drives GPU i); tasks that Slurm bound to their own GPUs
+     use all they see;
+  4. none: every device the process sees.
 Even a single process initialises the runtime: JAX's preemption service, which makes every process stop at the
 same step on SIGTERM (``checkpoint.PreemptionWatch``), lives in it. CPU processes exchange data with gloo.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import socket
 import sys
 import time
-from dataclasses import dataclass
-
-import jax
+from dataclasses import dataclass, field
 
 from jaxtrain.config import ConfigError, DistConfig
+
+SLURM_BASE_PORT = 65535 - 2**12 + 1  # = 61440, JAX's slurm_cluster.py: port = base + job id % 4096
 
 
 class DistributedError(RuntimeError):
@@ -30,14 +50,29 @@ class DistributedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Settings:
-    coordinator: str | None  # None: let JAX detect (Slurm)
-    num_processes: int | None
-    process_id: int | None
-    source: str  # "config" | "environment" | "slurm" | "single"
+    """Exactly what this process passes to ``jax.distributed.initialize``, and where each value came from."""
+
+    coordinator: str  # host:port of process 0's coordination service
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None  # None: every device the process sees
+    platform: str  # JAX_PLATFORMS, or what JAX picks from the installed plugins
+    bind_address: str | None  # None: JAX's default, all interfaces ([::]:port)
+    sources: dict = field(default_factory=dict)  # setting -> where it came from, in words
+
+    @property
+    def source(self) -> str:
+        """Where the process group settings came from: "config" | "environment" | "slurm" | "single"."""
+        return self.sources["coordinator"].split(":")[0].split(" ")[0]
 
     @property
     def expected_processes(self) -> int:
-        return self.num_processes or 1
+        return self.num_processes
+
+    def as_dict(self) -> dict:
+        return {"coordinator": self.coordinator, "num_processes": self.num_processes, "process_id": self.process_id,
+                "local_device_ids": None if self.local_device_ids is None else list(self.local_device_ids),
+                "platform": self.platform, "coordinator_bind_address": self.bind_address, "sources": self.sources}
 
 
 def _free_port() -> int:
@@ -47,10 +82,161 @@ def _free_port() -> int:
 
 
 def _env_int(environ, name: str) -> int:
-    value = environ[name]
+    value = environ[name].strip()
     if not value.isdigit():
-        raise ConfigError(f"environment variable {name}={value!r} must be a non-negative integer")
+        raise ConfigError(f"environment variable {name}={environ[name]!r} must be a non-negative integer")
     return int(value)
+
+
+def _id_list(text: str, what: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ConfigError(f"{what}={text!r} must be distinct comma-separated GPU ordinals, e.g. 0,1,2,3")
+    return tuple(int(p) for p in parts)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list ('n[001-004,9],m2' -> 'n001'), as JAX's slurm_cluster.py parses it."""
+    m = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", nodelist)
+    return m.group(1) + (m.group(2) or "")
+
+
+def _tasks_per_node(spec: str) -> list[int]:
+    """Expand Slurm's tasks-per-node list ('8(x2),4' -> [8, 8, 4])."""
+    counts = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise ConfigError(f"cannot read Slurm's tasks-per-node list {spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _slurm_tasks_on_this_node(environ) -> int:
+    """T: the step's tasks on this node (SLURM_STEP_TASKS_PER_NODE, indexed by SLURM_NODEID when it varies)."""
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return 1
+    counts = _tasks_per_node(spec)
+    if len(set(counts)) == 1:
+        return counts[0]
+    node = _env_int(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
+    return counts[min(node, len(counts) - 1)]
+
+
+def visible_gpu_count(environ) -> int | None:
+    """V: the GPUs CUDA_VISIBLE_DEVICES lets this process see (None: unset, CUDA shows all of the machine's)."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    if value.strip() in ("", "NoDevFiles"):  # Slurm writes NoDevFiles for a GRES without device files
+        return 0
+    return len([p for p in value.split(",") if p.strip()])
+
+
+def _slurm_local_devices(environ) -> tuple[tuple[int, ...] | None, str]:
+    """local_device_ids for this Slurm task, and why."""
+    tasks = _slurm_tasks_on_this_node(environ)
+    local = _env_int(environ, "SLURM_LOCALID")
+    visible = visible_gpu_count(environ)
+    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    on_node = int(on_node) if on_node.isdigit() else None
+    where = f"slurm: {tasks} task(s) on this node, CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES')!r}"
+    if visible is None:  # no GPU GRES: CUDA shows the whole machine
+        if tasks == 1:
+            return None, f"{where}: one task per node uses every GPU it sees"
+        return (local,), f"{where}: task SLURM_LOCALID={local} drives GPU {local}"
+    if visible == 0:
+        return None, f"{where}: no GPU visible"
+    if tasks == 1:
+        return tuple(range(visible)), f"{where}: one task per node uses all {visible}"
+    bound = on_node is not None and visible < on_node  # Slurm gave each task its own GPUs (--gpus-per-task, --gpu-bind)
+    if bound or visible < tasks:
+        if not bound and on_node is not None and visible == on_node:
+            raise ConfigError(f"{tasks} Slurm tasks on this node share {visible} GPU(s) (SLURM_GPUS_ON_NODE="
+                              f"{on_node}): run at most one task per GPU, e.g. --ntasks-per-node={visible}")
+        return tuple(range(visible)), f"{where}: Slurm bound this task's GPUs; it uses all {visible} it sees"
+    if visible % tasks:
+        raise ConfigError(f"{tasks} Slurm tasks on this node cannot share {visible} visible GPUs evenly "
+                          f"(CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r}); use --ntasks-per-node=1 or "
+                          f"--ntasks-per-node={visible} with --gpus-per-node={visible}")
+    per = visible // tasks
+    ids = tuple(range(local * per, (local + 1) * per))
+    return ids, f"{where}: task SLURM_LOCALID={local} of {tasks} drives GPU(s) {','.join(map(str, ids))}"
+
+
+def _platform(environ) -> tuple[str, str]:
+    if environ.get("JAX_PLATFORMS"):
+        return environ["JAX_PLATFORMS"], "environment: JAX_PLATFORMS"
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions() if d.metadata["Name"]}
+    plugins = sorted(n for n in installed if re.fullmatch(r"jax[-_]cuda\d+[-_]plugin", n))
+    if plugins:  # JAX tries the GPU plugin first and falls back to the CPU (with a warning) when it finds no GPU
+        return "cuda,cpu", f"installed: {plugins[0]} (JAX_PLATFORMS unset: CUDA if a GPU is found, else CPU)"
+    return "cpu", "installed: no JAX GPU plugin"
+
+
+def resolve(dist: DistConfig, environ=os.environ) -> Settings:
+    """Everything this process would pass to ``jax.distributed.initialize`` (see the module docstring)."""
+    sources = {}
+    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+    present = [n for n in names if n in environ]
+    slurm_tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))
+    in_slurm_step = "SLURM_STEP_NODELIST" in environ
+    if dist.coordinator is not None:
+        coordinator, n, i = dist.coordinator, dist.num_processes, dist.process_id
+        for key in ("coordinator", "num_processes", "process_id"):
+            sources[key] = f"config: dist.{key}"
+    elif present:
+        if len(present) != 3:
+            missing = ", ".join(n for n in names if n not in environ)
+            raise ConfigError(f"{', '.join(present)} set in the environment but not {missing}: set all three or none")
+        n, i = _env_int(environ, "JAX_NUM_PROCESSES"), _env_int(environ, "JAX_PROCESS_ID")
+        if i >= n:
+            raise ConfigError(f"JAX_PROCESS_ID={i} must be below JAX_NUM_PROCESSES={n}")
+        coordinator = environ["JAX_COORDINATOR_ADDRESS"]
+        if ":" not in coordinator:
+            raise ConfigError(f"JAX_COORDINATOR_ADDRESS={coordinator!r} must be host:port")
+        for key, name in zip(("coordinator", "num_processes", "process_id"), names):
+            sources[key] = f"environment: {name}"
+    elif in_slurm_step and slurm_tasks.isdigit() and int(slurm_tasks) > 1:
+        for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID"):
+            if name not in environ:
+                raise ConfigError(f"inside a Slurm step but {name} is not set; is this an srun step?")
+        port = environ.get("JAX_COORDINATOR_PORT") or str(SLURM_BASE_PORT + _env_int(environ, "SLURM_JOB_ID") % 4096)
+        coordinator = f"{first_slurm_host(environ['SLURM_STEP_NODELIST'])}:{port}"
+        n, i = int(slurm_tasks), _env_int(environ, "SLURM_PROCID")
+        port_from = "JAX_COORDINATOR_PORT" if environ.get("JAX_COORDINATOR_PORT") else "61440 + SLURM_JOB_ID % 4096"
+        sources["coordinator"] = f"slurm: first host of SLURM_STEP_NODELIST, port {port_from}"
+        sources["num_processes"] = "slurm: SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ \
+            else "slurm: SLURM_NTASKS"
+        sources["process_id"] = "slurm: SLURM_PROCID"
+    else:
+        coordinator, n, i = f"127.0.0.1:{_free_port()}", 1, 0
+        sources.update(coordinator="single process: a free local port", num_processes="single process",
+                       process_id="single process")
+
+    config_ids = getattr(dist, "local_device_ids", None)  # a key of DistConfig once config.py has it
+    if config_ids is not None:
+        ids = _id_list(",".join(map(str, config_ids)), "dist.local_device_ids")
+        sources["local_device_ids"] = "config: dist.local_device_ids"
+    elif environ.get("JAX_LOCAL_DEVICE_IDS"):
+        ids = _id_list(environ["JAX_LOCAL_DEVICE_IDS"], "JAX_LOCAL_DEVICE_IDS")
+        sources["local_device_ids"] = "environment: JAX_LOCAL_DEVICE_IDS"
+    elif in_slurm_step and "SLURM_LOCALID" in environ:
+        ids, sources["local_device_ids"] = _slurm_local_devices(environ)
+    else:
+        ids, sources["local_device_ids"] = None, "default: every device the process sees"
+
+    platform, sources["platform"] = _platform(environ)
+    bind = getattr(dist, "bind_address", None)
+    if bind is not None:
+        sources["coordinator_bind_address"] = "config: dist.bind_address"
+    elif environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        bind = environ["JAX_COORDINATOR_BIND_ADDRESS"]
+        sources["coordinator_bind_address"] = "environment: JAX_COORDINATOR_BIND_ADDRESS"
+    else:
+        sources["coordinator_bind_address"] = "default: JAX binds every interface ([::]:port) on process 0"
+    return Settings(coordinator, n, i, ids, platform, bind, sources)
 
 
 def _wait_for_coordinator(settings: Settings, timeout_s: int) -> None:
@@ -58,7 +244,7 @@ def _wait_for_coordinator(settings: Settings, timeout_s: int) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((host, int(port)), timeout=2).close()
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
             return
         except OSError as e:
             if time.monotonic() > deadline:
@@ -69,50 +255,66 @@ def _wait_for_coordinator(settings: Settings, timeout_s: int) -> None:
             time.sleep(0.5)
 
 
-def resolve(dist: DistConfig, environ=os.environ) -> Settings:
-    """Where this process's multi-process settings come from (see the module docstring)."""
-    if dist.coordinator is not None:
-        return Settings(dist.coordinator, dist.num_processes, dist.process_id, "config")
-    names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-    present = [n for n in names if n in environ]
-    if present:
-        if len(present) != 3:
-            missing = ", ".join(n for n in names if n not in environ)
-            raise ConfigError(f"{', '.join(present)} set in the environment but not {missing}: set all three or none")
-        n, i = _env_int(environ, "JAX_NUM_PROCESSES"), _env_int(environ, "JAX_PROCESS_ID")
-        if i >= n:
-            raise ConfigError(f"JAX_PROCESS_ID={i} must be below JAX_NUM_PROCESSES={n}")
-        return Settings(environ["JAX_COORDINATOR_ADDRESS"], n, i, "environment")
-    if "SLURM_STEP_NODELIST" in environ and int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))) > 1:
-        return Settings(None, int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))), None, "slurm")
-    return Settings(f"127.0.0.1:{_free_port()}", 1, 0, "single")
-
-
 def initialize(dist: DistConfig, settings: Settings) -> None:
-    """Join (or form) the job's process group. Raises DistributedError if peers do not arrive in time."""
+    """Join (or form) the job's process group, then check the devices it got.
+
+    Raises DistributedError if peers do not arrive in time, ConfigError if this process's GPUs are not the ones
+    ``settings.local_device_ids`` asked for.
+    """
+    import jax
+
     if jax.distributed.is_initialized():
         return
-    multi = settings.expected_processes > 1
+    multi = settings.num_processes > 1
     if multi and settings.process_id:  # a worker: fail clearly if the coordinator never comes up
         _wait_for_coordinator(settings, dist.init_timeout_s)
     if multi:
         # JAX itself aborts the process (exit 134, "RegisterTask ... DEADLINE_EXCEEDED") when peers are missing
         # at the deadline; say first what is being waited for.
-        print(f"[process {settings.process_id if settings.process_id is not None else '?'}/"
-              f"{settings.expected_processes}] joining the job at {settings.coordinator or 'the Slurm coordinator'}; "
-              f"all {settings.expected_processes} processes must join within dist.init_timeout_s="
+        print(f"[process {settings.process_id}/{settings.num_processes}] joining the job at {settings.coordinator}; "
+              f"all {settings.num_processes} processes must join within dist.init_timeout_s="
               f"{dist.init_timeout_s} s", file=sys.stderr, flush=True)
         # CPU devices of different processes talk through gloo (no effect on GPU backends, which use NCCL).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
-            coordinator_address=settings.coordinator,
-            num_processes=None if settings.source == "slurm" else settings.num_processes,  # Slurm: JAX detects
-            process_id=settings.process_id, initialization_timeout=dist.init_timeout_s,
-            heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
+            coordinator_address=settings.coordinator, num_processes=settings.num_processes,
+            process_id=settings.process_id,
+            local_device_ids=None if settings.local_device_ids is None else list(settings.local_device_ids),
+            cluster_detection_method="deactivate",  # every value is resolved above; JAX must not override any
+            coordinator_bind_address=settings.bind_address,
+            initialization_timeout=dist.init_timeout_s, heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
     except Exception as e:  # JAX raises various errors here; all mean the group did not form
-        where = settings.coordinator or "the Slurm-derived coordinator"
-        who = f"process {settings.process_id} of {settings.num_processes}" if settings.process_id is not None else "this process"
-        raise DistributedError(f"{who} could not join the job at {where} within dist.init_timeout_s="
-                               f"{dist.init_timeout_s} s (are all processes started, with the same coordinator?): "
+        raise DistributedError(f"process {settings.process_id} of {settings.num_processes} could not join the job "
+                               f"at {settings.coordinator} within dist.init_timeout_s={dist.init_timeout_s} s (are "
+                               f"all processes started, with the same coordinator?): "
                                f"{' '.join(str(e).split())[:200]}") from None
+    verify_devices(settings)
+
+
+def verify_devices(settings: Settings, expected_kind: str | None = None) -> None:
+    """After initialisation: the GPUs this process and the job got are the ones asked for, or ConfigError (exit 2).
+
+    Checks the local device count against ``local_device_ids``, the global count against processes x local count
+    (both Slurm layouts give every process the same number), and, with ``expected_kind`` (the hardware file's
+    device, e.g. "H100"), that every device's kind contains it. No-op on CPU devices, which ignore the ids.
+    """
+    import jax
+
+    local = jax.local_devices()
+    if local[0].platform == "cpu":
+        return
+    tag = f"process {jax.process_index()} on {socket.gethostname()}"
+    if settings.local_device_ids is not None and len(local) != len(settings.local_device_ids):
+        raise ConfigError(f"{tag} has {len(local)} {local[0].platform} device(s) but local_device_ids="
+                          f"{list(settings.local_device_ids)} ({settings.sources['local_device_ids']}) asked for "
+                          f"{len(settings.local_device_ids)}")
+    if jax.device_count() != len(local) * jax.process_count():
+        raise ConfigError(f"the job has {jax.device_count()} devices but {jax.process_count()} processes x "
+                          f"{len(local)} local devices = {len(local) * jax.process_count()}: the processes see "
+                          "different numbers of GPUs; check the Slurm GPU request (--gpus-per-node) per node")
+    if expected_kind:
+        wrong = sorted({d.device_kind for d in jax.devices() if expected_kind.lower() not in d.device_kind.lower()})
+        if wrong:
+            raise ConfigError(f"the hardware file describes {expected_kind} but the job has {', '.join(wrong)} "
+                              "devices; pick the hardware file of these GPUs")

@@ -102,8 +102,9 @@ def test_distributed_settings_errors():
         resolve(cfg.dist, {"JAX_NUM_PROCESSES": "2"})
     with pytest.raises(ConfigError, match="JAX_PROCESS_ID=2 must be below JAX_NUM_PROCESSES=2"):
         resolve(cfg.dist, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"})
-    s = resolve(cfg.dist, {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_TASKS": "2"})
-    assert s.source == "slurm" and s.coordinator is None and s.num_processes == 2
+    s = resolve(cfg.dist, {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7",
+                           "SLURM_PROCID": "1", "SLURM_LOCALID": "0"})
+    assert s.source == "slurm" and s.coordinator == "n1:61447" and s.num_processes == 2
     s = resolve(load_config(None, ["dist.coordinator=10.0.0.1:1234", "dist.num_processes=4",
                                    "dist.process_id=3"]).dist, {})
     assert (s.coordinator, s.num_processes, s.process_id, s.source) == ("10.0.0.1:1234", 4, 3, "config")

@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on 127.0.0.1 for tests: `cluster.sh start DIR` / `cluster.sh stop DIR`.
-# Needs Debian's slurmctld, slurmd and slurm-client (.ci/run installs them) and root. Everything lives under DIR;
-# stop kills exactly the daemons start launched, by their pid files.
+# A one-node Slurm cluster on 127.0.0.1 for tests: `cluster.sh start DIR [GPUS]` / `cluster.sh stop DIR`.
+#
+# Needs Debian's slurmctld, slurmd and slurm-client (22.05; .ci/run installs them) and root. Everything lives under
+# DIR; stop kills exactly the daemons start launched, by their pid files.
+#
+# GPUS (default 8) stand-in GPUs are described to Slurm as GRES (gres.conf `Name=gpu File=DIR/dev/nvidia[0-N]`,
+# character devices made with mknod, or plain files where mknod is not allowed). Without cgroups (task/none) Slurm
+# does not fence the files, but its gres/gpu plugin still allocates them and sets CUDA_VISIBLE_DEVICES and
+# SLURM_GPUS_ON_NODE per step and task exactly as on a GPU node, which is what the tests check.
+# The node declares 16 CPUs (SlurmdParameters=config_overrides lets slurmd accept more than the machine has) so that
+# 8 tasks per node fit without --overcommit.
+# Partitions: `debug` (default), and `low`/`high` for preemption: a job in `high` preempts (requeues) one in `low`
+# after the low partition's GraceTime; SlurmctldParameters=preempt_send_user_signal (Slurm 22.05's spelling; later
+# releases: PreemptParameters=send_user_signal) makes Slurm send the job's --signal at preemption time.
 set -euo pipefail
-cmd=$1; dir=$(realpath -m "$2")
+cmd=$1; dir=$(realpath -m "$2"); gpus=${3:-8}
 conf=$dir/slurm.conf
 case "$cmd" in
 start)
-  mkdir -p "$dir/state" "$dir/spool" "$dir/log"
+  mkdir -p "$dir/state" "$dir/spool" "$dir/log" "$dir/dev"
+  for ((g = 0; g < gpus; g++)); do
+    [ -e "$dir/dev/nvidia$g" ] || mknod "$dir/dev/nvidia$g" c 1 3 2>/dev/null || touch "$dir/dev/nvidia$g"
+  done
   node=$(hostname -s)
-  cpus=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
+  cat > "$dir/gres.conf" <<CONF
+NodeName=$node Name=gpu File=$dir/dev/nvidia[0-$((gpus - 1))]
+CONF
   cat > "$conf" <<CONF
 ClusterName=jaxtrain-test
 SlurmctldHost=$node(127.0.0.1)
@@ -23,6 +39,13 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+GresTypes=gpu
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
+SchedulerParameters=sched_interval=2
+KillWait=30
 ReturnToService=2
 SlurmctldPort=$((17000 + RANDOM % 1000))
 SlurmdPort=$((18000 + RANDOM % 1000))
@@ -33,8 +56,10 @@ SlurmdPidFile=$dir/slurmd.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd.log
 JobCompType=jobcomp/none
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+NodeName=$node NodeAddr=127.0.0.1 CPUs=16 RealMemory=$mem Gres=gpu:$gpus State=UNKNOWN
+PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
+PartitionName=low Nodes=$node MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
+PartitionName=high Nodes=$node MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
   export SLURM_CONF=$conf
   slurmctld -f "$conf"
@@ -50,5 +75,5 @@ stop)
     [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
   done
   ;;
-*) echo "usage: cluster.sh start|stop DIR" >&2; exit 2 ;;
+*) echo "usage: cluster.sh start DIR [GPUS] | stop DIR" >&2; exit 2 ;;
 esac

@@ -1,0 +1,44 @@
+"""``python -m jaxtrain env [--config PATH] [key=value ...] [--json]``: what ``jax.distributed`` would be given."""
+
+import json
+import os
+import socket
+
+from jaxtrain.commands import add_config_arguments
+
+
+def add_arguments(p):
+    p.description = ("Print what this process would pass to jax.distributed.initialize (coordinator, process count "
+                     "and id, local device ids, platform, coordinator bind address) and where each value came from "
+                     "(config, environment, Slurm), without starting JAX. Run it inside the job (e.g. `srun python "
+                     "-m jaxtrain env`) when a job sees the wrong devices.")
+    add_config_arguments(p)
+    p.add_argument("--json", action="store_true", help="one JSON object (keys: coordinator, num_processes, "
+                   "process_id, local_device_ids, platform, coordinator_bind_address, sources, host, "
+                   "cuda_visible_devices)")
+
+
+def run(args) -> int:
+    from jaxtrain import distributed
+    from jaxtrain.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    settings = distributed.resolve(cfg.dist)
+    out = settings.as_dict() | {"host": socket.gethostname(),
+                                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    ids = out["local_device_ids"]
+    rows = [("host", out["host"], "socket.gethostname()"),
+            ("CUDA_VISIBLE_DEVICES", out["cuda_visible_devices"] or "(unset)", "environment")]
+    rows += [(key, "every visible device" if key == "local_device_ids" and ids is None else
+              ",".join(map(str, ids)) if key == "local_device_ids" else
+              "JAX default" if out[key] is None else out[key], settings.sources[key])
+             for key in ("coordinator", "num_processes", "process_id", "local_device_ids", "platform",
+                         "coordinator_bind_address")]
+    width = max(len(r[0]) for r in rows)
+    value_width = max(len(str(r[1])) for r in rows)
+    for key, value, source in rows:
+        print(f"{key:<{width}}  {str(value):<{value_width}}  ({source})")
+    return 0
