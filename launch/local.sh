@@ -8,6 +8,11 @@
 # and checkpoint it). If any process fails, the others are stopped and the launcher exits with the failing status.
 # PYTHON (default python3) picks the interpreter; GRACE_S (default 20) is how long stopped processes get before
 # SIGKILL.
+#
+# On a GPU host each process gets its own GPUs: the G GPUs this shell sees (CUDA_VISIBLE_DEVICES, else
+# `nvidia-smi -L`; JAXTRAIN_LOCAL_GPUS=G overrides) are split into N equal blocks, and process i gets
+# JAX_LOCAL_DEVICE_IDS=<block i> (JAX's own variable: the process creates, and preallocates memory on, those GPUs
+# only). Without this every process would open every GPU and preallocate 75% of each. N must divide G.
 set -u
 if [ $# -lt 2 ] || ! [[ "$1" =~ ^[1-9][0-9]*$ ]]; then
   echo "usage: launch/local.sh N COMMAND [ARGS...]   (N >= 1 processes of python -m jaxtrain COMMAND ARGS...)" >&2
@@ -18,9 +23,28 @@ python=${PYTHON:-python3}
 grace=${GRACE_S:-20}
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
+if [ -n "${JAXTRAIN_LOCAL_GPUS:-}" ]; then
+  gpus=$JAXTRAIN_LOCAL_GPUS
+elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+else
+  gpus=0
+fi
+if ! [[ "$gpus" =~ ^[0-9]+$ ]] || { [ "$gpus" -gt 0 ] && [ $((gpus % n)) -ne 0 ]; }; then
+  echo "launch/local.sh: $n processes cannot share $gpus GPUs equally; use N dividing the GPU count" >&2
+  exit 2
+fi
+
 pids=()
 for ((i = 0; i < n; i++)); do
-  JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i \
+  ids=${JAX_LOCAL_DEVICE_IDS:-}
+  if [ "$gpus" -gt 0 ]; then
+    per=$((gpus / n))
+    ids=$(seq -s, $((i * per)) $((i * per + per - 1)))
+  fi
+  JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i JAX_LOCAL_DEVICE_IDS=$ids \
     "$python" -u -m jaxtrain "$@" > >(sed -u "s/^/[$i] /") 2>&1 &
   pids+=($!)
 done

@@ -166,29 +166,6 @@ def test_health_check_with_two_processes():
     assert "[0] [process 0/2] check passed" in proc.stdout and "[1] [process 1/2] check passed" in proc.stdout
 
 
-def test_kubernetes_manifest_structure():
-    docs = list(yaml.safe_load_all(open(os.path.join(REPO, "launch/k8s/jaxtrain.yaml"))))
-    service = next(d for d in docs if d["kind"] == "Service")
-    job = next(d for d in docs if d["kind"] == "Job")
-    assert service["spec"]["clusterIP"] == "None"  # headless: pods get stable DNS names
-    spec = job["spec"]
-    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
-    pod = spec["template"]["spec"]
-    assert pod["subdomain"] == service["metadata"]["name"] and pod["restartPolicy"] == "Never"
-    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
-    container = pod["containers"][0]
-    env = {e["name"]: e for e in container["env"]}
-    n = spec["completions"]
-    assert env["JAX_NUM_PROCESSES"]["value"] == str(n)
-    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
-    host, port = env["JAX_COORDINATOR_ADDRESS"]["value"].rsplit(":", 1)
-    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}" and port.isdigit()
-    assert {"containerPort": int(port)} .items() <= container["ports"][0].items()
-    assert container["command"][:3] == ["python", "-m", "jaxtrain"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
-
-
 @pytest.mark.slow
 def test_real_slurm_runs_the_sbatch_script(tmp_path):
     if shutil.which("slurmctld") is None or os.geteuid() != 0:

@@ -1,0 +1,132 @@
+"""The launchers' shared environment file and the Kubernetes JobSet, checked structurally (no cluster here).
+
+The JobSet's Job template is validated against Kubernetes' own OpenAPI schema (kubernetes-validate, strict: unknown
+fields fail); the JobSet fields around it, which that schema does not cover, are checked one by one.
+"""
+
+import os
+import re
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import REPO
+
+LAUNCH = os.path.join(REPO, "launch")
+
+
+def env_file() -> dict:
+    """launch/jaxtrain.env read the way kustomize's `envs:` reads it: KEY=VALUE lines, # comments, split at the
+    first '='."""
+    out = {}
+    for line in open(os.path.join(LAUNCH, "jaxtrain.env")):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key), line
+            out[key] = value
+    return out
+
+
+def jobset():
+    (doc,) = yaml.safe_load_all(open(os.path.join(LAUNCH, "k8s", "jaxtrain.yaml")))
+    return doc
+
+
+def test_environment_file_keeps_only_production_settings():
+    env = env_file()
+    assert env["JAX_PLATFORMS"] == "cuda"
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in env["XLA_FLAGS"].split()
+    # NCCL's "Debugging" variables and cluster-specific device/interface choices are not defaults.
+    for name in ("NCCL_NET_GDR_LEVEL", "NCCL_IB_QPS_PER_CONNECTION", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME",
+                 "NCCL_IB_TIMEOUT"):
+        assert name not in env
+
+
+def _sbatch_environment(extra):
+    """Run the sbatch script's environment block (everything before the first srun) and print the result."""
+    script = open(os.path.join(LAUNCH, "slurm.sbatch")).read()
+    block = script.split("PYTHON=")[0]
+    env = {"PATH": os.environ["PATH"], "SLURM_SUBMIT_DIR": REPO} | extra
+    proc = subprocess.run(["bash", "-c", block + '\nenv', "sbatch", "train", "run.dir=/shared/r1"],
+                          capture_output=True, text=True, env=env, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+
+
+def test_sbatch_exports_the_file_and_lets_the_user_win():
+    file = env_file()
+    got = _sbatch_environment({"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false",
+                               "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
+    for key, value in file.items():
+        if key not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+            assert got[key] == value
+    assert got["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+    # The user's flag comes last, so XLA applies it last.
+    assert got["XLA_FLAGS"] == file["XLA_FLAGS"] + " --xla_gpu_enable_latency_hiding_scheduler=false"
+    assert got["JAX_COMPILATION_CACHE_DIR"] == "/shared/r1/jax-cache"
+    missing = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch"), "train"], capture_output=True,
+                             text=True, env={"PATH": os.environ["PATH"], "JAXTRAIN_ENV_FILE": "/nonexistent"})
+    assert missing.returncode == 2 and "environment file /nonexistent not found" in missing.stderr
+
+
+def test_kustomization_makes_the_configmap_the_pods_load():
+    kust = yaml.safe_load(open(os.path.join(LAUNCH, "kustomization.yaml")))
+    assert kust["resources"] == ["k8s/jaxtrain.yaml"]
+    (gen,) = kust["configMapGenerator"]
+    assert gen["envs"] == ["jaxtrain.env"] and kust["generatorOptions"]["disableNameSuffixHash"] is True
+    pod = jobset()["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["envFrom"] == [{"configMapRef": {"name": gen["name"]}}]
+    # The ConfigMap kustomize would build validates as a ConfigMap.
+    configmap = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": env_file()}
+    kubernetes_validate.validate(configmap, "1.31", strict=True)
+
+
+def test_job_template_validates_against_the_kubernetes_schema():
+    rjob = jobset()["spec"]["replicatedJobs"][0]
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "jaxtrain-workers-0"},
+           "spec": rjob["template"]["spec"]}
+    kubernetes_validate.validate(job, "1.31", strict=True)
+    broken = yaml.safe_load(yaml.safe_dump(job))
+    broken["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # a typo strict validation must catch
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.31", strict=True)
+
+
+def test_jobset_has_what_a_jax_job_on_rdma_nodes_needs():
+    js = jobset()
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
+    spec = js["spec"]
+    assert spec["failurePolicy"]["maxRestarts"] >= 1  # any failure restarts every pod
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]  # gang admission
+    assert spec["network"]["enableDNSHostnames"] is True
+    (rjob,) = spec["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    assert job["parallelism"] == job["completions"] == 1 and job["backoffLimit"] == 0
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] >= 120
+    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    (c,) = pod["containers"]
+    assert re.fullmatch(r"[\w./-]+@sha256:[0-9a-f]{64}", c["image"])  # pinned by digest
+    assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+    req, lim = c["resources"]["requests"], c["resources"]["limits"]
+    assert req["nvidia.com/gpu"] == lim["nvidia.com/gpu"] == 8 and "cpu" in req and "memory" in req
+    assert any(k.startswith("rdma/") for k in lim)
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+
+    # The node count lives in one place: replicas. Processes read it and their index from JobSet's pod labels.
+    env = {e["name"]: e for e in c["env"]}
+    assert env["JAX_NUM_PROCESSES"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"
+    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['jobset.sigs.k8s.io/job-index']"
+    assert not any(str(rjob["replicas"]) == a.split("=")[-1] for a in c["command"] if "dcn" in a)
+    assert "mesh.dcn.data=-1" in c["command"]
+    host, port = env["JAX_COORDINATOR_ADDRESS"]["value"].rsplit(":", 1)
+    assert host == f"{js['metadata']['name']}-{rjob['name']}-0-0.{spec['network']['subdomain']}"
+    assert int(port) == c["ports"][0]["containerPort"]
+    assert c["command"][:4] == ["python", "-m", "jaxtrain", "train"]
