@@ -33,7 +33,7 @@ def main(argv):
         runtime.quiet_logs()
         import jax
 
-        trainer = train.build_trainer(cfg)
+        trainer = train.setup(cfg)
         state = trainer.init_state()
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         rows = []

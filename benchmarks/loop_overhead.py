@@ -41,7 +41,7 @@ def main(argv):
         from jaxtrain import runtime, train
 
         runtime.configure(cfg)
-        trainer = train.build_trainer(cfg)
+        trainer = train.setup(cfg)
         bare_a, compile_s = bare_step_seconds(trainer, steps)
         result = train.train(cfg)
         bare_b, _ = bare_step_seconds(trainer, steps)

@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain.config import Config
-from jaxtrain.mesh import build_mesh, resolve_shape
+from jaxtrain.mesh import build_mesh
 
 BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
               "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
@@ -121,12 +121,11 @@ def measure_matmuls(size: int, iters: int, rounds: int = 3) -> list[tuple[str, f
 
 def run(cfg: Config) -> list[str]:
     """Run the check, print tables (process 0), return the failures (empty: healthy)."""
-    mesh = build_mesh(cfg)
-    shape = resolve_shape(cfg.mesh, mesh.devices.size)
+    mesh, shape = build_mesh(cfg)
     c, main = cfg.check, jax.process_index() == 0
     failures = []
     say = print if main else (lambda *a, **k: None)
-    say(f"mesh {shape.describe()}; {jax.process_count()} process(es), {mesh.devices.size} "
+    say(f"mesh {shape.label}; {jax.process_count()} process(es), {mesh.devices.size} "
         f"{jax.devices()[0].device_kind} device(s)\n")
 
     matmuls = measure_matmuls(c.matmul_size, c.iters)

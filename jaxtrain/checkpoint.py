@@ -28,7 +28,7 @@ class CheckpointError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class RestorePlan:
+class RestoreSource:
     """Where training starts: nothing (fresh), a full train state, or parameters only (``init_from``)."""
 
     kind: str  # "fresh" | "resume" | "params"
@@ -75,23 +75,23 @@ def _existing_steps(directory: str) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(directory))
 
 
-def plan_restore(cfg: Config, abstract_state: Any) -> RestorePlan:
+def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
     """Decide what to restore and check it fits ``abstract_state``, without reading any array or writing anything."""
     c, own = cfg.checkpoint, checkpoint_dir(cfg)
     own_steps = _existing_steps(own)
-    plan = RestorePlan("fresh")
+    source = RestoreSource("fresh")
     if c.resume == "never":
         if own_steps:
             raise ConfigError(f"checkpoint.resume=never but {own} already holds steps {own_steps}; use a new run.dir "
                               "or checkpoint.dir (existing checkpoints are never overwritten)")
     elif c.resume == "auto":
         if own_steps:
-            plan = RestorePlan("resume", own, own_steps[-1])
+            source = RestoreSource("resume", own, own_steps[-1])
     elif c.resume.isdigit():
         step = int(c.resume)
         if step not in own_steps:
             raise ConfigError(f"checkpoint.resume={step}: no such step in {own}; steps there: {own_steps or 'none'}")
-        plan = RestorePlan("resume", own, step)
+        source = RestoreSource("resume", own, step)
     else:
         directory, step = _step_dir(c.resume)
         steps = _existing_steps(directory)
@@ -99,21 +99,21 @@ def plan_restore(cfg: Config, abstract_state: Any) -> RestorePlan:
             step = steps[-1]
         if step not in steps:
             raise ConfigError(f"checkpoint.resume={c.resume!r} holds no complete checkpoint; steps there: {steps or 'none'}")
-        plan = RestorePlan("resume", directory, step)
-    if plan.kind == "fresh" and c.init_from:
+        source = RestoreSource("resume", directory, step)
+    if source.kind == "fresh" and c.init_from:
         directory, step = _step_dir(c.init_from)
         steps = _existing_steps(directory)
         step = steps[-1] if step is None and steps else step
         if step not in steps:
             raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: {steps or 'none'}")
-        plan = RestorePlan("params", directory, step)
-    if plan.kind == "resume" and plan.step > cfg.train.steps:
-        raise ConfigError(f"the checkpoint to resume is at step {plan.step}, beyond train.steps={cfg.train.steps}; "
+        source = RestoreSource("params", directory, step)
+    if source.kind == "resume" and source.step > cfg.train.steps:
+        raise ConfigError(f"the checkpoint to resume is at step {source.step}, beyond train.steps={cfg.train.steps}; "
                           f"raise train.steps or set checkpoint.resume")
-    if plan.kind != "fresh":
-        target = abstract_state if plan.kind == "resume" else {"model": abstract_state["model"]}
-        _check_shapes(plan, target)
-    return plan
+    if source.kind != "fresh":
+        target = abstract_state if source.kind == "resume" else {"model": abstract_state["model"]}
+        _check_shapes(source, target)
+    return source
 
 
 def _leaf_name(path) -> str:
@@ -121,31 +121,31 @@ def _leaf_name(path) -> str:
     return ".".join(k for k in keys if k not in ("value", ".value"))
 
 
-def _check_shapes(plan: RestorePlan, target: Any) -> None:
-    saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(plan.directory) / str(plan.step) / "state").tree
+def _check_shapes(source: RestoreSource, target: Any) -> None:
+    saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(source.directory) / str(source.step) / "state").tree
     saved_shapes = {_leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = _leaf_name(path)
         if name not in saved_shapes:
-            raise ConfigError(f"checkpoint {plan.directory}/{plan.step} has no {name!r} (the model or optimizer "
+            raise ConfigError(f"checkpoint {source.directory}/{source.step} has no {name!r} (the model or optimizer "
                               "differs from the one that saved it)")
         if saved_shapes[name] != tuple(leaf.shape):
-            raise ConfigError(f"checkpoint {plan.directory}/{plan.step} does not fit this model: {name} has shape "
+            raise ConfigError(f"checkpoint {source.directory}/{source.step} does not fit this model: {name} has shape "
                               f"{saved_shapes[name]} there but {tuple(leaf.shape)} here")
 
 
-def restore(plan: RestorePlan, abstract_state: Any, fresh_state):
-    """(state, step, data iterator state or None). ``fresh_state()`` makes a new state where the plan needs one."""
-    if plan.kind == "fresh":
+def restore(source: RestoreSource, abstract_state: Any, fresh_state):
+    """(state, step, data iterator state or None). ``fresh_state()`` makes a new state where the source needs one."""
+    if source.kind == "fresh":
         return fresh_state(), 0, None
-    manager = _manager(plan.directory, read_only=True, partial=plan.kind == "params")
-    if plan.kind == "resume":
-        out = manager.restore(plan.step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+    manager = _manager(source.directory, read_only=True, partial=source.kind == "params")
+    if source.kind == "resume":
+        out = manager.restore(source.step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                                                  meta=ocp.args.JsonRestore()))
-        return out["state"], plan.step, out["meta"]["data_iterator"]
+        return out["state"], source.step, out["meta"]["data_iterator"]
     # Parameters only: read the model subtree, keep the fresh optimizer state.
     state = fresh_state()
-    out = manager.restore(plan.step, args=ocp.args.Composite(
+    out = manager.restore(source.step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item={"model": abstract_state["model"]}, partial_restore=True)))
     state["model"] = out["state"]["model"]
     return state, 0, None
@@ -185,8 +185,8 @@ class Checkpointer:
                                   f"{_reason(e)}") from e
         return time.perf_counter() - t0
 
-    def check(self) -> None:
-        """Raise now if a background save has failed, rather than at the next save."""
+    def raise_if_failed(self) -> None:
+        """Raise CheckpointError now if a background save has failed, rather than at the next save."""
         try:
             self._manager.check_for_errors()
         except Exception as e:

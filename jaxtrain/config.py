@@ -35,7 +35,7 @@ class RunConfig:
 
 @dataclass
 class RuntimeConfig:
-    # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (see `resolved_cpu_devices`).
+    # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (mesh.cpu_devices_per_process).
     cpu_devices: int | None = None
 
 
@@ -80,6 +80,14 @@ class MeshConfig:
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=_default_rules)
 
+    def sizes(self) -> dict[tuple[str, str], int]:
+        """``{("ici", "data"): 1, ...}``: the six configured sizes, ``-1`` included."""
+        return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
+
+    def fixed_axis_sizes(self) -> dict[str, int]:
+        """Each axis's ici x dcn size with ``-1`` counted as 1: what is known before the device count is."""
+        return {ax: max(getattr(self.ici, ax), 1) * max(getattr(self.dcn, ax), 1) for ax in MESH_AXES}
+
 
 @dataclass
 class ModelConfig:
@@ -94,10 +102,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on accelerators, float32 on CPU
+    # Compute dtype. "auto" is resolved once at start-up (resolve_auto): bfloat16 on accelerators, float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # xla: reference einsum; cudnn: jax.nn.dot_product_attention's cuDNN kernel (GPU, 16-bit); pallas / triton:
-    # jaxtrain's flash kernels (pallas runs interpreted, slowly, on CPU); auto: cudnn on GPU, xla on CPU.
+    # jaxtrain's flash kernels (pallas runs interpreted, slowly, on CPU); auto: resolved once at start-up for the
+    # platform (resolve_auto), and recorded as the concrete choice in run.dir/config.yaml.
     attention: Literal["xla", "cudnn", "pallas", "triton", "auto"] = "xla"
     remat: Literal["none", "full", "save_matmuls"] = "none"
 
@@ -128,6 +138,11 @@ class TrainConfig:
     seed: int = 0
     global_batch: int = 16  # sequences per optimizer step, over all devices and processes
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many sequential chunks
+    # With microbatches > 1: "unreduced" reduces gradients across the batch axes once per step (one all-gather and
+    # one reduce-scatter per step, as without accumulation; each device holds the gathered parameters and a gradient
+    # accumulator of their size); "sharded" keeps them reduced and sharded inside the loop (the memory of a step
+    # without accumulation; the collectives once per microbatch).
+    accumulate: Literal["unreduced", "sharded"] = "unreduced"
     lr: float = 3e-3
     warmup_steps: int = 30  # linear warmup from 0 to lr
     # The cosine's horizon is its own option, not train.steps, so that extending or resuming a run with more steps
@@ -140,7 +155,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     eval_every: int = 100  # 0 disables periodic evaluation (it still runs at the end)
     eval_batches: int = 4
-    log_every: int = 1
+    log_every: int = 10  # progress line and metrics.jsonl every N steps (and the first and last step)
 
 
 @dataclass
@@ -191,9 +206,29 @@ class Config:
 # Loading
 
 
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # package data
+
+
+def shipped(kind: str = "") -> dict[str, str]:
+    """Shipped YAML files by name: model configs (``kind=""``), ``"hardware"`` or ``"experiments"``."""
+    folder = os.path.join(SHIPPED_DIR, kind)
+    return {f[:-5]: os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".yaml")}
+
+
+def find_yaml(name: str, kind: str, what: str) -> str:
+    """A path as given, or the shipped file of that name (``7b``, ``h100-8x``); ConfigError listing the names."""
+    if os.path.exists(name) or name.endswith((".yaml", ".yml")) or os.sep in name:
+        return name
+    known = shipped(kind)
+    if name in known:
+        return known[name]
+    raise ConfigError(f"{what} {name!r} is neither a file nor a shipped name; shipped: {', '.join(known)}")
+
+
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
-    tree = read_yaml_mapping(path, "config file") if path is not None else {}
+    """Defaults, then the YAML file at ``path`` (if any; a shipped name such as ``7b`` also works), then
+    ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
+    tree = read_yaml_mapping(find_yaml(path, "", "config"), "config file") if path is not None else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -220,6 +255,23 @@ def read_yaml_mapping(path: str, what: str) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{what} {path!r} must hold a mapping at the top level")
     return loaded
+
+
+def load_typed(path: str, cls: type, what: str) -> Any:
+    """A dataclass ``cls`` from the YAML mapping at ``path``, each value checked against the field's type: the one
+    loader for config-shaped files (hardware descriptions, experiments). Fields without defaults are required."""
+    raw = read_yaml_mapping(path, what)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{what} {path!r} has unknown keys: {', '.join(map(str, unknown))}; "
+                          f"valid: {', '.join(fields)}")
+    missing = [n for n, f in fields.items() if n not in raw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{what} {path!r} lacks: {', '.join(missing)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(hints[k], v, f"{what} {path!r}: {k}") for k, v in raw.items()})
 
 
 def _one_line(e: Exception) -> str:
@@ -369,6 +421,10 @@ def validate(cfg: Config) -> None:
     if m.attention in ("pallas", "triton"):
         _require(m.resolved_head_dim in FLASH_HEAD_DIMS, f"model.attention={m.attention} needs a head dim in "
                  f"{FLASH_HEAD_DIMS}, got {m.resolved_head_dim}; set model.head_dim")
+    _require(not (m.attention in ("pallas", "triton") and cfg.mesh.rules.get("act_seq") is not None),
+             f"model.attention={m.attention} runs its kernel on each device's slice of the sequence, so "
+             f"mesh.rules.act_seq={cfg.mesh.rules.get('act_seq')!r} would attend only within a slice; set "
+             "mesh.rules.act_seq=null (context parallelism is not implemented) or model.attention=xla")
     _require(not (m.attention == "cudnn" and cfg.data.document_mask),
              "model.attention=cudnn cannot mask documents (data.document_mask=true); use pallas, triton or xla")
     _positive("model.rope_theta", m.rope_theta)
@@ -431,7 +487,7 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_mesh(cfg: Config) -> None:
-    sizes = {f"mesh.{part}.{ax}": getattr(getattr(cfg.mesh, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
+    sizes = {f"mesh.{part}.{ax}": v for (part, ax), v in cfg.mesh.sizes().items()}
     fills = [k for k, v in sizes.items() if v == -1]
     _require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join(fills)}")
     for k, v in sizes.items():
@@ -451,12 +507,7 @@ def _validate_mesh(cfg: Config) -> None:
                      f"mesh.rules.{logical}={target!r} names an unknown mesh axis; valid: {', '.join(MESH_AXES)} or null")
 
     # Divisibility by the fixed axis sizes now; the -1 axis is checked again once it is resolved (mesh.py).
-    check_divisibility(cfg, {ax: fixed_axis_size(cfg, ax) for ax in MESH_AXES})
-
-
-def fixed_axis_size(cfg: Config, axis: str) -> int:
-    """Product of the ici and dcn sizes of ``axis``, counting -1 as 1."""
-    return max(getattr(cfg.mesh.ici, axis), 1) * max(getattr(cfg.mesh.dcn, axis), 1)
+    check_divisibility(cfg, cfg.mesh.fixed_axis_sizes())
 
 
 def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
@@ -478,11 +529,24 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
              f"data-parallel size {dp} ({' x '.join(a for a in batch_axes if a)})")
 
 
-def resolved_cpu_devices(cfg: Config, num_processes: int = 1) -> int:
-    """``runtime.cpu_devices``, or (when unset) the product of the mesh's fixed axis sizes shared by the processes."""
-    if cfg.runtime.cpu_devices is not None:
-        return cfg.runtime.cpu_devices
-    n = 1
-    for ax in MESH_AXES:
-        n *= fixed_axis_size(cfg, ax)
-    return max(1, n // num_processes)
+
+def resolve_auto(cfg: Config, platform: str) -> Config:
+    """``cfg`` with ``model.dtype=auto`` and ``model.attention=auto`` replaced by the concrete choice for
+    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``): the one place "auto" gets a meaning.
+
+    dtype: float32 on CPU, bfloat16 on accelerators. attention: on GPU, cuDNN's fused kernel for 16-bit compute
+    without document masking (its entry point takes no segment ids, and it has no float32 kernel), else
+    jaxtrain's flash kernel where it takes the head dim; the XLA reference everywhere else. Concrete values pass
+    through unchanged, so resolving twice is harmless.
+    """
+    m = cfg.model
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    attention = m.attention
+    if attention == "auto":
+        attention = "xla"
+        if platform == "gpu":
+            if dtype != "float32" and not cfg.data.document_mask:
+                attention = "cudnn"
+            elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
+                attention = "pallas"
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention))

@@ -1,12 +1,15 @@
-"""Device mesh with axes (data, fsdp, tensor), each split into an intra-node (ici) and an inter-node (dcn) part.
+"""The mesh: its shape (axes data, fsdp, tensor, each an intra-node ici part times an inter-node dcn part) and the
+device mesh built from it.
 
-Device order: every ici group (the devices one host holds) is a contiguous block of the mesh, and the dcn part of each
-axis steps across hosts, so collectives over ici-only axes never leave a node. Logical-axis rules from the config map
-the model's logical names to these mesh axes.
+:class:`MeshShape` owns every fact about a shape: resolving the config's ``-1`` axis, the axis sizes, its label and
+JSON form, the ``key=value`` overrides that reproduce it, the config with it pinned, the divisibility rules, and
+which node each device sits on. :func:`build_mesh` lays devices out by the same node coordinates, so the planner's
+view of which collectives cross nodes is the mesh's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,76 +18,140 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtrain.config import MESH_AXES, ConfigError, Config, MeshConfig, check_divisibility
+from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, check_divisibility
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Resolved axis sizes, in MESH_AXES order."""
+    """Resolved axis sizes in ``MESH_AXES`` order: ``ici`` inside a node, ``dcn`` across nodes."""
 
-    ici: tuple[int, int, int]
-    dcn: tuple[int, int, int]
+    ici: tuple[int, ...]
+    dcn: tuple[int, ...]
+
+    @classmethod
+    def resolve(cls, mesh_cfg: MeshConfig, num_devices: int) -> MeshShape:
+        """The config's shape over ``num_devices``: the one ``-1`` axis filled, the total checked."""
+        sizes = mesh_cfg.sizes()
+        fixed = math.prod(v for v in sizes.values() if v != -1)
+        fill = [k for k, v in sizes.items() if v == -1]
+        if fill:
+            if num_devices % fixed:
+                part, ax = fill[0]
+                raise ConfigError(f"mesh.{part}.{ax}=-1 cannot fill {num_devices} devices: the other mesh axes "
+                                  f"multiply to {fixed}, which does not divide {num_devices}")
+            sizes[fill[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            listing = " x ".join(f"{p}.{a}={v}" for (p, a), v in sizes.items() if v != 1) or "all axes 1"
+            raise ConfigError(f"the mesh ({listing}) has {fixed} devices but {num_devices} are available; make the "
+                              f"mesh sizes multiply to {num_devices} (or set one axis to -1), or set "
+                              f"runtime.cpu_devices={fixed} on CPU")
+        return cls(ici=tuple(sizes[("ici", a)] for a in MESH_AXES), dcn=tuple(sizes[("dcn", a)] for a in MESH_AXES))
+
+    # -- sizes ---------------------------------------------------------------------------------------------------
 
     @property
     def axis_sizes(self) -> dict[str, int]:
+        """Total size of each mesh axis, e.g. ``{"data": 2, "fsdp": 4, "tensor": 1}``."""
         return {ax: i * d for ax, i, d in zip(MESH_AXES, self.ici, self.dcn)}
 
-    def describe(self) -> str:
-        parts = []
-        for ax, i, d in zip(MESH_AXES, self.ici, self.dcn):
-            parts.append(f"{ax}={i * d}" + (f" (ici {i} x dcn {d})" if d > 1 else ""))
-        return ", ".join(parts)
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.ici) * math.prod(self.dcn)
+
+    @property
+    def num_nodes(self) -> int:
+        """Hosts (processes, one per node) the dcn parts step across."""
+        return math.prod(self.dcn)
+
+    @property
+    def devices_per_node(self) -> int:
+        return math.prod(self.ici)
+
+    def check(self, cfg: Config) -> None:
+        """Raise ConfigError when the model or batch does not split evenly over these axis sizes."""
+        check_divisibility(cfg, self.axis_sizes)
+
+    # -- renderings ----------------------------------------------------------------------------------------------
+
+    @property
+    def label(self) -> str:
+        """Short human label: ``fsdp8``, ``data2 fsdp2 tensor2``, ``fsdp4 | dcn data2``."""
+        ici = " ".join(f"{a}{s}" for a, s in zip(MESH_AXES, self.ici) if s > 1) or "one-device"
+        dcn = " ".join(f"{a}{s}" for a, s in zip(MESH_AXES, self.dcn) if s > 1)
+        return f"{ici} | dcn {dcn}" if dcn else ici
+
+    def as_dict(self) -> dict:
+        """The JSON form: total axis sizes, and their intra-node (ici) and inter-node (dcn) parts."""
+        return {**self.axis_sizes, "ici": dict(zip(MESH_AXES, self.ici)), "dcn": dict(zip(MESH_AXES, self.dcn))}
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that select exactly this shape (all six sizes)."""
+        return [f"mesh.{part}.{ax}={s}" for part, sizes in (("ici", self.ici), ("dcn", self.dcn))
+                for ax, s in zip(MESH_AXES, sizes)]
+
+    def apply(self, cfg: Config) -> Config:
+        """``cfg`` with its mesh pinned to this shape (no ``-1`` left)."""
+        ici = dataclasses.replace(cfg.mesh.ici, **dict(zip(MESH_AXES, self.ici)))
+        dcn = dataclasses.replace(cfg.mesh.dcn, **dict(zip(MESH_AXES, self.dcn)))
+        return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, ici=ici, dcn=dcn))
+
+    # -- device layout -------------------------------------------------------------------------------------------
+
+    def coordinates(self, ids: np.ndarray) -> np.ndarray:
+        """Logical device ids (positions in the row-major (data, fsdp, tensor) mesh) -> [..., 2 * axes] coordinates
+        ``(dcn_data, ici_data, dcn_fsdp, ici_fsdp, dcn_tensor, ici_tensor)``.
+
+        Within each axis the dcn index is the major part (dcn = coord // ici, ici = coord % ici): the layout
+        :func:`build_mesh` gives the devices, so the dcn coordinates name the node a device sits on.
+        """
+        ids = np.asarray(ids)
+        coords = np.stack(np.unravel_index(ids, tuple(self.axis_sizes.values())), axis=-1)
+        ici = np.array(self.ici)
+        return np.stack([coords // ici, coords % ici], axis=-1).reshape(*ids.shape, 2 * len(MESH_AXES))
+
+    def node_of(self, ids: np.ndarray) -> np.ndarray:
+        """The node index (0 .. num_nodes - 1) of each logical device id."""
+        dcn_coords = self.coordinates(ids)[..., 0::2]
+        return np.ravel_multi_index(tuple(np.moveaxis(dcn_coords, -1, 0)), self.dcn)
+
+    def device_grid(self, devices: list) -> np.ndarray:
+        """``devices`` (node after node, each node's devices contiguous) arranged as this mesh: an array of shape
+        ``axis_sizes`` whose logical id ``i`` holds a device of node ``node_of(i)``."""
+        per_node = self.devices_per_node
+        groups = [mesh_utils.create_device_mesh(self.ici, devices[g * per_node:(g + 1) * per_node],
+                                                allow_split_physical_axes=True) for g in range(self.num_nodes)]
+        grid = np.stack(groups).reshape(*self.dcn, *self.ici)  # [dcn_d, dcn_f, dcn_t, ici_d, ici_f, ici_t]
+        grid = grid.transpose(0, 3, 1, 4, 2, 5)  # the dcn index is the major part of each axis
+        return grid.reshape(tuple(self.axis_sizes.values()))
 
 
-def resolve_shape(mesh_cfg: MeshConfig, num_devices: int) -> MeshShape:
-    """Fill in the one ``-1`` axis and check the mesh covers exactly ``num_devices`` devices."""
-    sizes = {(part, ax): getattr(getattr(mesh_cfg, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    fill = [k for k, v in sizes.items() if v == -1]
-    if fill:
-        if num_devices % fixed:
-            part, ax = fill[0]
-            raise ConfigError(f"mesh.{part}.{ax}=-1 cannot fill {num_devices} devices: the other mesh axes multiply "
-                              f"to {fixed}, which does not divide {num_devices}")
-        sizes[fill[0]] = num_devices // fixed
-    elif fixed != num_devices:
-        listing = " x ".join(f"{p}.{a}={v}" for (p, a), v in sizes.items() if v != 1) or "all axes 1"
-        raise ConfigError(f"the mesh ({listing}) has {fixed} devices but {num_devices} are available; make the mesh "
-                          f"sizes multiply to {num_devices} (or set one axis to -1), or set runtime.cpu_devices={fixed} on CPU")
-    return MeshShape(ici=tuple(sizes[("ici", a)] for a in MESH_AXES), dcn=tuple(sizes[("dcn", a)] for a in MESH_AXES))
+def cpu_devices_per_process(cfg: Config, num_processes: int = 1) -> int:
+    """``runtime.cpu_devices``, or (unset) the mesh's fixed axis sizes (``-1`` counted as 1) shared by the processes."""
+    if cfg.runtime.cpu_devices is not None:
+        return cfg.runtime.cpu_devices
+    return max(1, math.prod(cfg.mesh.fixed_axis_sizes().values()) // num_processes)
 
 
-def build_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-    """The training mesh over ``devices`` (default: all global devices), after checking sizes against the model."""
+def build_mesh(cfg: Config, devices: list | None = None) -> tuple[Mesh, MeshShape]:
+    """The training mesh over ``devices`` (default: all global devices) and its resolved shape, after checking the
+    model and batch against the axis sizes."""
     devices = list(jax.devices()) if devices is None else list(devices)
-    shape = resolve_shape(cfg.mesh, len(devices))
-    check_divisibility(cfg, shape.axis_sizes)
+    shape = MeshShape.resolve(cfg.mesh, len(devices))
+    shape.check(cfg)
     n_proc = len({d.process_index for d in devices})
-    num_granules = math.prod(shape.dcn)
     if n_proc > 1:
-        if num_granules != n_proc:
-            raise ConfigError(f"mesh.dcn sizes multiply to {num_granules} but there are {n_proc} processes; "
+        if shape.num_nodes != n_proc:
+            raise ConfigError(f"mesh.dcn sizes multiply to {shape.num_nodes} but there are {n_proc} processes; "
                               "with one process per host the dcn axes must multiply to the number of processes")
         arr = mesh_utils.create_hybrid_device_mesh(shape.ici, shape.dcn, devices, process_is_granule=True)
     else:
-        arr = _single_host_hybrid(shape, devices)
-    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-
-
-def _single_host_hybrid(shape: MeshShape, devices: list) -> np.ndarray:
-    """On one process, emulate hosts as contiguous groups of devices, arranged as create_hybrid_device_mesh would."""
-    n_groups = math.prod(shape.dcn)
-    per_group = len(devices) // n_groups
-    groups = [mesh_utils.create_device_mesh(shape.ici, devices[g * per_group:(g + 1) * per_group],
-                                            allow_split_physical_axes=True) for g in range(n_groups)]
-    grid = np.stack(groups).reshape(*shape.dcn, *shape.ici)  # [dcn_d, dcn_f, dcn_t, ici_d, ici_f, ici_t]
-    grid = grid.transpose(0, 3, 1, 4, 2, 5)  # dcn index is the major part of each axis
-    return grid.reshape([d * i for d, i in zip(shape.dcn, shape.ici)])
+        # One process emulates the nodes with contiguous groups of its devices.
+        arr = shape.device_grid(devices)
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)), shape
 
 
 def rules_from_config(rules: dict) -> Rules:
     """Config rules (a mapping of logical name to mesh axis, list of axes, or None) in Flax's tuple form."""
     return tuple((name, tuple(t) if isinstance(t, list) else t) for name, t in rules.items())
-

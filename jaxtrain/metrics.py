@@ -1,4 +1,4 @@
-"""Training metrics: analytic model FLOPs, MFU, and the sinks (progress line, metrics.jsonl, TensorBoard).
+"""Training metrics sinks: the progress line, ``metrics.jsonl`` and TensorBoard.
 
 Only process 0 writes. Sinks receive plain Python numbers: the loop converts device values (one step late) first.
 """
@@ -11,42 +11,6 @@ import os
 import statistics
 import sys
 import time
-
-from jaxtrain.config import ModelConfig
-
-# Dense bf16 peak FLOP/s per device (vendor datasheets; sparsity excluded). Matched by substring of device_kind.
-PEAK_FLOPS = (
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 125e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5e", 197e12),
-    ("TPU v4", 275e12),
-)
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one device, or None when unknown (e.g. CPU)."""
-    for key, value in PEAK_FLOPS:
-        if key.lower() in device_kind.lower():
-            return value
-    return None
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (forward + backward = 3x forward), rematerialisation not counted.
-
-    Forward: 2 FLOPs per weight of every matmul (the embedding lookup is not a matmul; the output projection is),
-    plus attention's two [seq x seq] matmuls, 2 * 2 * seq * heads * head_dim per layer, halved for causal masking.
-    """
-    d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
-    matmul_weights = l * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff) + d * cfg.vocab_size
-    attention = l * 2 * 2 * seq_len * cfg.n_heads * hd / 2
-    return 3 * (2 * matmul_weights + attention)
 
 
 class MetricsWriter:
@@ -64,7 +28,8 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, *, elapsed: float | None = None, eta: float | None = None) -> None:
+        """Log one step's record; ``elapsed`` (since the loop started) and ``eta`` seconds go to the progress line."""
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
@@ -72,10 +37,12 @@ class MetricsWriter:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and value is not None and math.isfinite(value):
                 self._tb.add_scalar(key, value, step)
-        print(self._progress(record), flush=True)
+        print(self._progress(record, elapsed, eta), flush=True)
 
-    def _progress(self, r: dict) -> str:
-        parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}"]
+    def _progress(self, r: dict, elapsed: float | None, eta: float | None) -> str:
+        width = len(str(self.total_steps))
+        parts = [f"step {r['step']:>{width}}/{self.total_steps} {100 * r['step'] / self.total_steps:3.0f}%",
+                 f"loss {r['loss']:.4f}"]
         if "eval_loss" in r:
             parts.append(f"eval {r['eval_loss']:.4f}")
         if "grad_norm" in r:
@@ -84,6 +51,8 @@ class MetricsWriter:
             parts += [f"{r['step_time'] * 1e3:.1f} ms", f"{r['tokens_per_sec']:,.0f} tok/s"]
         if r.get("mfu") is not None:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
+        if elapsed is not None:
+            parts.append(f"elapsed {_clock(elapsed)}" + (f" eta {_clock(eta)}" if eta is not None else ""))
         return " | ".join(parts)
 
     def close(self) -> None:
@@ -105,11 +74,19 @@ def _truncate_jsonl(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float) -> str:
-    """One line for the end of a run; the median skips no steps (the first step is not timed: it is the compile)."""
+def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float,
+                 run_dir: str) -> str:
+    """One line for the end of a run: compile time, median step time, throughput, final loss, where it all went."""
     med = statistics.median(step_times) if step_times else float("nan")
     return (f"done: compile {compile_s:.2f} s | median step {med * 1e3:.2f} ms over {len(step_times)} steps | "
-            f"{tokens_per_step / med:,.0f} tokens/s | final loss {final_loss:.4f}")
+            f"{tokens_per_step / med:,.0f} tokens/s | final loss {final_loss:.4f} | results in {run_dir}")
+
+
+def _clock(seconds: float) -> str:
+    """``1:05:09`` / ``5:09``."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def log_info(msg: str) -> None:

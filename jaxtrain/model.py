@@ -27,23 +27,22 @@ REMAT_POLICIES = {
 }
 
 
-def attention(q, k, v, segment_ids, impl: str) -> jax.Array:
+def attention(q, k, v, segment_ids, impl: str, interpret: bool = False) -> jax.Array:
     """Causal self-attention. q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim].
 
-    ``impl`` is ``model.attention``; "auto" is cuDNN's fused kernel on GPU (jaxtrain's Pallas kernel where segments
-    are needed, which cuDNN's entry point does not take) and the XLA reference elsewhere. The flash kernels are
-    custom calls that XLA cannot partition, so they run under ``shard_map`` on each device's shard: batch and heads
-    split over the mesh axes their logical names map to.
+    ``impl`` is the resolved ``model.attention`` (``config.resolve_auto`` gave "auto" its meaning at start-up);
+    ``interpret`` runs the flash kernels in Pallas' interpreter (CPU). The flash kernels are custom calls that XLA
+    cannot partition, so they run under ``shard_map`` on each device's shard: batch and heads split over the mesh
+    axes their logical names map to (the config refuses a sharded sequence for them).
     """
-    if impl == "auto":
-        impl = ("cudnn" if segment_ids is None else "pallas") if jax.default_backend() == "gpu" else "xla"
     if impl == "xla":
         return mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
     if impl == "cudnn":
         if segment_ids is not None:
             raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    interpret = jax.default_backend() == "cpu"
+    if impl not in ("pallas", "triton"):
+        raise ValueError(f"attention impl {impl!r} is not resolved; expected xla, cudnn, pallas or triton")
 
     def local(q, k, v, segment_ids):
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, interpret=interpret)
@@ -76,8 +75,8 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, interpret: bool, rngs: nnx.Rngs):
+        self.cfg, self.interpret = cfg, interpret
         d, hd = cfg.d_model, cfg.resolved_head_dim
         common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q = nnx.LinearGeneral(d, (cfg.n_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "heads", "head_dim")), **common)
@@ -93,7 +92,7 @@ class Attention(nnx.Module):
         k = with_logical_constraint(self.k(x), ("batch", "act_seq", "act_kv_heads", None))
         v = with_logical_constraint(self.v(x), ("batch", "act_seq", "act_kv_heads", None))
         q, k = rotary(q, self.cfg.rope_theta), rotary(k, self.cfg.rope_theta)
-        out = attention(q, k, v, segment_ids, self.cfg.attention)
+        out = attention(q, k, v, segment_ids, self.cfg.attention, self.interpret)
         out = with_logical_constraint(out, ("batch", "act_seq", "act_heads", None))
         return self.o(out)
 
@@ -119,9 +118,9 @@ def _norm(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, interpret: bool, rngs: nnx.Rngs):
         self.attn_norm = _norm(cfg, dtype, param_dtype, rngs)
-        self.attn = Attention(cfg, dtype, param_dtype, rngs=rngs)
+        self.attn = Attention(cfg, dtype, param_dtype, interpret=interpret, rngs=rngs)
         self.mlp_norm = _norm(cfg, dtype, param_dtype, rngs)
         self.mlp = MLP(cfg, dtype, param_dtype, rngs=rngs)
 
@@ -133,18 +132,23 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only transformer. ``dtype`` is the compute dtype (a jnp dtype, already resolved from "auto")."""
+    """Decoder-only transformer for a resolved model config (``config.resolve_auto``: no "auto" left).
 
-    def __init__(self, cfg: ModelConfig, dtype, *, rngs: nnx.Rngs):
+    ``interpret_kernels``: run the flash kernels in Pallas' interpreter (the platform is a CPU).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, interpret_kernels: bool = False):
+        if "auto" in (cfg.dtype, cfg.attention):
+            raise ValueError("the model needs a resolved config (config.resolve_auto): dtype and attention not auto")
         self.cfg = cfg
-        param_dtype = jnp.dtype(cfg.param_dtype)
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                                embedding_init=_init(cfg.init_std, ("vocab", "embed")), rngs=rngs)
 
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs):
-            return Block(cfg, dtype, param_dtype, rngs=rngs)
+            return Block(cfg, dtype, param_dtype, interpret=interpret_kernels, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = _norm(cfg, dtype, param_dtype, rngs)
@@ -172,6 +176,19 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.unembed(x)
         return with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3x forward), rematerialisation not counted.
+
+    Forward: 2 FLOPs per weight of every matmul (the embedding lookup is not a matmul; the output projection is),
+    plus attention's two [seq x seq] matmuls, 2 * 2 * seq * heads * head_dim per layer, halved for causal masking.
+    The one formula for model FLOPs: MFU, the planner's compute time and the benchmarks all use it.
+    """
+    d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
+    matmul_weights = l * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff) + d * cfg.vocab_size
+    attention = l * 2 * 2 * seq_len * cfg.n_heads * hd / 2
+    return 3 * (2 * matmul_weights + attention)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

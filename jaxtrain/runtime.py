@@ -9,13 +9,14 @@ import sys
 import jax
 
 from jaxtrain import distributed
-from jaxtrain.config import Config, resolved_cpu_devices
+from jaxtrain.config import Config
+from jaxtrain.mesh import cpu_devices_per_process
 
 
 def configure(cfg: Config) -> distributed.Settings:
     """Emulated CPU devices (``runtime.cpu_devices`` per process; no effect on GPU devices), then ``jax.distributed``."""
     settings = distributed.resolve(cfg.dist)
-    jax.config.update("jax_num_cpu_devices", resolved_cpu_devices(cfg, settings.expected_processes))
+    jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg, settings.expected_processes))
     distributed.initialize(cfg.dist, settings)
     return settings
 

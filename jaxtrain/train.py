@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import resource
+import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,25 +26,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
-from jaxtrain import runtime
-from jaxtrain.config import Config, TrainConfig, dump_yaml, to_dict
-from jaxtrain.mesh import MeshShape, Rules, build_mesh, resolve_shape, rules_from_config
-from jaxtrain.metrics import MetricsWriter, log_info, peak_flops, summary_line, train_flops_per_token
-from jaxtrain.model import Transformer, count_params
-
-
-def compute_dtype(name: str) -> jnp.dtype:
-    """``model.dtype``; "auto" is bfloat16 on accelerators and float32 on CPU."""
-    if name == "auto":
-        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
-    return jnp.dtype(name)
+from jaxtrain import hardware, runtime
+from jaxtrain.config import Config, TrainConfig, dump_yaml, resolve_auto, to_dict
+from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
+from jaxtrain.metrics import MetricsWriter, log_info, summary_line
+from jaxtrain.model import Transformer, count_params, train_flops_per_token
 
 
 def make_optimizer(t: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed."""
-    schedule = optax.warmup_cosine_decay_schedule(
+    """AdamW with linear warmup and cosine decay, after global-norm clipping. Norm scales are not decayed.
+
+    The schedule is indexed by the step being taken (1-based), so the first step already moves the parameters:
+    step s < warmup_steps runs at lr * s / warmup_steps, step warmup_steps at lr, then the cosine.
+    """
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps, decay_steps=t.decay_steps,
         end_value=t.lr * t.min_lr_ratio)
+
+    def schedule(count):  # optax counts updates from 0
+        return base(count + 1)
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(lambda path, _: "scale" not in jax.tree_util.keystr(path), params)
@@ -65,33 +68,35 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 @dataclass
-class Trainer:
-    """Everything compiled for one config on one mesh. Build with :func:`build_trainer`."""
+class TrainSetup:
+    """One config laid out on one mesh: the resolved config, mesh, shardings, the state's structure, and the step
+    functions to compile from them. Build with :func:`setup`."""
 
-    cfg: Config
+    cfg: Config  # resolved: no "auto" left (config.resolve_auto for this platform)
     mesh: Mesh
+    shape: MeshShape
     rules: Rules
     graphdef: Any
     abstract_state: Any  # ShapeDtypeStructs with their target shardings: restore targets, planning
     state_sharding: Any
     batch_sharding: NamedSharding
     schedule: optax.Schedule
-    dtype: jnp.dtype
+    interpret_kernels: bool  # flash kernels in Pallas' interpreter (CPU)
 
     def scope(self):
         """Mesh and logical-rule context that tracing the model needs."""
         return _scope(self.mesh, self.rules)
 
+    def _new_state(self, seed: int) -> TrainState:
+        tx, _ = make_optimizer(self.cfg.train)
+        return TrainState(Transformer(self.cfg.model, rngs=nnx.Rngs(seed), interpret_kernels=self.interpret_kernels),
+                          tx)
+
     def init_state(self):
         """Fresh parameters (from train.seed) and optimizer state, created directly in their shards."""
-        cfg, dtype = self.cfg, self.dtype
-        tx, _ = make_optimizer(cfg.train)
-
-        def create():
-            return nnx.state(TrainState(Transformer(cfg.model, dtype, rngs=nnx.Rngs(cfg.train.seed)), tx))
-
         with self.scope():
-            return jax.jit(create, out_shardings=self.state_sharding)()
+            return jax.jit(lambda: nnx.state(self._new_state(self.cfg.train.seed)),
+                           out_shardings=self.state_sharding)()
 
     def local_rows(self) -> tuple[int, int]:
         """The rows [lo, hi) of the global batch that this process's devices hold."""
@@ -101,8 +106,7 @@ class Trainer:
             rows = idx[0]
             starts.add(rows.start or 0)
             stops.add(shape[0] if rows.stop is None else rows.stop)
-        lo, hi = min(starts), max(stops)
-        return lo, hi
+        return min(starts), max(stops)
 
     def to_device(self, local: np.ndarray) -> jax.Array:
         """This process's rows -> the global batch array int32 [global_batch, seq_len + 1] (logical: batch, act_seq)."""
@@ -115,35 +119,81 @@ class Trainer:
         model = nnx.merge(graphdef, params)
         inputs, segments = tokens[:, :-1], None
         if self.cfg.data.document_mask:
-            # A document ends with its eos token; the next token starts a new segment.
-            is_eos = (inputs == self.cfg.data.eos_id).astype(jnp.int32)
-            segments = jnp.cumsum(is_eos, axis=1) - is_eos
+            segments = document_segments(inputs, self.cfg.data.eos_id)
         return cross_entropy(model(inputs, segments), tokens[:, 1:])
+
+    def _batch_axes(self) -> tuple[str, ...]:
+        axes = dict(self.rules)["batch"]
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        return tuple(a for a in axes if a is not None)
+
+    def _accumulated_grads(self, params, model_def, batch):
+        """(mean loss, mean gradients) over ``train.microbatches`` sequential microbatches of ``batch``.
+
+        Microbatch i takes rows i, i+k, ...: each device's block of rows splits evenly over the microbatches, so no
+        data moves between devices. With ``train.accumulate=unreduced`` each data-parallel group (one device's rows)
+        computes its own gradient against parameters gathered once before the loop, the sum over microbatches stays
+        local, and the gradients are reduced across the batch axes once, after the loop: one all-gather and one
+        reduce-scatter per step, as without accumulation, at the cost of holding the gathered parameters and a
+        gradient accumulator of their size on each device. ``sharded`` keeps gradients reduced and sharded like
+        the parameters inside the loop (the memory of a step without accumulation, the collectives k times).
+        """
+        k = self.cfg.train.microbatches
+        grad_fn = jax.value_and_grad(self._loss)
+        b = batch.shape[0]
+        batch_spec = self.batch_sharding.spec
+        micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)  # [k, b/k, seq+1]
+        micro = jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, PartitionSpec(None, *batch_spec)))
+        dp_axes = self._batch_axes()
+        if self.cfg.train.accumulate == "sharded" or not dp_axes:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+
+            def accumulate(carry, tokens):
+                loss, grads = grad_fn(params, model_def, tokens)
+                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
+
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
+            return loss / k, jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
+
+        dp = int(np.prod([self.mesh.shape[a] for a in dp_axes]))
+        micro = micro.reshape(k, dp, b // k // dp, -1)  # group g of a microbatch: rows of the g-th device block
+        micro = jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, PartitionSpec(None, dp_axes)))
+        specs = jax.tree.map(lambda a: a.sharding.spec, self.abstract_state["model"])
+        gathered_specs = jax.tree.map(lambda s: _without_axes(s, dp_axes), specs)
+        gathered = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)),
+                                params, gathered_specs)
+        # Inside the per-group function the batch axes belong to the vmapped group dimension (spmd_axis_name), so
+        # the model's activations must not name them again.
+        local_rules = tuple((name, None if name == "batch" else target) for name, target in self.rules)
+
+        def group_grad(tokens):
+            with nnx.logical_axis_rules(local_rules):
+                return grad_fn(gathered, model_def, tokens)
+
+        group_grads = jax.vmap(group_grad, spmd_axis_name=dp_axes)
+        acc_sharding = jax.tree.map(lambda s: NamedSharding(self.mesh, PartitionSpec(dp_axes, *s)), gathered_specs)
+        zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((dp, *p.shape), jnp.float32), s),
+                             params, acc_sharding)
+
+        def accumulate(carry, tokens):
+            loss, grads = group_grads(tokens)  # loss [dp], grads [dp, *param] unreduced, one row per group
+            grads = jax.tree.map(lambda a, g, s: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), s),
+                                 carry[1], grads, acc_sharding)
+            return (carry[0] + loss, grads), None
+
+        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((dp,), jnp.float32), zeros), micro)
+        grads = jax.tree.map(lambda g, p: (g.sum(0) / (k * dp)).astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(self.mesh, s)), grads, specs)
+        return loss.sum() / (k * dp), grads
 
     def train_step(self, state, batch):
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
         ts = nnx.merge(self.graphdef, state)
         model_def, params = nnx.split(ts.model, nnx.Param)
-        grad_fn = jax.value_and_grad(self._loss)
-        k = self.cfg.train.microbatches
-        if k == 1:
-            loss, grads = grad_fn(params, model_def, batch)
+        if self.cfg.train.microbatches == 1:
+            loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch)
         else:
-            # Microbatch i takes rows i, i+k, ...: each device's block of rows splits evenly over the microbatches,
-            # so no data moves between devices.
-            b = batch.shape[0]
-            micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)
-            micro = jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sharding.spec)))
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-
-            def accumulate(carry, tokens):
-                loss_sum, grad_sum = carry
-                loss, grads = grad_fn(params, model_def, tokens)
-                return (loss_sum + loss, jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)), None
-
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
-            loss = loss / k
-            grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
+            loss, grads = self._accumulated_grads(params, model_def, batch)
         lr = self.schedule(ts.opt.step[...])
         grad_norm = optax.tree.norm(grads)
         ts.opt.update(ts.model, grads)
@@ -170,40 +220,56 @@ class Trainer:
         return train, evaluate, time.perf_counter() - t0
 
 
+def document_segments(inputs: jax.Array, eos_id: int) -> jax.Array:
+    """Segment ids int32 [batch, seq] of packed documents: a document ends with its eos token (which stays in it),
+    the next token starts the next segment."""
+    is_eos = (inputs == eos_id).astype(jnp.int32)
+    return jnp.cumsum(is_eos, axis=1) - is_eos
+
+
+def _without_axes(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+    """``spec`` with the mesh ``axes`` removed from every dimension (those dimensions gathered over them)."""
+    out = []
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n not in axes)
+        out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+    return PartitionSpec(*out)
+
+
 @contextlib.contextmanager
 def _scope(mesh: Mesh, rules: Rules):
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         yield
 
 
-def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
-    """Mesh, shardings and the state's graph structure for ``cfg``; raises ConfigError for a bad mesh."""
-    mesh = build_mesh(cfg, devices)
+def setup(cfg: Config, devices: list | None = None) -> TrainSetup:
+    """Resolve ``cfg`` for the devices' platform, build the mesh, shardings and the state's graph structure;
+    raises ConfigError for a bad mesh."""
+    devices = list(jax.devices()) if devices is None else list(devices)
+    cfg = resolve_auto(cfg, devices[0].platform)
+    mesh, shape = build_mesh(cfg, devices)
     rules = rules_from_config(cfg.mesh.rules)
-    dtype = compute_dtype(cfg.model.dtype)
     tx, schedule = make_optimizer(cfg.train)
+    interpret = devices[0].platform == "cpu"
     with _scope(mesh, rules):
-        abstract = nnx.eval_shape(lambda: TrainState(Transformer(cfg.model, dtype, rngs=nnx.Rngs(0)), tx))
+        abstract = nnx.eval_shape(lambda: TrainState(Transformer(cfg.model, rngs=nnx.Rngs(0),
+                                                                 interpret_kernels=interpret), tx))
         graphdef, abstract_state = nnx.split(abstract)
         state_sharding = nnx.get_named_sharding(abstract_state, mesh)
         abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                       abstract_state, state_sharding)
-    batch_axes = dict(rules)["batch"]
-    batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes, None))
-    return Trainer(cfg, mesh, rules, graphdef, abstract_state, state_sharding, batch_sharding, schedule, dtype)
+    batch_sharding = NamedSharding(mesh, PartitionSpec(dict(rules)["batch"], None))
+    return TrainSetup(cfg, mesh, shape, rules, graphdef, abstract_state, state_sharding, batch_sharding, schedule,
+                      interpret)
 
 
-def effective_config(cfg: Config, shape: MeshShape, num_devices: int, dtype: jnp.dtype) -> Config:
-    """The config with every "derived" value pinned: -1 mesh axis, per-process device count, compute dtype."""
-    ici = dataclasses.replace(cfg.mesh.ici, **dict(zip(("data", "fsdp", "tensor"), shape.ici)))
-    dcn = dataclasses.replace(cfg.mesh.dcn, **dict(zip(("data", "fsdp", "tensor"), shape.dcn)))
-    return dataclasses.replace(
-        cfg,
-        mesh=dataclasses.replace(cfg.mesh, ici=ici, dcn=dcn),
-        model=dataclasses.replace(cfg.model, dtype=str(dtype)),
-        runtime=dataclasses.replace(cfg.runtime, cpu_devices=num_devices // jax.process_count()
-                                    if jax.default_backend() == "cpu" else None),
-    )
+def effective_config(ts: TrainSetup) -> Config:
+    """The config as this run executes it: "auto" resolved, the mesh pinned (no -1), devices per process on CPU."""
+    cfg = ts.shape.apply(ts.cfg)
+    cpu = ts.mesh.devices.flat[0].platform == "cpu"
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(
+        cfg.runtime, cpu_devices=ts.shape.num_devices // jax.process_count() if cpu else None))
 
 
 @dataclass
@@ -218,125 +284,175 @@ class RunResult:
 
 
 def train(cfg: Config, devices: list | None = None) -> RunResult:
-    """Train as configured. Everything that can fail on user input fails before ``run.dir`` is touched."""
-    trainer = build_trainer(cfg, devices)
+    """Train as configured. Everything that can fail on user input fails before ``run.dir`` is touched, and a run
+    with nothing left to train writes nothing."""
+    ts = setup(cfg, devices)
+    cfg = ts.cfg
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
-    plan = ckpt.plan_restore(cfg, trainer.abstract_state)
-    n_devices = trainer.mesh.devices.size
-    shape = resolve_shape(cfg.mesh, n_devices)
-    is_main = jax.process_index() == 0
+    source = ckpt.choose_restore(cfg, ts.abstract_state)
+    if source.kind == "resume" and source.step >= cfg.train.steps:
+        log_info(f"nothing to do: the checkpoint in {source.directory} is already at step {source.step} = "
+                 f"train.steps; results are in {os.path.abspath(cfg.run.dir)}")
+        return RunResult({}, {}, 0.0, [], start_step=source.step)
 
-    effective = effective_config(cfg, shape, n_devices, trainer.dtype)
-    checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": shape.describe(),
-                                           "processes": jax.process_count(), "devices": n_devices})
-    if is_main:
+    effective = effective_config(ts)
+    checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": ts.shape.label,
+                                           "processes": jax.process_count(), "devices": ts.shape.num_devices})
+    if jax.process_index() == 0:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(effective))
     with runtime.process_log(cfg.run.dir):
-        return _train(cfg, trainer, tokens, plan, checkpointer, shape)
+        return _train(ts, tokens, source, checkpointer)
 
 
-def _train(cfg, trainer, tokens, plan, checkpointer, shape) -> RunResult:
+class PendingMetrics:
+    """Steps whose metrics are still on the device, reported in order without making the host wait needlessly.
+
+    ``add`` records a step just dispatched and reports every older one (their values are ready or nearly so,
+    while the new step keeps the device busy); a step that must be evaluated, and ``drain``, report everything.
+    Each reported step gets its wall time: from the previous step's completion, or from its own dispatch when the
+    device was idle before it (the first step, the step after an evaluation).
+    """
+
+    def __init__(self, report: Callable[[int, dict, float, Any], None]):
+        self._report = report
+        self._queue: list[tuple[int, Any, Any, float]] = []  # (step, metrics on device, state to evaluate, t dispatch)
+        self._last_done: float | None = None
+
+    def add(self, step: int, metrics, eval_state=None) -> None:
+        self._queue.append((step, metrics, eval_state, time.perf_counter()))
+        self._flush(keep_newest=eval_state is None)
+
+    def drain(self) -> None:
+        self._flush(keep_newest=False)
+
+    def _flush(self, keep_newest: bool) -> None:
+        while len(self._queue) > (1 if keep_newest else 0):
+            step, metrics, eval_state, dispatched = self._queue.pop(0)
+            values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+            now = time.perf_counter()
+            start = dispatched if self._last_done is None else max(self._last_done, dispatched)
+            self._report(step, values, now - start, eval_state)
+            # Evaluation time is not the next step's time.
+            self._last_done = time.perf_counter() if eval_state is not None else now
+
+
+def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
+    cfg = ts.cfg
     t, d = cfg.train, cfg.data
-    rows = trainer.local_rows()
-    n_devices = trainer.mesh.devices.size
+    rows = ts.local_rows()
+    n_devices = ts.shape.num_devices
     is_main = jax.process_index() == 0
     if jax.process_count() > 1:
         log_info(f"reads rows [{rows[0]}, {rows[1]}) of each global batch of {t.global_batch}")
-    n_params = count_params(cfg.model)
-    log_info(f"mesh {shape.describe()} on {n_devices} {jax.devices()[0].device_kind} device(s); model "
-             f"{n_params['total'] / 1e6:.2f}M parameters, compute {trainer.dtype}, params {cfg.model.param_dtype}")
+    run_dir = os.path.abspath(cfg.run.dir)
+    log_info(f"run directory {run_dir} (config.yaml, metrics.jsonl, tb/, checkpoints/, logs/)")
+    log_info(f"mesh {ts.shape.label} on {n_devices} {jax.devices()[0].device_kind} device(s); model "
+             f"{count_params(cfg.model)['total'] / 1e6:.2f}M parameters, compute {cfg.model.dtype}, params "
+             f"{cfg.model.param_dtype}, attention {cfg.model.attention}")
 
-    state, start, data_state = ckpt.restore(plan, trainer.abstract_state, trainer.init_state)
-    if plan.kind == "resume":
-        log_info(f"resumed from {plan.directory}/{plan.step}")
-    elif plan.kind == "params":
-        log_info(f"initialised parameters from {plan.directory}/{plan.step}, fresh optimizer")
-    train_step, eval_step, compile_s = trainer.compile(state)
+    state, start, data_state = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    if source.kind == "resume":
+        log_info(f"resumed from {source.directory}/{source.step}")
+    elif source.kind == "params":
+        log_info(f"initialised parameters from {source.directory}/{source.step}, fresh optimizer")
+    train_step, eval_step, compile_s = ts.compile(state)
     log_info(f"compiled train and eval steps in {compile_s:.2f} s")
 
-    batches = data_lib.train_batches(tokens, d, seed=t.seed, global_batch=t.global_batch, steps=t.steps, rows=rows)
-    batches = iter(batches)
+    batches = iter(data_lib.train_batches(tokens, d, seed=t.seed, global_batch=t.global_batch, steps=t.steps,
+                                          rows=rows))
     if data_state is not None:
         if data_state.get("next_index") != start:
             raise ckpt.CheckpointError(f"checkpoint step {start} holds data iterator state {data_state}, "
                                        f"expected next_index={start}")
         batches.set_state(data_state)
-    eval_set = [trainer.to_device(b) for b in
+    eval_set = [ts.to_device(b) for b in
                 data_lib.eval_batches(tokens, d, global_batch=t.global_batch, num_batches=t.eval_batches, rows=rows)]
 
     tokens_per_step = t.global_batch * d.seq_len
     flops_per_step = train_flops_per_token(cfg.model, d.seq_len) * tokens_per_step
-    peak = peak_flops(jax.devices()[0].device_kind)
+    peak = hardware.peak_flops(jax.devices()[0].device_kind)
     writer = MetricsWriter(cfg.run.dir, enabled=is_main, total_steps=t.steps, start_step=start)
     result = RunResult({}, {}, compile_s, [], start_step=start)
+    t_start = time.perf_counter()
 
     def evaluate(st) -> float:
         return float(np.mean([jax.device_get(eval_step(st, b)) for b in eval_set]))
 
-    def finish(step: int, metrics, step_time: float | None, st=None) -> None:
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    def report(step: int, m: dict, step_time: float, eval_state) -> None:
         result.losses[step] = m["loss"]
-        if step_time is not None:
-            result.step_times.append(step_time)
-        if step % t.log_every and step != t.steps and st is None:
+        result.step_times.append(step_time)
+        if step % t.log_every and step not in (start + 1, t.steps) and eval_state is None:
             return
-        record = {"step": step, **m, "step_time": step_time}
-        if step_time is not None:
-            record["tokens_per_sec"] = tokens_per_step / step_time
-            record["tokens_per_sec_per_device"] = tokens_per_step / step_time / n_devices
-            record["tflops_per_device"] = flops_per_step / step_time / n_devices / 1e12
-            record["mfu"] = flops_per_step / step_time / n_devices / peak if peak else None
-        if st is not None:
-            record["eval_loss"] = result.eval_losses[step] = evaluate(st)
-        writer.write(record)
+        record = {"step": step, **m, "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time,
+                  "tokens_per_sec_per_device": tokens_per_step / step_time / n_devices,
+                  "tflops_per_device": flops_per_step / step_time / n_devices / 1e12,
+                  "mfu": flops_per_step / step_time / n_devices / peak if peak else None}
+        if eval_state is not None:
+            record["eval_loss"] = result.eval_losses[step] = evaluate(eval_state)
+        recent = statistics.median(result.step_times[-20:])
+        writer.write(record, elapsed=time.perf_counter() - t_start, eta=recent * (t.steps - step))
 
     watch = ckpt.PreemptionWatch(checkpointer)
-    pending = None  # (step, metrics on device, state if it must be evaluated), fetched after the next dispatch
-    last_done = None
+    pending = PendingMetrics(report)
     try:
         for step in range(start + 1, t.steps + 1):
-            batch = trainer.to_device(next(batches))
+            batch = ts.to_device(next(batches))
             state, metrics = train_step(state, batch)
-            if pending is not None:
-                last_done = _finish_pending(finish, pending, last_done)
-                pending = None
-            checkpointer.check()
+            checkpointer.raise_if_failed()
             preempted = watch.reached(step)
             wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
-            pending = (step, metrics, state if wants_eval else None)
-            if wants_eval:  # evaluation needs this step's state: drain now
-                last_done = _finish_pending(finish, pending, last_done)
-                pending = None
+            pending.add(step, metrics, state if wants_eval else None)
             if preempted or checkpointer.should_save(step):
                 result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
             if preempted:
-                if pending is not None:
-                    _finish_pending(finish, pending, last_done)
-                    pending = None
+                pending.drain()
                 checkpointer.wait()
                 result.preempted_at = step
                 log_info(f"stopped by a signal after step {step}; checkpoint saved to {checkpointer.directory}/{step}")
                 break
-        if pending is not None:
-            _finish_pending(finish, pending, last_done)
+        pending.drain()
         checkpointer.close()
     finally:
         watch.close()
         writer.close()
     if is_main and result.step_times:
-        last = max(result.losses)
+        summary = run_summary(ts, result, train_step, tokens_per_step, flops_per_step, peak)
+        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
         print(summary_line(compile_s=compile_s, step_times=result.step_times, tokens_per_step=tokens_per_step,
-                           final_loss=result.losses[last]), flush=True)
-    elif is_main and start >= t.steps:
-        log_info(f"nothing to do: the checkpoint is already at step {start} = train.steps")
+                           final_loss=result.losses[max(result.losses)], run_dir=run_dir), flush=True)
     return result
 
 
-def _finish_pending(finish, pending, last_done):
-    step, metrics, st = pending
-    jax.block_until_ready(metrics)
-    now = time.perf_counter()
-    finish(step, metrics, None if last_done is None else now - last_done, st)
-    return time.perf_counter() if st is not None else now
+def run_summary(ts: TrainSetup, result: RunResult, compiled_step, tokens_per_step: int, flops_per_step: float,
+                peak: float | None) -> dict:
+    """``run.dir/summary.json``: what this invocation measured (``sweep`` and benchmarks read it)."""
+    times = sorted(result.step_times)
+    median = statistics.median(times)
+
+    def pct(q: float) -> float:
+        return times[min(len(times) - 1, int(q * len(times)))]
+
+    mem = compiled_step.memory_analysis()
+    device_stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    peaks = [s["peak_bytes_in_use"] for s in device_stats if "peak_bytes_in_use" in s]
+    last = max(result.losses)
+    return {
+        "mesh": ts.shape.as_dict(), "devices": ts.shape.num_devices, "processes": jax.process_count(),
+        "start_step": result.start_step, "last_step": last, "steps_timed": len(times),
+        "compile_seconds": result.compile_seconds,
+        "step_seconds": {"median": median, "p10": pct(0.1), "p90": pct(0.9), "max": times[-1]},
+        "tokens_per_sec": tokens_per_step / median,
+        "mfu": flops_per_step / median / ts.shape.num_devices / peak if peak else None,
+        "final_loss": result.losses[last],
+        "final_eval_loss": result.eval_losses[max(result.eval_losses)] if result.eval_losses else None,
+        # The compiled step's own figures (per device): arguments (state, batch) and temporaries.
+        "compiled_memory_bytes_per_device": {"arguments": mem.argument_size_in_bytes,
+                                             "temporaries": mem.temp_size_in_bytes,
+                                             "outputs": mem.output_size_in_bytes} if mem else None,
+        "device_peak_bytes": max(peaks) if peaks else None,  # allocator's peak where the backend reports it (GPU)
+        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "preempted_at": result.preempted_at,
+    }

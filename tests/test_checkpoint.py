@@ -189,13 +189,13 @@ def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
     train_lib.train(load_config(None, [f"run.dir={src}", *base, "train.steps=5"]), devices=jax.devices()[:1])
     cfg = load_config(None, [f"run.dir={tmp_path / 'finetune'}", *base, "train.steps=1",
                              f"checkpoint.init_from={src / 'checkpoints'}"])
-    trainer = train_lib.build_trainer(cfg, jax.devices()[:1])
+    trainer = train_lib.setup(cfg, jax.devices()[:1])
     from jaxtrain import checkpoint as ckpt
 
-    plan = ckpt.plan_restore(cfg, trainer.abstract_state)
+    plan = ckpt.choose_restore(cfg, trainer.abstract_state)
     assert plan.kind == "params" and plan.step == 5
     state, start, _ = ckpt.restore(plan, trainer.abstract_state, trainer.init_state)
-    full, _, _ = ckpt.restore(ckpt.RestorePlan("resume", str(src / "checkpoints"), 5), trainer.abstract_state,
+    full, _, _ = ckpt.restore(ckpt.RestoreSource("resume", str(src / "checkpoints"), 5), trainer.abstract_state,
                               trainer.init_state)
     assert start == 0 and int(state["opt"]["step"][...]) == 0 and int(full["opt"]["step"][...]) == 5
     for a, b in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(full["model"])):
@@ -205,7 +205,7 @@ def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
     assert all(not np.any(np.asarray(x)) for x in mu)  # zero moments
     assert not np.array_equal(np.asarray(jax.tree.leaves(fresh["model"])[0]), np.asarray(jax.tree.leaves(state["model"])[0]))
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
-        ckpt.plan_restore(load_config(None, [f"run.dir={tmp_path / 'x'}", *base,
+        ckpt.choose_restore(load_config(None, [f"run.dir={tmp_path / 'x'}", *base,
                                              f"checkpoint.init_from={tmp_path}"]), trainer.abstract_state)
 
 

@@ -4,7 +4,8 @@ import jax
 import pytest
 from flax import nnx
 
-from jaxtrain.config import Config, ConfigError, dump_yaml, load_config, resolved_cpu_devices
+from jaxtrain.config import Config, ConfigError, dump_yaml, load_config, resolve_auto
+from jaxtrain.mesh import cpu_devices_per_process
 from jaxtrain.model import Transformer, count_params
 
 from conftest import REPO
@@ -60,9 +61,9 @@ def test_batch_must_divide_over_data_parallel_axes():
 
 
 def test_cpu_devices_default_to_the_fixed_mesh_axes():
-    assert resolved_cpu_devices(load_config(None, [])) == 1
-    assert resolved_cpu_devices(load_config(None, ["mesh.ici.data=2", "mesh.ici.tensor=2"])) == 4
-    assert resolved_cpu_devices(load_config(None, ["runtime.cpu_devices=8"])) == 8
+    assert cpu_devices_per_process(load_config(None, [])) == 1
+    assert cpu_devices_per_process(load_config(None, ["mesh.ici.data=2", "mesh.ici.tensor=2"])) == 4
+    assert cpu_devices_per_process(load_config(None, ["runtime.cpu_devices=8"])) == 8
 
 
 @pytest.mark.parametrize("name, millions", [("tiny", 0.82), ("125m", 123.6), ("1b", 1235.8), ("7b", 6738.4),
@@ -70,7 +71,7 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
 def test_shipped_configs_build_the_advertised_model(name, millions):
     cfg = load_config(os.path.join(REPO, f"configs/{name}.yaml"))
     with nnx.use_eager_sharding(False):  # no mesh here: only shapes are wanted
-        abstract = nnx.eval_shape(lambda: Transformer(cfg.model, jax.numpy.float32, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: Transformer(resolve_auto(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     actual = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert actual == count_params(cfg.model)["total"]
     assert actual / 1e6 == pytest.approx(millions, rel=1e-3)

@@ -3,24 +3,24 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.mesh import build_mesh, resolve_shape
+from jaxtrain.mesh import MeshShape, build_mesh
 
 
 def test_fill_axis_takes_the_remaining_devices():
-    shape = resolve_shape(load_config(None, ["mesh.ici.tensor=2"]).mesh, 8)
+    shape = MeshShape.resolve(load_config(None, ["mesh.ici.tensor=2"]).mesh, 8)
     assert shape.ici == (1, 4, 2) and shape.dcn == (1, 1, 1)
     assert shape.axis_sizes == {"data": 1, "fsdp": 4, "tensor": 2}
 
 
 def test_size_mismatch_is_a_config_error():
     with pytest.raises(ConfigError, match="has 4 devices but 8 are available"):
-        resolve_shape(load_config(None, ["mesh.ici.fsdp=4"]).mesh, 8)
+        MeshShape.resolve(load_config(None, ["mesh.ici.fsdp=4"]).mesh, 8)
 
 
 def test_dcn_axis_spans_hosts_and_ici_groups_stay_inside_one():
     # One process emulates 2 hosts of 4 devices: devices 0-3 are "host 0", 4-7 "host 1".
     cfg = load_config(None, ["mesh.dcn.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"])
-    mesh = build_mesh(cfg, jax.devices()[:8])
+    mesh, _ = build_mesh(cfg, jax.devices()[:8])
     assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     host = ids // 4
@@ -30,6 +30,6 @@ def test_dcn_axis_spans_hosts_and_ici_groups_stay_inside_one():
 
 def test_dcn_and_ici_parts_of_the_same_axis():
     cfg = load_config(None, ["mesh.dcn.fsdp=2", "mesh.ici.fsdp=4"])
-    mesh = build_mesh(cfg, jax.devices()[:8])
+    mesh, _ = build_mesh(cfg, jax.devices()[:8])
     ids = np.vectorize(lambda d: d.id)(mesh.devices).ravel()  # fsdp index = dcn * 4 + ici
     assert list(ids // 4) == [0, 0, 0, 0, 1, 1, 1, 1]
