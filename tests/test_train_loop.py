@@ -11,7 +11,7 @@ from jaxtrain.config import load_config
 
 def test_default_config_learns_and_writes_its_outputs(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = load_config(None, [f"run.dir={run_dir}", "train.steps=40", "train.eval_every=20"])
+    cfg = load_config(None, [f"run.dir={run_dir}", "train.steps=40", "train.eval_every=20", "train.log_every=1"])
     result = train_lib.train(cfg, devices=jax.devices()[:1])
     assert result.losses[40] < 0.8 * result.losses[1]
 
@@ -21,10 +21,33 @@ def test_default_config_learns_and_writes_its_outputs(tmp_path):
     assert {"grad_norm", "lr", "step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
             "mfu"} <= set(records[-1])
     assert records[-1]["mfu"] is None  # CPU: peak unknown
-    assert records[0]["lr"] == 0.0 and max(r["lr"] for r in records) == pytest.approx(cfg.train.lr)
+    # Step s of the warmup runs at lr * s / warmup_steps: the first step already moves the parameters.
+    w = cfg.train.warmup_steps
+    assert [r["lr"] for r in records[:w]] == pytest.approx([cfg.train.lr * s / w for s in range(1, w + 1)])
+    assert max(r["lr"] for r in records) == pytest.approx(cfg.train.lr)
     assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     # the written config is the effective one and loads back
     written = load_config(str(run_dir / "config.yaml"))
     assert written.mesh.ici.fsdp == 1 and written.model.dtype == "float32" and written.train.steps == 40
-    assert len(result.step_times) == 39 and result.compile_seconds > 0
+    assert len(result.step_times) == 40 and all(t > 0 for t in result.step_times)  # step 1 is timed too
+    assert result.compile_seconds > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_step"] == 40 and summary["steps_timed"] == 40
+    assert summary["final_loss"] == result.losses[40] and summary["final_eval_loss"] == result.eval_losses[40]
+    assert summary["step_seconds"]["p10"] <= summary["step_seconds"]["median"] <= summary["step_seconds"]["p90"]
+
+
+def test_default_logging_and_a_finished_run_left_untouched(tmp_path):
+    """log_every=10 logs steps 1, 10, 20, ...; invoking a finished run again (even on another mesh) trains nothing
+    and rewrites nothing: its config.yaml still describes the run that trained."""
+    run_dir = tmp_path / "run"
+    base = [f"run.dir={run_dir}", "train.steps=12", "train.eval_every=0", "data.threads=0"]
+    train_lib.train(load_config(None, base), devices=jax.devices()[:1])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 10, 12]
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "logs" not in p.parts}
+    again = train_lib.train(load_config(None, [*base, "mesh.ici.fsdp=2"]), devices=jax.devices()[:2])
+    assert again.losses == {} and again.start_step == 12
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "logs" not in p.parts}
+    assert after == before
