@@ -90,6 +90,17 @@ class MeshConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    # Llama 3.1's rotary frequency scaling ("llama3"): wavelengths longer than original_max_len / low_freq_factor
+    # are stretched by `factor`, those shorter than original_max_len / high_freq_factor kept, smoothly in between.
+    type: Literal["none", "llama3"] = "none"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 256
     d_model: int = 128
@@ -99,6 +110,7 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model // n_heads
     d_ff: int = 384
     rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -428,6 +440,12 @@ def validate(cfg: Config) -> None:
     _require(not (m.attention == "cudnn" and cfg.data.document_mask),
              "model.attention=cudnn cannot mask documents (data.document_mask=true); use pallas, triton or xla")
     _positive("model.rope_theta", m.rope_theta)
+    if m.rope_scaling.type != "none":
+        rs = m.rope_scaling
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"):
+            _positive(f"model.rope_scaling.{name}", getattr(rs, name))
+        _require(rs.high_freq_factor > rs.low_freq_factor, f"model.rope_scaling.high_freq_factor="
+                 f"{rs.high_freq_factor} must be > model.rope_scaling.low_freq_factor={rs.low_freq_factor}")
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
 

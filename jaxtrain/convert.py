@@ -1,0 +1,349 @@
+"""``convert from-hf`` / ``convert to-hf``, and reading jaxtrain checkpoints by path for ``generate``.
+
+Import streams: each parameter is built with ``jax.make_array_from_callback``, every device shard reading only its
+slice of each layer's tensor from the memory-mapped safetensors files, directly in the shardings of the configured
+mesh, and the result is saved as an Orbax checkpoint of the same layout ``train`` writes (items ``state`` =
+``{"model": ...}`` and ``meta``), so ``checkpoint.init_from`` takes it. Export restores one parameter at a time
+into the mesh's shardings and gathers it one layer at a time into safetensors files of at most ``max_shard_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import numpy as np
+
+from jaxtrain import hf
+from jaxtrain.config import ConfigError
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints: where they are, what they say
+
+
+def existing_steps(directory: str) -> list[int]:
+    """Complete (committed) Orbax steps in ``directory``."""
+    import orbax.checkpoint as ocp
+
+    return sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
+
+
+def resolve_checkpoint(path: str) -> tuple[str, int]:
+    """(checkpoints directory, step) for a run directory, its checkpoints directory, one step inside it, or the
+    output directory of ``convert from-hf``; the newest step unless a step directory is given."""
+    path = os.path.abspath(path.rstrip("/") or "/")
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint path {path!r} does not exist")
+    base = os.path.basename(path)
+    if base.isdigit() and int(base) in existing_steps(os.path.dirname(path)):
+        return os.path.dirname(path), int(base)
+    for directory in (os.path.join(path, "checkpoints"), path):
+        steps = existing_steps(directory)
+        if steps:
+            return directory, steps[-1]
+    raise ConfigError(f"{path!r} holds no complete checkpoint (expected a run directory, its checkpoints directory, "
+                      "a step inside it, or the output of convert from-hf)")
+
+
+def read_meta(directory: str, step: int) -> dict:
+    """The ``meta`` item of a checkpoint step: the effective config and what else its writer recorded."""
+    path = os.path.join(directory, str(step), "meta", "metadata")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {directory}/{step} has no readable metadata ({type(e).__name__}); it was not "
+                          "written by jaxtrain") from None
+
+
+def model_overrides(meta: dict) -> list[str]:
+    """``model.*=value`` overrides that rebuild the model a checkpoint holds, with the compute dtype and attention
+    left to the machine that reads it (the saved ones are what the writer's platform resolved)."""
+    model = dict(meta["config"]["model"])
+    model.update(dtype="auto", attention="xla")
+    out = []
+    for key, value in model.items():
+        if isinstance(value, dict):
+            out += [f"model.{key}.{k}={json.dumps(v)}" for k, v in value.items()]
+        else:
+            out.append(f"model.{key}={json.dumps(value)}")
+    return out
+
+
+def hf_origin(meta: dict, depth: int = 4) -> dict:
+    """The Hugging Face facts (token ids, context length, tokenizer directory) of the model a checkpoint descends
+    from: its own ``hf`` record if it was imported, else that of its ``checkpoint.init_from`` chain."""
+    if "hf" in meta:
+        return meta["hf"]
+    init = (meta.get("config") or {}).get("checkpoint", {}).get("init_from")
+    if init and depth > 0:
+        try:
+            return hf_origin(read_meta(*resolve_checkpoint(init)), depth - 1)
+        except ConfigError:
+            return {}
+    return {}
+
+
+def tokenizer_source(meta: dict) -> str | None:
+    """How a checkpoint's text is tokenised: the path of a ``tokenizer.json``, ``"bytes"`` (byte-level: the
+    embedded corpus, ``prepare`` without ``--tokenizer``), or None (unknown: synthetic data, an import without one)."""
+    if "hf" in meta:  # an import: its own tokenizer files, if it came with any
+        tok_dir = meta["hf"].get("tokenizer_dir")
+        return os.path.join(tok_dir, "tokenizer.json") if tok_dir else None
+    source = (meta.get("config") or {}).get("data", {}).get("source", "embedded")
+    if source == "embedded":
+        return "bytes"
+    if source != "synthetic" and os.path.isfile(source + ".json"):
+        with open(source + ".json") as f:
+            return json.load(f).get("tokenizer", "bytes")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model layout on a mesh
+
+
+def model_setup(cfg):
+    """(config resolved for this platform, mesh, logical rules) on all devices, for reading or writing a model."""
+    import jax
+
+    from jaxtrain.config import resolve_auto
+    from jaxtrain.mesh import build_mesh, rules_from_config
+
+    cfg = resolve_auto(cfg, jax.devices()[0].platform)
+    mesh, _ = build_mesh(cfg)
+    return cfg, mesh, rules_from_config(cfg.mesh.rules)
+
+
+def _transformer(cfg):
+    import jax
+    from flax import nnx
+
+    from jaxtrain.model import Transformer
+
+    return Transformer(cfg.model, rngs=nnx.Rngs(0), interpret_kernels=jax.default_backend() == "cpu")
+
+
+def _name(path) -> tuple[str, ...]:
+    keys = (str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return tuple(k for k in keys if k not in ("value", ".value"))
+
+
+def abstract_params(cfg, mesh, rules):
+    """The model's parameter state as ShapeDtypeStructs carrying their shardings on ``mesh`` (nnx.State); ``cfg``
+    resolved (:func:`model_setup`)."""
+    import jax
+    from flax import nnx
+
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        state = nnx.state(nnx.eval_shape(lambda: _transformer(cfg)))
+        shardings = nnx.get_named_sharding(state, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+
+def _leaf_shapes(abstract) -> dict[tuple[str, ...], tuple[int, ...]]:
+    import jax
+
+    return {_name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
+def restore_params(directory: str, step: int, abstract, only: tuple[str, ...] | None = None):
+    """Parameters of checkpoint ``directory/step`` in the shardings of ``abstract`` (the model's state, as from
+    :func:`abstract_params`); ``only``: just the parameter at that path, as a single array."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if only is not None:
+        leaf = next(leaf for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0] if _name(p) == only)
+        item = {"value": leaf}
+        for key in reversed(only):
+            item = {key: item}
+        item = {"model": item}
+    else:
+        item = {"model": abstract}
+    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                                    item_handlers={"state": ocp.PyTreeCheckpointHandler()})
+    restore = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                     partial_restore=True)
+    out = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]["model"]
+    manager.close()
+    if only is None:
+        return out
+    for key in only:
+        out = out[key]
+    return out["value"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Import
+
+
+def hf_import_config(src: str, out: str, overrides: list[str]):
+    """(config, Hugging Face config.json, tensors) for importing ``src`` into ``out``, with every check that needs
+    no device done: the directory, the architecture, the tensor names and shapes, and that ``out`` is new."""
+    from jaxtrain.config import load_config
+
+    hf_cfg = hf.read_hf_config(src)
+    fields = hf.model_fields_from_hf(hf_cfg)
+    tensors = hf.SafetensorsDir(src)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"--out {out!r} already exists and is not an empty directory (nothing is overwritten)")
+    eos = hf_cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    base = [f"{k}={json.dumps(v)}" for k, v in fields.items()]
+    if isinstance(eos, int):
+        base.append(f"data.eos_id={eos}")
+    base.append(f"run.dir={json.dumps(os.path.join('runs', os.path.basename(os.path.abspath(out))))}")
+    cfg = load_config(None, base + list(overrides))
+    return cfg, hf_cfg, tensors
+
+
+def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str) -> dict:
+    """Write ``out/checkpoints/0`` (Orbax: parameters in the mesh's shardings + meta), ``out/config.yaml`` and the
+    tokenizer files. JAX must be configured (devices) for ``cfg`` already. Returns a summary."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxtrain import __version__
+    from jaxtrain.config import to_dict
+    user_cfg = cfg  # config.yaml keeps "auto" choices for the machine that trains
+    cfg, mesh, rules = model_setup(cfg)
+    abstract = abstract_params(cfg, mesh, rules)
+    maps = {tm.path: tm for tm in hf.tensor_maps(cfg.model)}
+    hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.n_layers, cfg.model.tie_embeddings)
+
+    def build(path, leaf):
+        tm = maps[_name(path)]
+        per_layer = leaf.shape[1:] if tm.layered else leaf.shape
+
+        def read(index):
+            if not tm.layered:
+                return hf.read_block(tm, tensors.slice(tm.name(None)), per_layer, index).astype(leaf.dtype)
+            lo, hi = hf._bounds(index[0], leaf.shape[0])
+            return np.stack([hf.read_block(tm, tensors.slice(tm.name(i)), per_layer, index[1:]).astype(leaf.dtype)
+                             for i in range(lo, hi)])
+
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, read)
+
+    t0 = time.perf_counter()
+    created = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        params = jax.tree_util.tree_map_with_path(build, abstract)
+        tokenizer = hf.copy_tokenizer(src, out)
+        eos = hf_cfg.get("eos_token_id")
+        meta = {"config": to_dict(cfg), "mesh": str(dict(mesh.shape)), "step": 0, "time": time.time(),
+                "jaxtrain_version": __version__, "jax_version": jax.__version__,
+                "hf": {"source": os.path.abspath(src), "bos_token_id": hf_cfg.get("bos_token_id"),
+                       "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+                       "max_position_embeddings": hf_cfg.get("max_position_embeddings"),
+                       "tokenizer_dir": os.path.abspath(out) if "tokenizer.json" in tokenizer else None}}
+        manager = ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")),
+                                        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                       "meta": ocp.JsonCheckpointHandler()})
+        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"model": params}),
+                                                meta=ocp.args.JsonSave(meta)), force=True)
+        manager.wait_until_finished()
+        manager.close()
+        yaml_cfg = to_dict(user_cfg)
+        yaml_cfg["checkpoint"]["init_from"] = os.path.abspath(os.path.join(out, "checkpoints"))
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            f.write(f"# Imported from {os.path.abspath(src)}: train with --config this_file data.source=... "
+                    "(parameters from checkpoint.init_from)\n")
+            import yaml
+
+            f.write(yaml.safe_dump(yaml_cfg, sort_keys=False))
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    n_params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(abstract))
+    return {"params": n_params, "seconds": time.perf_counter() - t0, "tokenizer": tokenizer}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_bytes: int = hf.MAX_SHARD_BYTES) -> dict:
+    """Write ``out/config.json``, safetensors shards (+ index when more than one) and the tokenizer files for the
+    checkpoint ``directory/step`` (whose model ``cfg.model`` describes). JAX must be configured for ``cfg``."""
+    import jax
+    from safetensors.numpy import save_file
+
+    cfg, mesh, rules = model_setup(cfg)
+    abstract = abstract_params(cfg, mesh, rules)
+    shapes = _leaf_shapes(abstract)
+    dtypes = {_name(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    maps = hf.tensor_maps(cfg.model)
+    # HF order within a layer, layer after layer, as save_pretrained writes them.
+    order = [(tm, None) for tm in maps if not tm.layered and tm.path[0] == "embed"]
+    order += [(tm, i) for i in range(cfg.model.n_layers) for tm in maps if tm.layered]
+    order += [(tm, None) for tm in maps if not tm.layered and tm.path[0] != "embed"]
+    sizes = {}
+    for tm, i in order:
+        shape = shapes[tm.path][1:] if tm.layered else shapes[tm.path]
+        sizes[tm.name(i)] = int(np.prod(tm.hf_shape(shape))) * dtypes[tm.path].itemsize
+    shards = hf.shard_plan([(tm.name(i), sizes[tm.name(i)]) for tm, i in order], max_shard_bytes)
+    by_name = {tm.name(i): (tm, i) for tm, i in order}
+
+    origin = hf_origin(meta)
+    eos = origin.get("eos_token_id") or [cfg.data.eos_id]
+    t0 = time.perf_counter()
+    created = not os.path.exists(out)
+    try:
+        os.makedirs(out, exist_ok=True)
+        cache: dict = {}  # the one parameter currently restored (stacked layers), reused across its layers
+
+        def fetch(tm, i):
+            if cache.get("path") != tm.path:
+                cache.clear()
+                cache.update(path=tm.path, array=restore_params(directory, step, abstract, only=tm.path))
+            x = cache["array"][i] if tm.layered else cache["array"]
+            return tm.to_hf(np.asarray(jax.device_get(x)))
+
+        files = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+        weight_map = {}
+        for fname, names in zip(files, shards):
+            tensors = {name: fetch(*by_name[name]) for name in names}
+            save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in names})
+            del tensors
+        cache.clear()
+        if len(files) > 1:
+            with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
+        config = hf.hf_config_from_model(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
+                                         bos_token_id=origin.get("bos_token_id"),
+                                         max_position_embeddings=origin.get("max_position_embeddings")
+                                         or cfg.data.seq_len)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        tokenizer = tokenizer_source(meta)
+        tokenizer = tokenizer if tokenizer and tokenizer != "bytes" and os.path.isfile(tokenizer) else None
+        copied = hf.copy_tokenizer(os.path.dirname(tokenizer), out) if tokenizer else []
+        if tokenizer and "tokenizer.json" not in copied:
+            shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
+            copied.append("tokenizer.json")
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    return {"files": files, "bytes": sum(sizes.values()), "seconds": time.perf_counter() - t0, "tokenizer": copied}
+
+
+def load_model(cfg, directory: str, step: int):
+    """(model, mesh, rules): the checkpoint's parameters restored into an NNX model on ``cfg``'s mesh; the model's
+    config is ``cfg`` resolved for this platform."""
+    import jax
+    from flax import nnx
+
+    cfg, mesh, rules = model_setup(cfg)
+    params = restore_params(directory, step, abstract_params(cfg, mesh, rules))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: _transformer(cfg)))
+    return nnx.merge(graphdef, params), mesh, rules

@@ -1,0 +1,208 @@
+"""Hugging Face import and export against ``transformers`` itself (CPU torch; small random Llama models built and
+saved locally with save_pretrained, nothing downloaded)."""
+
+import json
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # never reach a hub, whatever the machine's settings
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import run_cli  # noqa: E402
+from jaxtrain import convert  # noqa: E402
+from jaxtrain.config import ConfigError  # noqa: E402
+
+torch.set_num_threads(1)
+
+BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+CASES = {
+    "gqa_untied": {},
+    "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3_rope_scaling": dict(head_dim=16, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16)),
+    "head_dim_not_d_over_heads": dict(head_dim=16, num_attention_heads=4, num_key_value_heads=1),
+}
+
+
+def make_hf_model(path, seed=0, **overrides):
+    """A random float32 LlamaForCausalLM saved at ``path``; norm scales randomised too so that each one matters."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{**BASE, **overrides})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def import_dir(src, out, *overrides):
+    cfg, hf_cfg, tensors = convert.hf_import_config(str(src), str(out), ["data.threads=0", *overrides])
+    convert.import_hf(cfg, hf_cfg, tensors, str(src), str(out))
+    return cfg
+
+
+def jax_logits(cfg, directory, tokens) -> np.ndarray:
+    from flax import nnx
+
+    model, mesh, rules = convert.load_model(cfg, *convert.resolve_checkpoint(str(directory)))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        return np.asarray(nnx.jit(lambda m, t: m(t))(model, np.asarray(tokens, np.int32)))
+
+
+def tokens(vocab, shape=(2, 24), seed=1):
+    return np.random.default_rng(seed).integers(0, vocab, size=shape)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_logits_match_transformers_and_round_trip(tmp_path, case):
+    """Import -> logits equal transformers' (1e-4); export -> transformers loads it cleanly -> logits equal (1e-5)."""
+    hf_model = make_hf_model(tmp_path / "hf", **CASES[case])
+    cfg = import_dir(tmp_path / "hf", tmp_path / "jt")  # default mesh: fsdp over all 8 test devices
+    if case == "llama3_rope_scaling":
+        assert cfg.model.rope_scaling.type == "llama3" and cfg.model.rope_scaling.original_max_len == 16
+    toks = tokens(BASE["vocab_size"], (2, 40))  # 40 > original_max_position_embeddings: scaling matters
+    want = hf_logits(hf_model, toks)
+    got = jax_logits(cfg, tmp_path / "jt", toks)
+    assert want.std() > 0.1  # logits that vary, so that the comparison can fail
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+    directory, step = convert.resolve_checkpoint(str(tmp_path / "jt"))
+    meta = convert.read_meta(directory, step)
+    convert.export_hf(cfg, directory, step, meta, str(tmp_path / "out"))
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True,
+                                                                   dtype=torch.float32)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    np.testing.assert_allclose(hf_logits(back.eval(), toks), want, atol=1e-5, rtol=0)
+    saved = json.load(open(tmp_path / "out" / "config.json"))
+    assert saved["eos_token_id"] == 2 and saved["bos_token_id"] == 1
+
+
+def test_no_rotary_permutation_needed(tmp_path):
+    """The q/k layout question decided by transformers, not assumed: applying the Meta -> HF permutation (or its
+    inverse) to q/k breaks the logits, so the mapping without permutation is the one that matches."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_model = make_hf_model(tmp_path / "hf")
+    w = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    hd = BASE["hidden_size"] // BASE["num_attention_heads"]
+    for name in list(w):
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            x = w[name]
+            heads = x.shape[0] // hd
+            # transformers' convert_llama_weights_to_hf permute(): interleaved pairs -> half-split halves.
+            w[name] = x.reshape(heads, hd // 2, 2, -1).transpose(0, 2, 1, 3).reshape(x.shape)
+    os.makedirs(tmp_path / "perm")
+    save_file(w, str(tmp_path / "perm" / "model.safetensors"), metadata={"format": "pt"})
+    os.link(tmp_path / "hf" / "config.json", tmp_path / "perm" / "config.json")
+    cfg = import_dir(tmp_path / "perm", tmp_path / "jt")
+    toks = tokens(BASE["vocab_size"])
+    assert np.abs(jax_logits(cfg, tmp_path / "jt", toks) - hf_logits(hf_model, toks)).max() > 1e-2
+
+
+def test_sharded_input_and_output_with_index(tmp_path):
+    """Sharded safetensors in (index + several files, as save_pretrained writes them) and out (max shard size)."""
+    hf_model = make_hf_model(tmp_path / "hf")
+    hf_model.save_pretrained(tmp_path / "hf_sharded", max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "hf_sharded" / "model.safetensors.index.json")
+    cfg = import_dir(tmp_path / "hf_sharded", tmp_path / "jt", "runtime.cpu_devices=8", "mesh.ici.fsdp=4",
+                     "mesh.ici.tensor=2")
+    toks = tokens(BASE["vocab_size"])
+    want = hf_logits(hf_model, toks)
+    np.testing.assert_allclose(jax_logits(cfg, tmp_path / "jt", toks), want, atol=1e-4, rtol=0)
+    directory, step = convert.resolve_checkpoint(str(tmp_path / "jt" / "checkpoints" / "0"))
+    summary = convert.export_hf(cfg, directory, step, convert.read_meta(directory, step), str(tmp_path / "out"),
+                                max_shard_bytes=30_000)
+    assert len(summary["files"]) > 2
+    index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    assert sorted(set(index["weight_map"].values())) == summary["files"]
+    for f in summary["files"]:
+        assert os.path.getsize(tmp_path / "out" / f) < 30_000 + 4096  # tensors + safetensors header
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    np.testing.assert_allclose(hf_logits(back, toks), want, atol=1e-5, rtol=0)
+
+
+def test_cli_round_trip_and_tokenizer_files(tmp_path):
+    """The commands themselves: from-hf writes config.yaml + checkpoint + tokenizer files, to-hf copies them back."""
+    make_hf_model(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0"}')  # copied, not parsed
+    r = run_cli("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "jt"))
+    assert r.returncode == 0, r.stderr
+    assert "imported" in r.stdout and "tokenizer.json" in r.stdout
+    assert sorted(os.listdir(tmp_path / "jt")) == ["checkpoints", "config.yaml", "generation_config.json",
+                                                   "tokenizer.json"]
+    r = run_cli("convert", "to-hf", str(tmp_path / "jt"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "out"))
+
+
+def _bad_inputs(tmp):
+    """(name, SRC directory, the phrase the one-line error must contain)."""
+    make_hf_model(tmp / "good")
+    cases = []
+    os.makedirs(tmp / "no_config")
+    cases.append(("no config.json", tmp / "no_config", "no config.json"))
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
+    model.save_pretrained(tmp / "missing_shard", max_shard_size="20KB")
+    index = json.load(open(tmp / "missing_shard" / "model.safetensors.index.json"))
+    gone = sorted(set(index["weight_map"].values()))[1]
+    os.remove(tmp / "missing_shard" / gone)
+    cases.append(("missing shard", tmp / "missing_shard", f"shard {gone!r}"))
+
+    def variant(name, edit):
+        os.makedirs(tmp / name)
+        os.link(tmp / "good" / "model.safetensors", tmp / name / "model.safetensors")
+        cfg = json.load(open(tmp / "good" / "config.json"))
+        edit(cfg)
+        json.dump(cfg, open(tmp / name / "config.json", "w"))
+        return tmp / name
+
+    cases.append(("shape disagrees", variant("shape", lambda c: c.update(intermediate_size=80)),
+                  "model.layers.0.mlp.gate_proj.weight has shape [64, 32] but config.json implies [80, 32]"))
+    cases.append(("architecture", variant("arch", lambda c: c.update(architectures=["Qwen3MoeForCausalLM"])),
+                  "unsupported architecture Qwen3MoeForCausalLM"))
+    cases.append(("biases", variant("bias", lambda c: c.update(attention_bias=True)), "attention biases"))
+    cases.append(("sliding window", variant("window", lambda c: c.update(architectures=["MistralForCausalLM"],
+                                                                          sliding_window=4096)), "sliding-window"))
+    cases.append(("rope type", variant("yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn",
+                                                                                   "rope_theta": 1e4, "factor": 4})),
+                  "unsupported rope scaling 'yarn'"))
+    return cases
+
+
+def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path):
+    for name, src, phrase in _bad_inputs(tmp_path):
+        out = tmp_path / f"out_{name.replace(' ', '_')}"
+        r = run_cli("convert", "from-hf", str(src), "--out", str(out), timeout=120)
+        assert r.returncode == 2, (name, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and phrase in lines[0], (name, r.stderr)
+        assert not out.exists(), name
+    # An existing, non-empty output directory is never written into.
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    r = run_cli("convert", "from-hf", str(tmp_path / "good"), "--out", str(tmp_path / "taken"))
+    assert r.returncode == 2 and "already exists" in r.stderr
+    assert os.listdir(tmp_path / "taken") == ["keep.txt"]
+    r = run_cli("convert", "to-hf", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not exist" in r.stderr
+
+
+def test_unsupported_config_in_process():
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        convert.hf.model_fields_from_hf({"architectures": ["LlamaForCausalLM"], "num_local_experts": 8})
