@@ -189,16 +189,27 @@ class DistConfig:
     process_id: int | None = None
     init_timeout_s: int = 120  # how long to wait for every process to join
     heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
+    # GPU ordinals (after CUDA_VISIBLE_DEVICES) this process drives; None: JAX_LOCAL_DEVICE_IDS, else derived from
+    # Slurm's task layout, else all (see jaxtrain.distributed; `python -m jaxtrain env` shows the result).
+    local_device_ids: list | None = None
+    bind_address: str | None = None  # host:port process 0's coordinator listens on; None: every interface
 
 
 @dataclass
 class CheckConfig:
     # `python -m jaxtrain check`: collective bandwidth and per-device matmul health check.
-    sizes_mb: list = field(default_factory=lambda: [0.25, 4.0, 16.0])  # message sizes per device
+    # Message sizes per device; None: [0.25, 4, 16] MiB on CPU, [16, 256, 1024] MiB on GPU (1 GiB: the size of
+    # one LLM layer's collectives, where a GPU link reaches its bus bandwidth).
+    sizes_mb: list | None = None
     iters: int = 5
-    matmul_size: int = 1024
+    matmul_size: int | None = None  # None: 1024 (float32) on CPU, 8192 (bfloat16) on GPU
     min_busbw_gbps: float = 0.0  # fail if an axis's bus bandwidth at the largest size is below this (0: no bound)
     min_matmul_fraction: float = 0.5  # fail if a device's matmul rate is below this fraction of the median
+    # Hardware file (name, e.g. h100-8x, or path) for absolute bounds; None: the shipped file whose device_kind
+    # matches the devices (none on CPU). A named file whose device_kind does not match the devices exits 2.
+    hardware: str | None = None
+    min_peak_fraction: float = 0.5  # fail a device whose bf16 matmul reaches less than this fraction of peak_flops
+    min_link_fraction: float = 0.5  # fail an axis whose bus bandwidth is below this fraction of its link's rate
 
 
 @dataclass
@@ -354,6 +365,8 @@ def _build(default: Any, tree: Any, prefix: str):
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:  # free-form: the file's owner checks it (an experiment's runs: a list of mappings or "all")
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -384,6 +397,10 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{name}={value!r} must be a string")
+    if origin is list and args == (str,):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}={value!r} must be a list of strings")
+        return list(value)
     if origin is list or tp is list:
         if not isinstance(value, list) or not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{name}={value!r} must be a non-empty list of numbers, e.g. [1, 4, 16]")
@@ -495,10 +512,21 @@ def validate(cfg: Config) -> None:
                  f"dist.process_id={dist.process_id} must be in [0, dist.num_processes={dist.num_processes})")
     _positive("dist.init_timeout_s", dist.init_timeout_s)
     _positive("dist.heartbeat_timeout_s", dist.heartbeat_timeout_s)
+    if dist.local_device_ids is not None:
+        ids = dist.local_device_ids
+        _require(bool(ids) and all(isinstance(i, int) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
+                 f"dist.local_device_ids={ids} must be a list of distinct GPU ordinals >= 0, e.g. [0,1,2,3]")
+    if dist.bind_address is not None:
+        _require(":" in str(dist.bind_address), f"dist.bind_address={dist.bind_address!r} must be host:port")
     ck = cfg.check
-    _require(all(v > 0 for v in ck.sizes_mb), f"check.sizes_mb={ck.sizes_mb} must all be > 0")
+    if ck.sizes_mb is not None:
+        _require(bool(ck.sizes_mb) and all(isinstance(v, (int, float)) and v > 0 for v in ck.sizes_mb),
+                 f"check.sizes_mb={ck.sizes_mb} must be a non-empty list of sizes > 0")
     _positive("check.iters", ck.iters)
-    _positive("check.matmul_size", ck.matmul_size)
+    if ck.matmul_size is not None:
+        _positive("check.matmul_size", ck.matmul_size)
+    _require(0 <= ck.min_peak_fraction <= 1, f"check.min_peak_fraction={ck.min_peak_fraction} must be in [0, 1]")
+    _require(0 <= ck.min_link_fraction <= 1, f"check.min_link_fraction={ck.min_link_fraction} must be in [0, 1]")
     _require(ck.min_busbw_gbps >= 0, f"check.min_busbw_gbps={ck.min_busbw_gbps} must be >= 0")
     _require(0 <= ck.min_matmul_fraction <= 1, f"check.min_matmul_fraction={ck.min_matmul_fraction} must be in [0, 1]")
     _validate_mesh(cfg)

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.distributed import first_slurm_host, resolve
 

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import REPO
+from helpers import REPO
 
 LAUNCH = os.path.join(REPO, "launch")
 

@@ -5,15 +5,15 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-import yaml
 
-from conftest import REPO, run_cli
+from helpers import REPO, run_cli
 
 F32 = ["model.dtype=float32", "model.param_dtype=float32", "train.eval_every=0", "train.eval_batches=1"]
 
@@ -166,29 +166,151 @@ def test_health_check_with_two_processes():
     assert "[0] [process 0/2] check passed" in proc.stdout and "[1] [process 1/2] check passed" in proc.stdout
 
 
-@pytest.mark.slow
-def test_real_slurm_runs_the_sbatch_script(tmp_path):
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A real one-node Slurm 22.05 (tests/slurm/cluster.sh) with 8 stand-in GPUs as GRES; yields its environment."""
     if shutil.which("slurmctld") is None or os.geteuid() != 0:
         pytest.skip("needs root and Debian's slurmctld/slurmd/slurm-client (.ci/run installs them)")
-    cluster = tmp_path / "slurm"
+    cluster = tmp_path_factory.mktemp("slurm")
     script = os.path.join(REPO, "tests/slurm/cluster.sh")
-    up = subprocess.run([script, "start", str(cluster)], capture_output=True, text=True, timeout=120)
+    up = subprocess.run([script, "start", str(cluster), "8"], capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr
-    env = _env() | {"SLURM_CONF": str(cluster / "slurm.conf")}
-    try:
-        run_dir, out = tmp_path / "run", tmp_path / "job.out"
-        submit = subprocess.run(
-            ["sbatch", "--parsable", "--wait", "-N1", "--ntasks-per-node=2", "--overcommit", f"--output={out}",
-             "--export=ALL", f"--chdir={REPO}", os.path.join(REPO, "launch/slurm.sbatch"), "train",
-             f"run.dir={run_dir}", "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=4",
-             *F32], capture_output=True, text=True, env=env, timeout=900)
-        log = out.read_text() if out.exists() else ""
-        assert submit.returncode == 0, submit.stderr + log[-3000:]
-        job = submit.stdout.strip().split(";")[0]
-        state = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
-        assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
-        assert sorted(_losses(run_dir)) == [1, 2, 3, 4]
-        assert "[process 1/2]" in log and "[process 0/2]" in log  # two processes really ran under srun
-        assert sorted(os.listdir(run_dir / "logs")) == ["process_0.log", "process_1.log"]
-    finally:
-        subprocess.run([script, "stop", str(cluster)], timeout=60)
+    # CPU JAX here: the launcher's environment file says JAX_PLATFORMS=cuda, and the user's value wins.
+    yield _env() | {"SLURM_CONF": str(cluster / "slurm.conf"), "JAX_PLATFORMS": "cpu"}
+    subprocess.run([script, "stop", str(cluster)], timeout=60)
+
+
+def sbatch(env, *args, wait=True, timeout=900):
+    """sbatch from the repository root (the launcher finds launch/jaxtrain.env through SLURM_SUBMIT_DIR)."""
+    proc = subprocess.run(["sbatch", "--parsable", *(["--wait"] if wait else []), "--export=ALL", *args],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    return proc, proc.stdout.strip().split(";")[0]
+
+
+def job_state(env, job):
+    return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env).stdout
+
+
+@pytest.mark.slow
+def test_real_slurm_runs_the_sbatch_script(slurm, tmp_path):
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    check = ["check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256"]  # the check step reads them too
+    submit, job = sbatch(slurm, "-N1", "--ntasks-per-node=2", f"--output={out}",
+                         os.path.join(REPO, "launch/slurm.sbatch"), "train", f"run.dir={run_dir}",
+                         "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=4", *check, *F32)
+    log = out.read_text() if out.exists() else ""
+    assert submit.returncode == 0, submit.stderr + log[-3000:]
+    state = job_state(slurm, job)
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
+    assert "[process 0/2] check passed" in log and "[process 1/2] check passed" in log  # the health check step
+    assert sorted(_losses(run_dir)) == [1, 2, 3, 4]
+    assert "[process 1/2]" in log and "[process 0/2]" in log  # two processes really ran under srun
+    assert sorted(os.listdir(run_dir / "logs")) == ["process_0.log", "process_1.log"]
+    assert "jax-cache" in log and (run_dir / "jax-cache").is_dir()  # the compilation cache lives in the run
+
+
+LAYOUTS = {  # sbatch options -> per task (CUDA_VISIBLE_DEVICES, local_device_ids) as a function of the local id
+    "one task per node": (["--ntasks-per-node=1"], lambda i: ("0,1,2,3,4,5,6,7", list(range(8)))),
+    "one task per GPU": (["--ntasks-per-node=8"], lambda i: ("0,1,2,3,4,5,6,7", [i])),
+    "one task per GPU, bound": (["--ntasks-per-node=8", "--gpus-per-task=1"], lambda i: (str(i), [0])),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_real_slurm_gpu_layouts_as_each_task_sees_them(slurm, tmp_path, layout):
+    options, expected = LAYOUTS[layout]
+    out = tmp_path / "env.out"
+    submit, job = sbatch(slurm | {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, "-N1", *options,
+                         f"--output={out}", os.path.join(REPO, "launch/slurm.sbatch"), "env", "--json", timeout=300)
+    log = out.read_text()
+    assert submit.returncode == 0, submit.stderr + log[-3000:]
+    rows = sorted((json.loads(line) for line in log.splitlines() if line.startswith("{")),
+                  key=lambda r: r["process_id"])
+    n = len(rows)
+    assert n == (1 if "--ntasks-per-node=1" in options else 8)
+    assert [r["process_id"] for r in rows] == list(range(n)) and {r["num_processes"] for r in rows} == {n}
+    assert len({r["coordinator"] for r in rows}) == 1
+    if n > 1:  # JAX's own rule: first node of the step, port 61440 + job id % 4096
+        assert rows[0]["coordinator"] == f"{socket.gethostname().split('.')[0]}:{61440 + int(job) % 4096}"
+    for i, r in enumerate(rows):  # on one node the local id is the process id
+        assert (r["cuda_visible_devices"], r["local_device_ids"]) == expected(i), r
+        assert r["sources"]["local_device_ids"].startswith("slurm:") or n == 1
+        assert r["platform"] == "cpu"  # the user's JAX_PLATFORMS beat the file's cuda
+    # The launcher put the file's XLA flags first and the user's last (XLA applies the last).
+    assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=" in log
+
+
+@pytest.mark.slow
+def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
+    """A job in partition `low` is preempted by one in `high`: Slurm signals the batch shell
+    (preempt_send_user_signal), jaxtrain checkpoints at an agreed step and exits 0, the job is requeued, and the
+    second run resumes from that checkpoint, loading its compiled step from the cache in the run directory."""
+    run_dir, out = tmp_path / "run", tmp_path / "low.out"
+    small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64",
+             "data.seq_len=32", "train.global_batch=4", "train.eval_every=0", "checkpoint.every=100000"]
+    steps = 3000
+    submit, job = sbatch(slurm | {"JAXTRAIN_CHECK": "0"}, "-p", "low", "-N1", f"--output={out}",
+                         os.path.join(REPO, "launch/slurm.sbatch"), "train", f"run.dir={run_dir}",
+                         f"train.steps={steps}", "runtime.cpu_devices=1", *small, wait=False)
+    assert submit.returncode == 0, submit.stderr
+    deadline = time.time() + 300
+    while time.time() < deadline and not re.search(r"step +\d+/", out.read_text() if out.exists() else ""):
+        time.sleep(1)
+    assert "RUNNING" in job_state(slurm, job), out.read_text()[-2000:]
+    high, _ = sbatch(slurm, "-p", "high", "-N1", "--gpus-per-node=8", f"--output={tmp_path / 'high.out'}",
+                     "--wrap", "sleep 1", timeout=600)
+    assert high.returncode == 0, high.stderr
+    deadline = time.time() + 900
+    while time.time() < deadline and "JobState=COMPLETED" not in job_state(slurm, job):
+        time.sleep(2)
+    state, log = job_state(slurm, job), out.read_text()
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + log[-3000:]
+    found = re.search(r"resumed from \S+/(\d+)", log)
+    saved = int(found.group(1)) if found else None
+    assert saved is not None and 0 < saved < steps, log[-3000:]
+    assert "restart 1;" in log and "stopped for preemption or the time limit (step exit 0)" in log
+    assert max(_losses(run_dir)) == steps
+
+
+def test_health_check_bounds_from_a_hardware_file(tmp_path):
+    """A hardware file's peak and link rates are absolute bounds: a node whose devices all miss them is named."""
+    hw = tmp_path / "slow-cpu.yaml"
+    hw.write_text("name: slow-cpu\ndevice_kind: cpu\npeak_flops: 1.0e+15\nhbm_bytes: 1.0e+9\n"
+                  "hbm_bandwidth: 1.0e+10\ndevices_per_node: 2\nintra_node_bandwidth: 1.0e+12\n"
+                  "inter_node_bandwidth: 1.0e+12\ncompute_efficiency: 0.5\n")
+    args = ["runtime.cpu_devices=2", "mesh.ici.fsdp=2", "check.sizes_mb=[0.25]", "check.iters=2",
+            "check.matmul_size=256"]
+    proc = run_cli("check", *args, f"check.hardware={hw}")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "below check.min_peak_fraction=0.5 of slow-cpu's peak" in proc.stderr
+    assert "check.min_link_fraction=0.5 of slow-cpu's intra-node link" in proc.stderr
+    node = socket.gethostname().split(".")[0]
+    assert f"check: exclude hosts: {node}" in proc.stdout.splitlines()
+    assert re.search(r"check: all-reduce inside node \S+: [\d.]+ GB/s, values ok \(bad\)", proc.stdout)
+    # A named hardware file must describe the devices at hand.
+    wrong = run_cli("check", *args, "check.hardware=h100-8x")
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines()[-1] == ("error: check.hardware='h100-8x' describes H100 devices but this "
+                                                     "job has 'cpu'; pick the hardware file of these devices")
+
+
+@pytest.mark.slow
+def test_health_check_names_nodes_with_pairwise_sub_checks(tmp_path):
+    """4 processes as 4 nodes (named through SLURMD_NODENAME, as Slurm names them): an axis across nodes that misses
+    its bound is re-measured pair by pair between ring neighbours, really (sub-meshes of two nodes' devices); each
+    node whose pairs all miss prints the exclude line the sbatch script reads."""
+    port = _free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxtrain", "check", "runtime.cpu_devices=2", "mesh.dcn.data=4", "mesh.ici.fsdp=2",
+         "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256", "check.min_busbw_gbps=1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        env=_env() | {"SLURMD_NODENAME": f"gpu{i:03d}", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                      "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": str(i)}) for i in range(4)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 1, out[-3000:]
+        left, right = (i - 1) % 4, (i + 1) % 4
+        line = next(x for x in out.splitlines() if x.startswith(f"check: all-reduce between node {i} (gpu{i:03d})"))
+        assert f"with {min(left, right)}:" in line and f"with {max(left, right)}:" in line and line.count("(bad)") == 2
+        assert out.splitlines().count(f"check: exclude hosts: gpu{i:03d}") == 1

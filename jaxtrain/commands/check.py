@@ -6,10 +6,13 @@ from jaxtrain.commands import add_config_arguments, start
 
 
 def add_arguments(p):
-    p.description = ("Check every device's matmul and the collectives (all-reduce, all-gather, reduce-scatter, "
-                     "all-to-all) over every mesh axis, with bus bandwidth as nccl-tests defines it. Exits 1 naming "
-                     "the axis or device that misses check.min_busbw_gbps / check.min_matmul_fraction or computes "
-                     "wrong values. Uses the same mesh and process settings as train.")
+    p.description = ("Check every device's matmul (bfloat16 8192x8192 on GPUs) and the collectives (all-reduce, "
+                     "all-gather, reduce-scatter, all-to-all, up to 1 GiB on GPUs) over every mesh axis, with bus "
+                     "bandwidth as nccl-tests defines it, against the hardware file's peak and link rates "
+                     "(check.hardware, else the shipped file matching the devices). Exits 1 naming the device or axis "
+                     "that is slow or wrong; a process whose node is to blame prints 'check: exclude hosts: NODE' "
+                     "(launch/slurm.sbatch excludes those nodes and requeues). Uses the same mesh and process "
+                     "settings as train.")
     add_config_arguments(p)
 
 
