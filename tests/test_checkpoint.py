@@ -18,7 +18,8 @@ from conftest import REPO, run_cli
 
 # Small and float32 so that runs are quick and comparisons exact.
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
-         "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=5", "train.decay_steps=60"]
+         "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=5", "train.decay_steps=60",
+         "train.log_every=1"]
 
 
 def _env():

@@ -69,6 +69,6 @@ def test_prepare_then_train_on_the_token_file(tmp_path):
 
     run_dir = tmp_path / "run"
     proc = run_cli("train", f"run.dir={run_dir}", f"data.source={out}", "train.steps=3", "data.seq_len=32",
-                   "train.eval_every=0")
+                   "train.eval_every=0", "train.log_every=1")
     assert proc.returncode == 0, proc.stderr
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3

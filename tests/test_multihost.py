@@ -15,7 +15,8 @@ import pytest
 
 from helpers import REPO, run_cli
 
-F32 = ["model.dtype=float32", "model.param_dtype=float32", "train.eval_every=0", "train.eval_batches=1"]
+F32 = ["model.dtype=float32", "model.param_dtype=float32", "train.eval_every=0", "train.eval_batches=1",
+       "train.log_every=1"]
 
 
 def _env():
