@@ -145,8 +145,11 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
         return out["state"], source.step, out["meta"]["data_iterator"]
     # Parameters only: read the model subtree, keep the fresh optimizer state.
     state = fresh_state()
-    out = manager.restore(source.step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(item={"model": abstract_state["model"]}, partial_restore=True)))
+    # restore_args carry the target shardings: without them Orbax restores onto the mesh that saved the
+    # checkpoint (e.g. an import sharded fsdp=8), which the train step compiled for this mesh then rejects.
+    item = {"model": abstract_state["model"]}
+    out = manager.restore(source.step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
     state["model"] = out["state"]["model"]
     return state, 0, None
 
