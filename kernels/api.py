@@ -8,6 +8,7 @@ Implementations:
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax.numpy as jnp
@@ -76,6 +77,23 @@ def validate(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl="pal
         raise ValueError(f"backend={backend!r} applies to impl='pallas' only")
 
 
+def launch_plan(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segments: bool = False,
+                impl: str = "pallas", **block_sizes) -> dict:
+    """How each kernel of a call would be launched: {"fwd" | "dq" | "dkdv": {block_m, block_n, num_warps,
+    num_stages}} (block_m: query tile, block_n: key tile), for q_shape [batch, seq, heads, head_dim]."""
+    if impl == "pallas":
+        cfg = flash_pallas.plan(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
+                                block_sizes=block_sizes)
+        launches = {kind: getattr(cfg, kind) for kind in ("fwd", "dq", "dkdv")}
+    elif impl == "triton":
+        p = flash_triton.make_plan(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
+                                   has_segments=has_segments, block_sizes=block_sizes)
+        launches = {"fwd": p.fwd_launch, "dq": p.dq_launch, "dkdv": p.dkdv_launch}
+    else:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    return {kind: dataclasses.asdict(launch) for kind, launch in launches.items()}
+
+
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
                     impl: str = "pallas", interpret: bool = False, backend: str = "triton", **block_sizes):
     """Flash multi-head self-attention with grouped-query support, differentiable w.r.t. q, k and v.
@@ -91,9 +109,11 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale:
         (Triton language via jax-triton; CUDA GPU only).
       interpret: run the Pallas kernels in the Pallas interpreter (CPU; slow, for testing).
       backend: GPU lowering of the Pallas kernels; "triton" is the one implemented.
-      **block_sizes: tiles and launch parameters. impl="pallas": block_q, block_k (forward), block_q_bwd,
-        block_k_bwd (backward), num_warps, num_stages. impl="triton": block_m, block_n, block_m_bwd,
-        block_n_bwd, num_warps, num_stages. Tiles are powers of two >= 16 and are clamped to the sequence.
+      **block_sizes: overrides of the per-kernel tiles and launch parameters (defaults by dtype and head_dim in
+        ``kernels.tiling``). impl="pallas": block_q, block_k (forward), block_q_bwd, block_k_bwd (both backward
+        kernels), block_q_dq, block_k_dq, block_q_dkdv, block_k_dkdv, num_warps, num_stages. impl="triton":
+        block_m, block_n, block_m_bwd, block_n_bwd, block_m_dq, block_n_dq, block_m_dkdv, block_n_dkdv,
+        num_warps, num_stages, dkdv_splits. Tiles are powers of two >= 16 and are clamped to the sequence.
 
     Returns:
       [batch, seq, heads, head_dim] in q's dtype. Softmax statistics and accumulators are float32.

@@ -4,17 +4,26 @@ Shapes: q [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim] w
 query head h reads kv head h // (heads // kv_heads). Output [batch, seq, heads, head_dim] in q's dtype.
 
 Algorithm (FlashAttention-2):
-  * forward: one program per (batch, head, query tile); online softmax over kv tiles in a ``fori_loop`` with
-    float32 accumulators; the log-sum-exp (base 2) of every row is written for the backward. Under ``causal``
-    the loop bound stops at the diagonal, so tiles wholly above it cost nothing, and only the tiles that the
-    diagonal crosses pay for a mask.
-  * backward: ``delta = rowsum(o * do)`` in XLA (elementwise, O(S·H·D)), then two kernels: dq per
-    (batch, head, query tile) looping over kv tiles, and dk/dv per (batch, kv head, kv tile) looping over the
-    query heads of its group and their query tiles, so the group sum happens in registers and no
-    per-query-head dk/dv is ever materialised.
+  * forward: one program per (query tile, batch, head), the query tile on the fastest grid axis (so programs
+    running together read the same K/V from L2) and, under ``causal``, in reverse (the longest rows start first);
+    online softmax over kv tiles in a ``fori_loop`` with float32 accumulators; the log-sum-exp (base 2) of every
+    row is written for the backward. Under ``causal`` the loop stops at the diagonal and only the tiles the
+    diagonal crosses pay for a mask; the unmasked loop runs before the masked one.
+  * document masking (``segment_ids``): XLA computes, per query tile, the range of kv tiles whose segment ids can
+    match (``tiling.segment_tile_ranges``) and the kernels loop over that range only, so tiles of other
+    documents are skipped, not computed and masked.
+  * backward: ``delta = rowsum(o * do)`` in XLA as an elementwise product and a float32 sum (not a matmul, so no
+    TF32 can creep in), then two kernels with their own tiles: dq per (query tile, batch, head) looping over kv
+    tiles, and dk/dv per (kv tile, batch, kv head) looping over the query heads of its group and their query
+    tiles, so the group sum happens in registers and no per-query-head dk/dv is ever materialised. dk/dv works
+    on S transposed ([kv, q]): P^T and dS^T come out of the matmuls in the layout the next matmul wants.
+  * float32 inputs get exact float32 dots (``precision=HIGHEST``): the Triton lowering would otherwise make
+    every default-precision float32 dot a TF32 one (about 1e-3 relative error).
   * grouped-query attention by BlockSpec index maps (query head h -> kv head h // group in the forward and dq
     kernels; kv head j -> the query-head block [j*group, (j+1)*group) in the dk/dv kernel). k and v are never
     repeated in memory.
+  * with ``jax.checkpoint`` (remat), the output and the log-sum-exp carry the checkpoint names ``attn_out`` and
+    ``attn_lse``, so a policy that saves them keeps the backward from rerunning the forward kernel.
   * any sequence length: the wrapper pads the sequence up to a multiple of the block sizes and the kernels
     mask padded keys; padded query rows are sliced away (their cotangent is zero, so they add nothing to
     dk/dv).
@@ -48,9 +57,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels.tiling import MIN_BLOCK, checked_block_sizes
+from kernels.tiling import Launch, checked_block_sizes, resolve_launches, segment_tile_ranges
 
 # Finite, so that fully masked tiles give exp2(MASK - MASK) = 1 rather than NaN; see the module docstring.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -58,26 +68,40 @@ LOG2E = math.log2(math.e)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tiles must be powers of two for the Triton lowering
 BACKENDS = ("triton",)
+CHECKPOINT_NAMES = ("attn_out", "attn_lse")  # names of the saved forward results under jax.checkpoint
+
+_TILE_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq", "block_q_dkdv",
+                "block_k_dkdv")
+# Per kernel: the fields that set its (query tile, key tile), most specific first.
+_OVERRIDES = {
+    "fwd": (("block_q",), ("block_k",)),
+    "dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd")),
+    "dkdv": (("block_q_dkdv", "block_q_bwd"), ("block_k_dkdv", "block_k_bwd")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes: forward (block_q x block_k) and backward (block_q_bwd x block_k_bwd); powers of two >= 16.
+    """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
 
-    The defaults are first guesses for an H100/H200 with the Triton lowering; they have not been tuned on a GPU.
-    ``num_warps=None`` picks 4 for head_dim <= 64 and 8 above.
+    block_q/block_k: forward; block_q_bwd/block_k_bwd: both backward kernels; block_*_dq / block_*_dkdv: one of
+    them. num_warps / num_stages apply to all three kernels.
     """
 
-    block_q: int = 128
-    block_k: int = 64
-    block_q_bwd: int = 64
-    block_k_bwd: int = 64
+    block_q: int | None = None
+    block_k: int | None = None
+    block_q_bwd: int | None = None
+    block_k_bwd: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    block_q_dkdv: int | None = None
+    block_k_dkdv: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
-        return checked_block_sizes(cls, kwargs, ("block_q", "block_k", "block_q_bwd", "block_k_bwd"), "pallas")
+        return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +112,9 @@ class _Config:
     sm_scale: float
     seq_len: int  # true (unpadded) sequence length
     padded_len: int
-    block_q: int
-    block_k: int
-    block_q_bwd: int
-    block_k_bwd: int
-    num_warps: int
-    num_stages: int
+    fwd: Launch
+    dq: Launch
+    dkdv: Launch
     has_segments: bool
     interpret: bool
     backend: str
@@ -103,52 +124,73 @@ class _Config:
         return self.padded_len != self.seq_len
 
 
-def _compiler_params(cfg: _Config):
+def _compiler_params(cfg: _Config, launch: Launch):
     if cfg.interpret:
         return None
     if cfg.backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return pltriton.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages)
     raise ValueError(f"unknown Pallas backend {cfg.backend!r}")  # validated earlier; kept for safety
 
 
+# precision=HIGHEST: float32 operands give an exact float32 dot (IEEE) in the Triton lowering instead of TF32;
+# 16-bit operands are unaffected.
 def _dot_nt(a, b):
     """a [m, d] @ b[n, d]^T -> [m, n] in float32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):
-    """a [m, n]^T @ b[m, d] -> [n, d] in float32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
 
 
 def _dot_nn(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    """a [m, n] @ b[n, d] -> [m, d] in float32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
 
 
-def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None):
-    """Boolean [bq, bk] mask of visible (query, key) pairs, or None when everything is visible.
+def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None, kv_major: bool = False):
+    """Boolean mask of visible (query, key) pairs, [bq, bk] (or [bk, bq] with ``kv_major``); None when all visible.
 
     q_pos [bq], k_pos [bk]: absolute positions; q_seg [bq] / k_seg [bk]: segment ids or None;
     seq_len: mask keys at or past it (sequence padding), or None when there is no padding.
     """
+    if kv_major:
+        def q_(x):
+            return x[None, :]
+
+        def k_(x):
+            return x[:, None]
+    else:
+        def q_(x):
+            return x[:, None]
+
+        def k_(x):
+            return x[None, :]
     mask = None
 
     def _and(m, new):
         return new if m is None else jnp.logical_and(m, new)
 
     if causal:
-        mask = _and(mask, q_pos[:, None] >= k_pos[None, :])
+        mask = _and(mask, q_(q_pos) >= k_(k_pos))
     if seq_len is not None:
-        mask = _and(mask, k_pos[None, :] < seq_len)
+        mask = _and(mask, k_(k_pos) < seq_len)
     if q_seg is not None:
-        mask = _and(mask, q_seg[:, None] == k_seg[None, :])
+        mask = _and(mask, q_(q_seg) == k_(k_seg))
     return mask
 
 
+def _clamp(ranges, bounds):
+    """Intersect each (lo, hi, on_diagonal) with the document-mask tile range ``bounds`` (lo, hi) or None."""
+    if bounds is None:
+        return ranges
+    lo, hi = bounds
+    return [(jnp.maximum(a, lo), jnp.minimum(b, hi), diag) for a, b, diag in ranges]
+
+
 def _kv_ranges(q_block, block_q, block_k, num_k_blocks, causal):
-    """[(lo, hi, on_diagonal)] kv-tile ranges a query tile must visit; tiles above the diagonal are not listed."""
+    """[(lo, hi, on_diagonal)] kv-tile ranges a query tile must visit, unmasked first; tiles above the diagonal are
+    not listed."""
     if not causal:
         return [(0, num_k_blocks, False)]
     # Tile j is wholly visible when its last key <= the tile's first query: (j+1)*bk - 1 <= q_block*bq.
@@ -158,14 +200,25 @@ def _kv_ranges(q_block, block_q, block_k, num_k_blocks, causal):
 
 
 def _q_ranges(k_block, block_q, block_k, num_q_blocks, causal):
-    """[(lo, hi, on_diagonal)] query-tile ranges that can see kv tile ``k_block``; tiles wholly before it skipped."""
+    """[(lo, hi, on_diagonal)] query-tile ranges that can see kv tile ``k_block``, unmasked first (the masked
+    diagonal loop last: a loop of only-unmasked steps is what lets wgmma run without serialising); tiles wholly
+    before it skipped."""
     if not causal:
         return [(0, num_q_blocks, False)]
     # Tile t sees some key of the kv tile when its last row (t+1)*bq - 1 >= k_block*bk; it sees all of them
     # when its first row t*bq >= (k_block+1)*bk - 1.
     start = lax.div(k_block * block_k, block_q)
     full = jnp.minimum(lax.div(k_block * block_k + block_k - 1 + block_q - 1, block_q), num_q_blocks)
-    return [(start, full, True), (full, num_q_blocks, False)]
+    return [(full, num_q_blocks, False), (start, full, True)]
+
+
+def _tile_index(cfg: _Config, i, num_tiles: int):
+    """Grid index -> tile index: reversed under causal, so the tiles with the most work are launched first."""
+    return num_tiles - 1 - i if cfg.causal else i
+
+
+def _bounds(ref):
+    return None if ref is None else (ref[0], ref[1])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -173,14 +226,15 @@ def _q_ranges(k_block, block_q, block_k, num_q_blocks, causal):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, cfg: _Config, block_q: int, block_k: int):
+def _fwd_kernel(*refs, cfg: _Config):
     if cfg.has_segments:
-        seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
     else:
         q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        seg_q_ref = seg_k_ref = None
+        bounds_ref = seg_q_ref = seg_k_ref = None
+    block_q, block_k = cfg.fwd.block_m, cfg.fwd.block_n
     head_dim = q_ref.shape[-1]
-    i = pl.program_id(2)
+    i = _tile_index(cfg, pl.program_id(0), cfg.padded_len // block_q)
     q = q_ref[...]  # [bq, D]; stays resident for the whole kv loop
     q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
     q_seg = None if seg_q_ref is None else seg_q_ref[...]
@@ -211,41 +265,51 @@ def _fwd_kernel(*refs, cfg: _Config, block_q: int, block_k: int):
         jnp.zeros((block_q,), jnp.float32),
     )
     num_k_blocks = cfg.padded_len // block_k
-    for lo, hi, on_diagonal in _kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal):
+    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal),
+                                      _bounds(bounds_ref)):
         carry = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), carry)
     acc, m, l = carry
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
 
+def _tile_ranges(seg, cfg: _Config, launch: Launch, kv_major: bool):
+    """Document-mask ranges for one kernel: [B, tiles, 2] in units of the tiles its loop walks."""
+    if kv_major:
+        return segment_tile_ranges(seg, launch.block_n, launch.block_m)
+    return segment_tile_ranges(seg, launch.block_m, launch.block_n)
+
+
 def _forward(q, k, v, seg, cfg: _Config):
     """Padded inputs -> (o [B, Sp, H, D] in q.dtype, lse [B, H, Sp] float32, base 2)."""
     b, sp, h, d = q.shape
     group = h // k.shape[2]
-    bq, bk = cfg.block_q, cfg.block_k
-    grid = (b, h, sp // bq)
+    bq = cfg.fwd.block_m
+    nq = sp // bq
+    t = functools.partial(_tile_index, cfg, num_tiles=nq)
     in_specs = [
-        pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        pl.BlockSpec((None, sp, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0)),
-        pl.BlockSpec((None, sp, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0)),
+        pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),
+        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),
+        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),
     ]
     args = [q, k, v]
     if cfg.has_segments:
         in_specs = [
-            pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-            pl.BlockSpec((None, sp), lambda bi, hi, qi: (bi, 0)),
+            pl.BlockSpec((None, None, 2), lambda qi, bi, hi: (bi, t(qi), 0)),
+            pl.BlockSpec((None, bq), lambda qi, bi, hi: (bi, t(qi))),
+            pl.BlockSpec((None, sp), lambda qi, bi, hi: (bi, 0)),
         ] + in_specs
-        args = [seg, seg] + args
+        args = [_tile_ranges(seg, cfg, cfg.fwd, False), seg, seg] + args
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, cfg=cfg, block_q=bq, block_k=bk),
-        grid=grid,
+        functools.partial(_fwd_kernel, cfg=cfg),
+        grid=(nq, b, h),  # the query tile on the fastest launch axis
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-            pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+            pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),
+            pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, t(qi))),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)],
-        compiler_params=_compiler_params(cfg),
+        compiler_params=_compiler_params(cfg, cfg.fwd),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(*args)
@@ -256,14 +320,15 @@ def _forward(q, k, v, seg, cfg: _Config):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(*refs, cfg: _Config, block_q: int, block_k: int):
+def _dq_kernel(*refs, cfg: _Config):
     if cfg.has_segments:
-        seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
+        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-        seg_q_ref = seg_k_ref = None
+        bounds_ref = seg_q_ref = seg_k_ref = None
+    block_q, block_k = cfg.dq.block_m, cfg.dq.block_n
     head_dim = q_ref.shape[-1]
-    i = pl.program_id(2)
+    i = _tile_index(cfg, pl.program_id(0), cfg.padded_len // block_q)
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
@@ -290,19 +355,21 @@ def _dq_kernel(*refs, cfg: _Config, block_q: int, block_k: int):
 
     dq = jnp.zeros((block_q, head_dim), jnp.float32)
     num_k_blocks = cfg.padded_len // block_k
-    for lo, hi, on_diagonal in _kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal):
+    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal),
+                                      _bounds(bounds_ref)):
         dq = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), dq)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, cfg: _Config, block_q: int, block_k: int, group: int):
+def _dkdv_kernel(*refs, cfg: _Config, group: int):
     if cfg.has_segments:
-        seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-        seg_q_ref = seg_k_ref = None
+        bounds_ref = seg_q_ref = seg_k_ref = None
+    block_q, block_k = cfg.dkdv.block_m, cfg.dkdv.block_n
     head_dim = k_ref.shape[-1]
-    j = pl.program_id(2)
+    j = pl.program_id(0)  # kv tile 0 sees the most query tiles under causal: natural order is heaviest first
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
     k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
@@ -310,8 +377,10 @@ def _dkdv_kernel(*refs, cfg: _Config, block_q: int, block_k: int, group: int):
     qk_scale = cfg.sm_scale * LOG2E
     pad_len = cfg.seq_len if cfg.padded else None
     num_q_blocks = cfg.padded_len // block_q
+    ranges = _clamp(_q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal), _bounds(bounds_ref))
 
     def step(t, carry, g, on_diagonal):
+        # Transposed: rows are keys, columns queries, so P^T and dS^T are produced, not transposed.
         dk, dv = carry
         start = pl.multiple_of(t * block_q, block_q)
         rows = pl.ds(start, block_q)
@@ -319,23 +388,23 @@ def _dkdv_kernel(*refs, cfg: _Config, block_q: int, block_k: int, group: int):
         do = do_ref[rows, g, :]
         lse = lse_ref[g, rows]
         delta = delta_ref[g, rows]
-        s = _dot_nt(q, k) * qk_scale  # [bq, bk]
+        s_t = _dot_nt(k, q) * qk_scale  # [bk, bq]
         q_pos = start + jnp.arange(block_q, dtype=jnp.int32)
         q_seg = None if seg_q_ref is None else seg_q_ref[rows]
-        mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len)
+        mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, kv_major=True)
         if mask is not None:
-            s = jnp.where(mask, s, MASK_VALUE)
-        p = jnp.exp2(s - lse[:, None])
-        dv = dv + _dot_tn(p.astype(do.dtype), do)
-        dp = _dot_nt(do, v)
-        ds = p * (dp - delta[:, None])
-        dk = dk + _dot_tn(ds.astype(q.dtype), q)
+            s_t = jnp.where(mask, s_t, MASK_VALUE)
+        p_t = jnp.exp2(s_t - lse[None, :])
+        dv = dv + _dot_nn(p_t.astype(do.dtype), do)
+        dp_t = _dot_nt(v, do)  # [bk, bq]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = dk + _dot_nn(ds_t.astype(q.dtype), q)
         return dk, dv
 
     def head(g, carry):
         # The query heads of this kv head's group share k and v: summing their contributions here is the
         # GQA reduction, done without ever writing a per-query-head dk/dv.
-        for lo, hi, on_diagonal in _q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal):
+        for lo, hi, on_diagonal in ranges:
             carry = lax.fori_loop(lo, hi, functools.partial(step, g=g, on_diagonal=on_diagonal), carry)
         return carry
 
@@ -345,77 +414,96 @@ def _dkdv_kernel(*refs, cfg: _Config, block_q: int, block_k: int, group: int):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def row_dot(o, do):
+    """delta [B, H, S] float32 = sum_d o * do, as an elementwise product and a float32 sum (o, do [B, S, H, D]).
+
+    Not an einsum: XLA may lower a contraction to a (TF32) matmul on GPU; this is a fused reduction."""
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+
+
 def _backward(cfg: _Config, res, do):
     q, k, v, seg, o, lse = res
     b, sp, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
-    # delta_i = sum_d o_id * do_id: elementwise and memory-bound, XLA fuses it into one pass.
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-    seg_args = [seg, seg] if cfg.has_segments else []
-    params = _compiler_params(cfg)
+    delta = row_dot(o, do)
 
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    bq, bk = cfg.dq.block_m, cfg.dq.block_n
+    nq = sp // bq
+    t = functools.partial(_tile_index, cfg, num_tiles=nq)
     dq_specs = [
-        pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),  # q
-        pl.BlockSpec((None, sp, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0)),  # k
-        pl.BlockSpec((None, sp, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0)),  # v
-        pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),  # do
-        pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),  # lse
-        pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),  # delta
+        pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),  # q
+        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),  # k
+        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),  # v
+        pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),  # do
+        pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, t(qi))),  # lse
+        pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, t(qi))),  # delta
     ]
+    seg_args = []
     if cfg.has_segments:
         dq_specs = [
-            pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-            pl.BlockSpec((None, sp), lambda bi, hi, qi: (bi, 0)),
+            pl.BlockSpec((None, None, 2), lambda qi, bi, hi: (bi, t(qi), 0)),
+            pl.BlockSpec((None, bq), lambda qi, bi, hi: (bi, t(qi))),
+            pl.BlockSpec((None, sp), lambda qi, bi, hi: (bi, 0)),
         ] + dq_specs
+        seg_args = [_tile_ranges(seg, cfg, cfg.dq, False), seg, seg]
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, block_q=bq, block_k=bk),
-        grid=(b, h, sp // bq),
+        functools.partial(_dq_kernel, cfg=cfg),
+        grid=(nq, b, h),
         in_specs=dq_specs,
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+        out_specs=pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params,
+        compiler_params=_compiler_params(cfg, cfg.dq),
         interpret=cfg.interpret,
         name="flash_attention_bwd_dq",
     )(*seg_args, q, k, v, do, lse, delta)
 
     # The query-side operands of kv head j are the `group` consecutive query heads [j*group, (j+1)*group):
     # a block of `group` along the head axis with block index j.
+    bk = cfg.dkdv.block_n
     dkdv_specs = [
-        pl.BlockSpec((None, sp, group, d), lambda bi, ki, kj: (bi, 0, ki, 0)),  # q
-        pl.BlockSpec((None, bk, None, d), lambda bi, ki, kj: (bi, kj, ki, 0)),  # k
-        pl.BlockSpec((None, bk, None, d), lambda bi, ki, kj: (bi, kj, ki, 0)),  # v
-        pl.BlockSpec((None, sp, group, d), lambda bi, ki, kj: (bi, 0, ki, 0)),  # do
-        pl.BlockSpec((None, group, sp), lambda bi, ki, kj: (bi, ki, 0)),  # lse
-        pl.BlockSpec((None, group, sp), lambda bi, ki, kj: (bi, ki, 0)),  # delta
+        pl.BlockSpec((None, sp, group, d), lambda kj, bi, ki: (bi, 0, ki, 0)),  # q
+        pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0)),  # k
+        pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0)),  # v
+        pl.BlockSpec((None, sp, group, d), lambda kj, bi, ki: (bi, 0, ki, 0)),  # do
+        pl.BlockSpec((None, group, sp), lambda kj, bi, ki: (bi, ki, 0)),  # lse
+        pl.BlockSpec((None, group, sp), lambda kj, bi, ki: (bi, ki, 0)),  # delta
     ]
+    seg_args = []
     if cfg.has_segments:
         dkdv_specs = [
-            pl.BlockSpec((None, sp), lambda bi, ki, kj: (bi, 0)),
-            pl.BlockSpec((None, bk), lambda bi, ki, kj: (bi, kj)),
+            pl.BlockSpec((None, None, 2), lambda kj, bi, ki: (bi, kj, 0)),
+            pl.BlockSpec((None, sp), lambda kj, bi, ki: (bi, 0)),
+            pl.BlockSpec((None, bk), lambda kj, bi, ki: (bi, kj)),
         ] + dkdv_specs
-    kv_block = pl.BlockSpec((None, bk, None, d), lambda bi, ki, kj: (bi, kj, ki, 0))
+        seg_args = [_tile_ranges(seg, cfg, cfg.dkdv, True), seg, seg]
+    kv_block = pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, block_q=bq, block_k=bk, group=group),
-        grid=(b, kvh, sp // bk),
+        functools.partial(_dkdv_kernel, cfg=cfg, group=group),
+        grid=(sp // bk, b, kvh),
         in_specs=dkdv_specs,
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
+        compiler_params=_compiler_params(cfg, cfg.dkdv),
         interpret=cfg.interpret,
         name="flash_attention_bwd_dkdv",
     )(*seg_args, q, k, v, do, lse, delta)
     return dq, dk, dv, None
 
 
+def named_forward(forward, q, k, v, seg, cfg):
+    """forward(...) -> (o, lse) with the checkpoint names ``attn_out`` / ``attn_lse`` (see the module docstring)."""
+    o, lse = forward(q, k, v, seg, cfg)
+    return checkpoint_name(o, CHECKPOINT_NAMES[0]), checkpoint_name(lse, CHECKPOINT_NAMES[1])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash_padded(q, k, v, seg, cfg: _Config):
-    return _forward(q, k, v, seg, cfg)[0]
+    return named_forward(_forward, q, k, v, seg, cfg)[0]
 
 
 def _flash_padded_fwd(q, k, v, seg, cfg: _Config):
-    o, lse = _forward(q, k, v, seg, cfg)
+    o, lse = named_forward(_forward, q, k, v, seg, cfg)
     return o, (q, k, v, seg, o, lse)
 
 
@@ -426,17 +514,14 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def make_config(seq_len: int, head_dim: int, *, causal: bool, sm_scale: float, has_segments: bool,
+def make_config(seq_len: int, head_dim: int, dtype, *, causal: bool, sm_scale: float, has_segments: bool,
                 interpret: bool, backend: str, sizes: BlockSizes) -> _Config:
-    """Clamp the tiles to the sequence (a 40-token call needs no 128-row tile) and pick the padded length."""
-    cap = max(MIN_BLOCK, pl.next_power_of_2(seq_len))
-    bq, bk = min(sizes.block_q, cap), min(sizes.block_k, cap)
-    bq_bwd, bk_bwd = min(sizes.block_q_bwd, cap), min(sizes.block_k_bwd, cap)
-    padded_len = _round_up(seq_len, max(bq, bk, bq_bwd, bk_bwd))  # all powers of two: max is their lcm
-    num_warps = sizes.num_warps or (4 if head_dim <= 64 else 8)
+    """Per-kernel launches (defaults by dtype and head_dim, user overrides, tiles clamped to the sequence) and the
+    padded length (a multiple of every tile: all are powers of two, so the largest is their lcm)."""
+    launches = resolve_launches(sizes, _OVERRIDES, dtype, head_dim, seq_len)
+    padded_len = _round_up(seq_len, max(max(x.block_m, x.block_n) for x in launches.values()))
     return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len,
-                   block_q=bq, block_k=bk, block_q_bwd=bq_bwd, block_k_bwd=bk_bwd, num_warps=num_warps,
-                   num_stages=sizes.num_stages, has_segments=has_segments, interpret=interpret, backend=backend)
+                   has_segments=has_segments, interpret=interpret, backend=backend, **launches)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -446,8 +531,9 @@ def _flash_attention(q, k, v, segment_ids, cfg: _Config):
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
         if segment_ids is not None:
-            # The value is irrelevant: padded keys are masked by position, padded rows are sliced away.
-            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+            # Padded keys are masked by position and padded rows are sliced away; repeating the last id keeps the
+            # document-mask tile ranges as tight as without padding.
+            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
     out = _flash_padded(q, k, v, segment_ids, cfg)
     return out[:, : cfg.seq_len] if pad else out
 
@@ -468,14 +554,21 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm
     """
     if backend not in BACKENDS:
         raise ValueError(_backend_error(backend))
-    sizes = BlockSizes.from_kwargs(block_sizes)
-    d = q.shape[-1]
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    cfg = make_config(q.shape[1], d, causal=causal, sm_scale=scale, has_segments=segment_ids is not None,
-                      interpret=interpret, backend=backend, sizes=sizes)
+    cfg = plan(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
+               interpret=interpret, backend=backend, block_sizes=block_sizes)
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids, jnp.int32)
     return _flash_attention(q, k, v, segment_ids, cfg)
+
+
+def plan(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
+         backend: str = "triton", block_sizes: dict | None = None) -> _Config:
+    """The static configuration of a call (launch of every kernel); raises ValueError on bad block sizes."""
+    sizes = BlockSizes.from_kwargs(block_sizes or {})
+    d = q_shape[-1]
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    return make_config(q_shape[1], d, dtype, causal=causal, sm_scale=scale, has_segments=has_segments,
+                       interpret=interpret, backend=backend, sizes=sizes)
 
 
 def _backend_error(backend) -> str:

@@ -7,16 +7,25 @@ k, v [batch, seq, kv_heads, head_dim], output [batch, seq, heads, head_dim] in q
 This is the road JAX's own deprecation note for the Pallas Triton backend points to (official Triton + jax-triton),
 kept beside the Pallas kernel so that either can carry on if the other's toolchain moves.
 
-Kernels (FlashAttention-2, contiguous [B, S, H, D] layouts, base-2 exponentials):
-  * ``_fwd_kernel``: grid (query tiles, batch*heads); online softmax over kv tiles with float32 accumulators; writes
-    o and the base-2 log-sum-exp [B, H, S]. Causal: tiles above the diagonal are never visited (loop bound) and
-    only diagonal tiles are masked.
-  * ``_dq_kernel``: grid (query tiles, batch*heads); loops over kv tiles.
-  * ``_dkdv_kernel``: grid (kv tiles, batch*kv_heads); loops over the group's query heads and their query tiles,
-    so dk and dv are summed over the heads that share a kv head without any atomics or per-head copies.
-  * ``delta = rowsum(o * do)`` is a fused XLA reduction.
+Kernels (FlashAttention-2, contiguous [B, S, H, D] layouts, base-2 exponentials), each with its own tiles, warps
+and stages (``kernels.tiling``):
+  * ``_fwd_kernel``: grid (query tiles, batch*heads), the query tile on the fastest axis so that programs running
+    together share K/V in L2, reversed under causal so the longest rows start first; online softmax over kv tiles
+    with float32 accumulators; writes o and the base-2 log-sum-exp [B, H, S]. Causal: tiles above the diagonal are
+    never visited (loop bound), the unmasked tiles run first and only the diagonal ones are masked.
+  * ``_dq_kernel``: grid (query tiles, batch*heads), same order; loops over kv tiles.
+  * ``_dkdv_kernel``: grid (kv tiles, batch*kv_heads*splits); loops over query heads of the group and their query
+    tiles, so dk and dv are summed over the heads that share a kv head in registers. It works on S transposed
+    ([kv, q]): P^T and dS^T come out of the matmuls in the layout the next matmul takes, with no transpose through
+    shared memory; the unmasked query tiles run before the masked diagonal ones. When there are too few kv tiles x
+    kv heads to fill the GPU (tensor parallelism leaves few kv heads per device), the group is split over
+    ``splits`` programs that write float32 partial sums, added by XLA.
+  * document masking: with segment ids, XLA computes per tile the range of tiles on the other side whose ids can
+    match (``tiling.segment_tile_ranges``); the loops cover only that range, so other documents' tiles are skipped.
+  * ``delta = rowsum(o * do)`` is an elementwise product and a float32 sum in XLA.
 Any sequence length: loads and stores are masked (constexpr ``EVEN`` skips the masks when the tiles divide the
-sequence). Masked logits take a large finite negative value, so no row ever computes ``exp(-inf + inf)``.
+sequence). Masked logits take a large finite negative value, so no row ever computes ``exp(-inf + inf)``. Float32
+inputs use exact float32 dots (``input_precision="ieee"``), never TF32.
 
 ``triton`` and ``jax_triton`` are imported only when a kernel is launched, so this module imports without them.
 The kernel bodies are module-level functions wrapped with ``triton.jit`` on first use (``_kernels``): Triton's
@@ -33,32 +42,51 @@ import types
 
 import numpy as np
 
-from kernels.tiling import MIN_BLOCK, checked_block_sizes
+from kernels.tiling import Launch, checked_block_sizes, resolve_launches, segment_tile_ranges
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
+TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs
+
+_TILE_FIELDS = ("block_m", "block_n", "block_m_bwd", "block_n_bwd", "block_m_dq", "block_n_dq", "block_m_dkdv",
+                "block_n_dkdv")
+_OVERRIDES = {
+    "fwd": (("block_m",), ("block_n",)),
+    "dq": (("block_m_dq", "block_m_bwd"), ("block_n_dq", "block_n_bwd")),
+    "dkdv": (("block_m_dkdv", "block_m_bwd"), ("block_n_dkdv", "block_n_bwd")),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Triton tile sizes (powers of two >= 16) and launch parameters; first guesses for H100/H200, not tuned."""
+    """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
 
-    block_m: int = 128  # forward query tile
-    block_n: int = 64  # forward kv tile
-    block_m_bwd: int = 64
-    block_n_bwd: int = 64
-    num_warps: int | None = None  # None: 4 for head_dim <= 64, else 8
-    num_stages: int = 2
+    block_m/block_n: forward (query x key tile); block_m_bwd/block_n_bwd: both backward kernels; block_*_dq and
+    block_*_dkdv: one of them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA
+    group in dk/dv (None: as many as needed to fill the GPU; must divide heads // kv_heads).
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    block_m_bwd: int | None = None
+    block_n_bwd: int | None = None
+    block_m_dq: int | None = None
+    block_n_dq: int | None = None
+    block_m_dkdv: int | None = None
+    block_n_dkdv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    dkdv_splits: int | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
-        return checked_block_sizes(cls, kwargs, ("block_m", "block_n", "block_m_bwd", "block_n_bwd"), "triton")
+        return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "triton")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Static description of one attention call: shapes, tiles and the constexprs of every kernel."""
+    """Static description of one attention call: shapes, per-kernel launches and the constexprs of every kernel."""
 
     batch: int
     seq: int
@@ -69,17 +97,13 @@ class Plan:
     sm_scale: float
     has_segments: bool
     dtype: str  # numpy dtype name of q/k/v
-    sizes: BlockSizes
+    fwd_launch: Launch
+    dq_launch: Launch
+    dkdv_launch: Launch
+    splits: int  # dk/dv programs per GQA group
 
-    @property
-    def num_warps(self) -> int:
-        return self.sizes.num_warps or (4 if self.head_dim <= 64 else 8)
-
-    def _tiles(self, bm: int, bn: int) -> tuple[int, int]:
-        cap = max(MIN_BLOCK, 1 << (self.seq - 1).bit_length())  # next power of two >= seq
-        return min(bm, cap), min(bn, cap)
-
-    def _common(self, bm: int, bn: int) -> dict:
+    def _common(self, launch: Launch) -> dict:
+        bm, bn = launch.block_m, launch.block_n
         return dict(
             SEQ=self.seq, H=self.heads, KVH=self.kv_heads, HEAD_DIM=self.head_dim, BLOCK_M=bm, BLOCK_N=bn,
             CAUSAL=self.causal, HAS_SEG=self.has_segments, EVEN=(self.seq % bm == 0 and self.seq % bn == 0),
@@ -89,21 +113,39 @@ class Plan:
         )
 
     def forward(self):
-        """-> (grid, constexprs) for ``_fwd_kernel``."""
-        bm, bn = self._tiles(self.sizes.block_m, self.sizes.block_n)
-        return (_cdiv(self.seq, bm), self.batch * self.heads), self._common(bm, bn)
+        """-> (grid, constexprs, launch) for ``_fwd_kernel``."""
+        launch = self.fwd_launch
+        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
 
     def dq(self):
-        bm, bn = self._tiles(self.sizes.block_m_bwd, self.sizes.block_n_bwd)
-        return (_cdiv(self.seq, bm), self.batch * self.heads), self._common(bm, bn)
+        launch = self.dq_launch
+        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
 
     def dkdv(self):
-        bm, bn = self._tiles(self.sizes.block_m_bwd, self.sizes.block_n_bwd)
-        return (_cdiv(self.seq, bn), self.batch * self.kv_heads), self._common(bm, bn)
+        launch = self.dkdv_launch
+        meta = dict(self._common(launch), SPLITS=self.splits)
+        return (_cdiv(self.seq, launch.block_n), self.batch * self.kv_heads * self.splits), meta, launch
+
+    def tile_ranges(self, seg, kind: str):
+        """Document-mask tile ranges for kernel ``kind`` (int32 [B, tiles, 2]), numpy or jax like ``seg``."""
+        launch = getattr(self, f"{kind}_launch")
+        xp = np if isinstance(seg, np.ndarray) else None
+        if kind == "dkdv":
+            return segment_tile_ranges(seg, launch.block_n, launch.block_m, xp=xp)
+        return segment_tile_ranges(seg, launch.block_m, launch.block_n, xp=xp)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_n: int) -> int:
+    """Smallest divisor of ``group`` giving at least TARGET_PROGRAMS dk/dv programs (or ``group`` itself)."""
+    programs = _cdiv(seq, block_n) * batch * kv_heads
+    for splits in range(1, group + 1):
+        if group % splits == 0 and programs * splits >= TARGET_PROGRAMS:
+            return splits
+    return group
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -121,6 +163,7 @@ def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo
                    INPUT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         ptrs = offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
         if EVEN:
@@ -149,12 +192,15 @@ def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo
     return acc, m_i, l_i
 
 
-def _fwd_kernel_src(Q, K, V, SEG, O, LSE,
+def _fwd_kernel_src(Q, K, V, SEG, RANGES, O, LSE,
                     SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                     EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
-    start_m = tl.program_id(0)
+    if CAUSAL:  # longest rows first
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64: batch offsets overflow int32 at long sequences
     h = bh % H
@@ -169,8 +215,14 @@ def _fwd_kernel_src(Q, K, V, SEG, O, LSE,
         q = tl.load(q_ptrs)
     else:
         q = tl.load(q_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+    lo = 0
+    hi = SEQ
     if HAS_SEG:
         q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+        # Only kv tiles whose segment ids can match this tile's (document masking skips the rest).
+        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_M) + start_m) * 2
+        lo = tl.load(range_ptr) * BLOCK_N
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_N, SEQ)
     else:
         q_seg = offs_m  # unused placeholder: HAS_SEG is a constexpr
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -178,14 +230,15 @@ def _fwd_kernel_src(Q, K, V, SEG, O, LSE,
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     if CAUSAL:
         # Keys below the tile's first query row need no causal mask; keys past its last row are skipped.
-        full_hi = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, 0, full_hi,
+        full_hi = tl.minimum(((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, hi)
+        diag_hi = tl.minimum((start_m + 1) * BLOCK_M, hi)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo, full_hi,
                                    SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, full_hi, hi,
-                                   SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base,
+                                   tl.maximum(full_hi, lo), diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True,
+                                   EVEN, QK_SCALE, INPUT_PRECISION)
     else:
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, 0, SEQ,
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
                                    SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
     out = acc / l_i[:, None]
     lse = m_i + tl.math.log2(l_i)
@@ -205,6 +258,7 @@ def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base
                   INPUT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         ptrs = offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
         if EVEN:
@@ -231,12 +285,15 @@ def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base
     return dq
 
 
-def _dq_kernel_src(Q, K, V, SEG, DO, LSE, DELTA, DQ,
+def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
                    SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                    EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr):
-    start_m = tl.program_id(0)
+    if CAUSAL:
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
@@ -258,20 +315,25 @@ def _dq_kernel_src(Q, K, V, SEG, DO, LSE, DELTA, DQ,
         do = tl.load(DO + row_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
         lse = tl.load(LSE + stat_ptrs, mask=offs_m < SEQ, other=0.0)
         delta = tl.load(DELTA + stat_ptrs, mask=offs_m < SEQ, other=0.0)
+    lo = 0
+    hi = SEQ
     if HAS_SEG:
         q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_M) + start_m) * 2
+        lo = tl.load(range_ptr) * BLOCK_N
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_N, SEQ)
     else:
         q_seg = offs_m
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     if CAUSAL:
-        full_hi = ((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, 0, full_hi,
+        full_hi = tl.minimum(((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, hi)
+        diag_hi = tl.minimum((start_m + 1) * BLOCK_M, hi)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, lo, full_hi,
                        SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, full_hi, hi,
-                       SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, tl.maximum(full_hi, lo),
+                       diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, 0, SEQ,
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
                        SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
     dq = dq * SM_SCALE
     if EVEN:
@@ -284,8 +346,10 @@ def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delt
                     SEQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
+    # Transposed: rows are this program's keys, columns the visited queries.
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         ptrs = offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
         if EVEN:
@@ -298,35 +362,39 @@ def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delt
             do = tl.load(do_base + ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
             lse = tl.load(lse_base + offs_m, mask=offs_m < SEQ, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=offs_m < SEQ, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE  # [BLOCK_M, BLOCK_N]
-        valid = tl.full((BLOCK_M,), 1, tl.int1)[:, None]
+        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * QK_SCALE  # [BLOCK_N, BLOCK_M]
+        valid = tl.full((BLOCK_M,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_m[:, None] < SEQ) & (offs_n[None, :] < SEQ)
+            valid = valid & (offs_m[None, :] < SEQ) & (offs_n[:, None] < SEQ)
         if ON_DIAG:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            valid = valid & (offs_m[None, :] >= offs_n[:, None])
         if HAS_SEG:
             q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
-            valid = valid & (q_seg[:, None] == k_seg[None, :])
+            valid = valid & (k_seg[:, None] == q_seg[None, :])
         if (not EVEN) or ON_DIAG or HAS_SEG:
-            s = tl.where(valid, s, _TL_MASK_VALUE)
-        p = tl.math.exp2(s - lse[:, None])
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=INPUT_PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=INPUT_PRECISION)
+            s_t = tl.where(valid, s_t, _TL_MASK_VALUE)
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
-def _dkdv_kernel_src(Q, K, V, SEG, DO, LSE, DELTA, DK, DV,
+def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
                      SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                      EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr):
+                     INPUT_PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+    # kv tile 0 sees the most query tiles under causal: the natural order already starts with the heaviest.
     start_n = tl.program_id(0) * BLOCK_N
-    bkv = tl.program_id(1)
+    pid = tl.program_id(1)
+    split = pid % SPLITS
+    bkv = pid // SPLITS
     b = (bkv // KVH).to(tl.int64)
     kvh = bkv % KVH
     GROUP: tl.constexpr = H // KVH
+    PER_SPLIT: tl.constexpr = GROUP // SPLITS
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     kv_ptrs = b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
@@ -337,34 +405,43 @@ def _dkdv_kernel_src(Q, K, V, SEG, DO, LSE, DELTA, DK, DV,
         k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
         v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
     seg_base = SEG + b * SEQ
+    lo = 0
+    hi = SEQ
     if HAS_SEG:
         k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
+        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_N) + tl.program_id(0)) * 2
+        lo = tl.load(range_ptr) * BLOCK_M
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_M, SEQ)
     else:
         k_seg = offs_n
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     if CAUSAL:
         # Query tiles wholly before this kv tile are skipped; those wholly after it need no causal mask.
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        full_lo = tl.minimum(((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, SEQ)
+        diag_lo = tl.maximum((start_n // BLOCK_M) * BLOCK_M, lo)
+        full_lo = tl.maximum(tl.minimum(((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, hi), lo)
     else:
-        lo = 0
-        full_lo = 0
-    for g in range(GROUP):
-        # All query heads of this kv head accumulate into the same dk/dv: the GQA sum, in registers.
-        h = kvh * GROUP + g
+        diag_lo = lo
+        full_lo = lo
+    for g in range(PER_SPLIT):
+        # The query heads of this kv head accumulate into the same dk/dv: the GQA sum, in registers.
+        h = kvh * GROUP + split * PER_SPLIT + g
         q_base = Q + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM
         do_base = DO + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM
         lse_base = LSE + (b * H + h) * SEQ
         delta_base = DELTA + (b * H + h) * SEQ
+        # Unmasked tiles first, then the masked diagonal ones.
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
+                             full_lo, hi, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, False, EVEN, QK_SCALE,
+                             INPUT_PRECISION)
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
-                                 lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, True, EVEN, QK_SCALE,
+                                 diag_lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, True, EVEN, QK_SCALE,
                                  INPUT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
-                             full_lo, SEQ, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, False, EVEN, QK_SCALE,
-                             INPUT_PRECISION)
     dk = dk * SM_SCALE
+    if SPLITS > 1:  # float32 partial sums, one slab per split: [SPLITS, B, S, KVH, D]
+        part = split.to(tl.int64) * (tl.num_programs(1) // SPLITS) * (SEQ * HEAD_DIM)
+        kv_ptrs = kv_ptrs + part
     if EVEN:
         tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty))
         tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty))
@@ -398,25 +475,38 @@ def _kernels() -> types.SimpleNamespace:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _ranges_arg(plan: Plan, seg, kind: str):
+    """The RANGES operand: document-mask tile ranges with segments, else a one-element dummy never read."""
+    if plan.has_segments:
+        return plan.tile_ranges(seg, kind)
+    return seg  # the [1] int32 dummy
+
+
 def run_forward(launch, plan: Plan, q, k, v, seg):
     """-> (o [B, S, H, D] in q's dtype, lse [B, H, S] float32 base 2). ``seg`` is int32 [B, S] or a dummy [1]."""
-    grid, meta = plan.forward()
-    o, lse = launch(_kernels().fwd, (q, k, v, seg),
+    grid, meta, lp = plan.forward()
+    o, lse = launch(_kernels().fwd, (q, k, v, seg, _ranges_arg(plan, seg, "fwd")),
                     [(q.shape, q.dtype), ((plan.batch, plan.heads, plan.seq), np.float32)],
-                    grid, meta, plan.num_warps, plan.sizes.num_stages)
+                    grid, meta, lp.num_warps, lp.num_stages)
     return o, lse
 
 
 def run_backward(launch, plan: Plan, q, k, v, seg, do, lse, delta):
     """-> (dq, dk, dv). ``delta`` = rowsum(o * do) as float32 [B, H, S]."""
     kern = _kernels()
-    grid, meta = plan.dq()
-    (dq,) = launch(kern.dq, (q, k, v, seg, do, lse, delta), [(q.shape, q.dtype)], grid, meta, plan.num_warps,
-                   plan.sizes.num_stages)
-    grid, meta = plan.dkdv()
-    dk, dv = launch(kern.dkdv, (q, k, v, seg, do, lse, delta), [(k.shape, k.dtype), (v.shape, v.dtype)], grid,
-                    meta, plan.num_warps, plan.sizes.num_stages)
-    return dq, dk, dv
+    grid, meta, lp = plan.dq()
+    (dq,) = launch(kern.dq, (q, k, v, seg, _ranges_arg(plan, seg, "dq"), do, lse, delta), [(q.shape, q.dtype)],
+                   grid, meta, lp.num_warps, lp.num_stages)
+    grid, meta, lp = plan.dkdv()
+    inputs = (q, k, v, seg, _ranges_arg(plan, seg, "dkdv"), do, lse, delta)
+    if plan.splits == 1:
+        dk, dv = launch(kern.dkdv, inputs, [(k.shape, k.dtype), (v.shape, v.dtype)], grid, meta, lp.num_warps,
+                        lp.num_stages)
+        return dq, dk, dv
+    parts = (plan.splits, *k.shape)
+    dk, dv = launch(kern.dkdv, inputs, [(parts, np.float32), (parts, np.float32)], grid, meta, lp.num_warps,
+                    lp.num_stages)
+    return dq, dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -455,20 +545,23 @@ def _jax_triton_launch(kernel, inputs, out_shapes, grid, meta, num_warps, num_st
 
 def _custom_vjp():
     import jax
-    import jax.numpy as jnp
+
+    from kernels.flash_pallas import named_forward, row_dot
+
+    def forward(q, k, v, seg, plan):
+        return run_forward(_jax_triton_launch, plan, q, k, v, seg)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
     def attention(q, k, v, seg, plan):
-        return run_forward(_jax_triton_launch, plan, q, k, v, seg)[0]
+        return forward(q, k, v, seg, plan)[0]
 
     def fwd(q, k, v, seg, plan):
-        o, lse = run_forward(_jax_triton_launch, plan, q, k, v, seg)
+        o, lse = named_forward(forward, q, k, v, seg, plan)  # checkpoint names attn_out / attn_lse
         return o, (q, k, v, seg, o, lse)
 
     def bwd(plan, res, do):
         q, k, v, seg, o, lse = res
-        delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-        dq, dk, dv = run_backward(_jax_triton_launch, plan, q, k, v, seg, do, lse, delta)
+        dq, dk, dv = run_backward(_jax_triton_launch, plan, q, k, v, seg, do, lse, row_dot(o, do))
         return dq, dk, dv, None
 
     attention.defvjp(fwd, bwd)
@@ -480,11 +573,20 @@ _attention = None
 
 def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
               block_sizes: dict) -> Plan:
+    """The static plan of a call; raises ValueError on bad block sizes (names, values, dkdv_splits)."""
     b, s, h, d = q_shape
     sizes = BlockSizes.from_kwargs(block_sizes)
+    launches = resolve_launches(sizes, _OVERRIDES, dtype, d, s)
+    group = h // kv_heads
+    splits = sizes.dkdv_splits
+    if splits is None:
+        splits = choose_splits(b, s, kv_heads, group, launches["dkdv"].block_n)
+    elif not isinstance(splits, int) or splits < 1 or group % splits:
+        raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
     scale = d**-0.5 if sm_scale is None else float(sm_scale)
     return Plan(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
-                has_segments=has_segments, dtype=np.dtype(dtype).name, sizes=sizes)
+                has_segments=has_segments, dtype=np.dtype(dtype).name, fwd_launch=launches["fwd"],
+                dq_launch=launches["dq"], dkdv_launch=launches["dkdv"], splits=splits)
 
 
 def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,

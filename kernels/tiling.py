@@ -1,17 +1,66 @@
-"""Tile and launch parameters shared by the Pallas and Triton kernels."""
+"""Tile and launch parameters shared by the Pallas and Triton kernels, and the document-mask tile ranges."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 MIN_BLOCK = 16  # smallest tile the GPU matrix units (tl.dot) accept
+KINDS = ("fwd", "dq", "dkdv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel's launch: ``block_m`` rows of queries by ``block_n`` keys per step, warps and pipeline stages.
+
+    For ``fwd`` and ``dq`` a program owns a query tile (block_m) and loops over key tiles (block_n); for ``dkdv`` a
+    program owns a key tile (block_n) and loops over query tiles (block_m).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Defaults for an H100/H200 (sm_90a), per kernel, dtype width and head dim. Chosen with `python -m
+# kernels.compile_check`: the largest tiles and most stages that fit Hopper's 227 KiB of shared memory and compile
+# without register spills (no GPU timing yet; see README "Attention kernels"). 16-bit kernels run on wgmma;
+# float32 ones are exact float32 (no tensor cores), so they use small tiles.
+_DEFAULTS = {
+    # (kind, 16-bit?, head_dim): (block_m, block_n, num_warps, num_stages)
+    ("fwd", True, 32): (128, 64, 4, 3), ("fwd", True, 64): (128, 64, 4, 3),
+    ("fwd", True, 128): (128, 64, 8, 3), ("fwd", True, 256): (64, 64, 4, 2),
+    ("dq", True, 32): (128, 32, 4, 3), ("dq", True, 64): (128, 32, 4, 3),
+    ("dq", True, 128): (128, 32, 8, 3), ("dq", True, 256): (64, 32, 4, 2),
+    ("dkdv", True, 32): (32, 128, 4, 3), ("dkdv", True, 64): (32, 128, 4, 3),
+    ("dkdv", True, 128): (32, 128, 8, 3), ("dkdv", True, 256): (32, 64, 4, 2),
+    ("fwd", False, 32): (64, 64, 4, 2), ("fwd", False, 64): (64, 64, 4, 2),
+    ("fwd", False, 128): (64, 32, 4, 2), ("fwd", False, 256): (32, 32, 4, 2),
+    ("dq", False, 32): (64, 32, 4, 2), ("dq", False, 64): (64, 32, 4, 2),
+    ("dq", False, 128): (32, 32, 4, 2), ("dq", False, 256): (32, 16, 4, 2),
+    ("dkdv", False, 32): (32, 64, 4, 2), ("dkdv", False, 64): (32, 64, 4, 2),
+    ("dkdv", False, 128): (32, 32, 4, 2), ("dkdv", False, 256): (16, 32, 4, 2),
+}
+
+
+def default_launch(kind: str, dtype, head_dim: int) -> Launch:
+    """The default launch of kernel ``kind`` ("fwd", "dq", "dkdv") for q's dtype and head_dim."""
+    sixteen_bit = np.dtype(dtype).itemsize == 2
+    return Launch(*_DEFAULTS[(kind, sixteen_bit, head_dim)])
+
+
+def clamp_tile(block: int, seq: int) -> int:
+    """A tile no larger than the next power of two >= seq (a 40-token call needs no 128-row tile)."""
+    return min(block, max(MIN_BLOCK, 1 << (max(seq, 1) - 1).bit_length()))
 
 
 def checked_block_sizes(cls, kwargs: dict, tiles: tuple[str, ...], impl: str):
     """``cls(**kwargs)`` after checking names and values; ValueError naming the first bad one.
 
-    ``cls`` is a dataclass of tile sizes (the names in ``tiles``: powers of two >= MIN_BLOCK), ``num_warps`` and
-    ``num_stages``.
+    ``cls`` is a dataclass of tile sizes (the names in ``tiles``: None for the default, or powers of two >=
+    MIN_BLOCK), ``num_warps`` and ``num_stages`` (None for the default).
     """
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - names)
@@ -20,10 +69,77 @@ def checked_block_sizes(cls, kwargs: dict, tiles: tuple[str, ...], impl: str):
     sizes = cls(**kwargs)
     for name in tiles:
         b = getattr(sizes, name)
-        if not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1):
+        if b is not None and (not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1)):
             raise ValueError(f"{name}={b!r} must be a power of two >= {MIN_BLOCK} (Triton tiles are 2^n)")
     if sizes.num_warps is not None and sizes.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"num_warps={sizes.num_warps!r} must be one of 1, 2, 4, 8, 16")
-    if not isinstance(sizes.num_stages, int) or sizes.num_stages < 1:
+    if sizes.num_stages is not None and (not isinstance(sizes.num_stages, int) or sizes.num_stages < 1):
         raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
     return sizes
+
+
+def resolve_launches(sizes, names: dict, dtype, head_dim: int, seq: int) -> dict:
+    """{kind: Launch} from user overrides over the defaults, tiles clamped to the sequence.
+
+    ``names`` maps each kind to the ``sizes`` fields that override its (block_m, block_n), most specific first,
+    e.g. {"dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd"))}.
+    """
+    out = {}
+    for kind in KINDS:
+        base = default_launch(kind, dtype, head_dim)
+        m_names, n_names = names[kind]
+        bm = next((getattr(sizes, n) for n in m_names if getattr(sizes, n) is not None), base.block_m)
+        bn = next((getattr(sizes, n) for n in n_names if getattr(sizes, n) is not None), base.block_n)
+        out[kind] = Launch(clamp_tile(bm, seq), clamp_tile(bn, seq), sizes.num_warps or base.num_warps,
+                           sizes.num_stages or base.num_stages)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Document masking: which tiles can hold a visible (query, key) pair
+# --------------------------------------------------------------------------------------------------------------
+
+
+def segment_tile_ranges(segment_ids, block_rows: int, block_cols: int, xp=None):
+    """For each row tile, the column tiles [lo, hi) that can share a segment id with it.
+
+    segment_ids: int [batch, seq] (rows and columns index the same sequence). Tile i covers positions
+    [i*block_rows, (i+1)*block_rows); the last tile is completed with copies of the last id, which adds no id.
+    Returns int32 [batch, row tiles, 2]: (lo, hi) in column-tile units. A column tile outside [lo, hi) has an id
+    range [min, max] disjoint from the row tile's, so no pair in it has equal ids: skipping it is exact for any
+    ids. Packed documents (ids non-decreasing along the sequence) make [lo, hi) exactly the overlapping tiles.
+    ``xp``: jax.numpy (default) or numpy.
+    """
+    if xp is None:
+        import jax.numpy as xp
+    b, s = segment_ids.shape
+    rows, cols = -(-s // block_rows), -(-s // block_cols)
+
+    def tile_min_max(block, n):
+        pad = n * block - s
+        seg = segment_ids if pad == 0 else xp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
+        seg = seg.reshape(b, n, block)
+        return seg.min(-1), seg.max(-1)
+
+    rmin, rmax = tile_min_max(block_rows, rows)
+    cmin, cmax = tile_min_max(block_cols, cols)
+    overlap = (cmin[:, None, :] <= rmax[:, :, None]) & (cmax[:, None, :] >= rmin[:, :, None])  # [b, rows, cols]
+    lo = xp.argmax(overlap, axis=-1)
+    hi = cols - xp.argmax(overlap[..., ::-1], axis=-1)
+    any_ = overlap.any(-1)  # always true (a tile overlaps the tile holding its own positions); kept for safety
+    return xp.stack([xp.where(any_, lo, 0), xp.where(any_, hi, 0)], axis=-1).astype(xp.int32)
+
+
+def tiles_computed(segment_ids, block_m: int, block_n: int, causal: bool) -> tuple[int, int, int]:
+    """Forward-kernel tile counts for numpy segment ids [batch, seq]: (computed with document-mask skipping,
+    computed without it, all tiles). Causal tiles wholly above the diagonal are never computed."""
+    b, s = segment_ids.shape
+    rows, cols = -(-s // block_m), -(-s // block_n)
+    ranges = segment_tile_ranges(np.asarray(segment_ids), block_m, block_n, xp=np)
+    i = np.arange(rows)[:, None]
+    j = np.arange(cols)[None, :]
+    visited = np.ones((rows, cols), bool)
+    if causal:  # key tile j holds a key <= the tile's last query (i+1)*bm - 1
+        visited = j * block_n <= np.minimum((i + 1) * block_m, s) - 1
+    with_skip = visited[None] & (j[None] >= ranges[..., :1]) & (j[None] < ranges[..., 1:])
+    return int(with_skip.sum()), int(visited.sum()) * b, rows * cols * b

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels import flash_attention, flash_pallas, flash_triton, mha_reference
+from kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling
 
 
 def _has_gpu() -> bool:
@@ -218,6 +218,103 @@ def test_causal_never_touches_tiles_above_the_diagonal():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Document masking: tiles of other documents are skipped, not computed and masked
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _share_an_id(seg_row, block_rows, block_cols):
+    """Brute force: [row tiles, col tiles] bool, whether some (row, col) position pair has equal ids."""
+    s = len(seg_row)
+    rows, cols = -(-s // block_rows), -(-s // block_cols)
+    eq = seg_row[:, None] == seg_row[None, :]
+    return np.array([[eq[i * block_rows:(i + 1) * block_rows, j * block_cols:(j + 1) * block_cols].any()
+                      for j in range(cols)] for i in range(rows)])
+
+
+@pytest.mark.parametrize("kind", ["packed", "scattered"])
+def test_segment_tile_ranges_cover_every_tile_with_a_shared_id(kind):
+    rng = np.random.default_rng(7)
+    s, br, bc = 203, 16, 32  # not a multiple of either tile
+    if kind == "packed":
+        seg = np.cumsum(rng.random((3, s)) < 0.04, axis=1).astype(np.int32)  # as train.py makes them
+    else:
+        seg = rng.integers(0, 4, (3, s)).astype(np.int32)
+    for xp_ranges in (tiling.segment_tile_ranges(seg, br, bc, xp=np),
+                      np.asarray(tiling.segment_tile_ranges(jnp.asarray(seg), br, bc))):
+        for b in range(seg.shape[0]):
+            share = _share_an_id(seg[b], br, bc)
+            lo, hi = xp_ranges[b, :, 0], xp_ranges[b, :, 1]
+            cols = np.arange(share.shape[1])[None, :]
+            inside = (cols >= lo[:, None]) & (cols < hi[:, None])
+            assert not (share & ~inside).any()  # skipping is exact: no tile with a shared id is outside
+            if kind == "packed":  # consecutive ids: the range is exactly the tiles sharing an id
+                np.testing.assert_array_equal(inside, share)
+
+
+def test_tiles_computed_counts_causal_tiles_sharing_a_document():
+    rng = np.random.default_rng(3)
+    s, bm, bn = 300, 32, 16
+    seg = np.cumsum(rng.random((2, s)) < 0.02, axis=1).astype(np.int32)
+    computed, causal_total, total = tiling.tiles_computed(seg, bm, bn, causal=True)
+    rows, cols = -(-s // bm), -(-s // bn)
+    want_causal = sum(1 for i in range(rows) for j in range(cols) if j * bn <= min((i + 1) * bm, s) - 1)
+    want = sum(int(_share_an_id(seg[b], bm, bn)[i, j]) for b in range(2) for i in range(rows) for j in range(cols)
+               if j * bn <= min((i + 1) * bm, s) - 1)
+    assert (computed, causal_total, total) == (want, 2 * want_causal, 2 * rows * cols)
+    assert computed < causal_total
+
+
+def _two_documents(causal: bool):
+    """seq 64, documents [0, 32) and [32, 64); NaN in the inputs of one document must not reach the other."""
+    s, half = 64, 32
+    seg = jnp.asarray(np.repeat(np.array([[0, 1]], np.int32), half, axis=1))
+    q, k, v, do, _ = make_inputs(f"docs-{causal}", 1, s, 4, 2, 32, jnp.float32)
+    return s, half, seg, q, k, v, do
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_mask_skips_tiles_of_other_documents(causal):
+    """NaN keys/values in document A: with skipping, document B's rows never load them (computing and masking
+    would give 0 * NaN = NaN). Backward: NaN queries/cotangents in B must not reach A's dk/dv or dq."""
+    s, half, seg, q, k, v, do = _two_documents(causal)
+    blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
+    nan_a = lambda x: x.at[:, :half].set(jnp.nan)  # noqa: E731
+    nan_b = lambda x: x.at[:, half:].set(jnp.nan)  # noqa: E731
+    doc = lambda x, sl: np.asarray(x)[:, sl]  # noqa: E731
+    a, b = slice(0, half), slice(half, s)
+    o = flash_attention(q, nan_a(k), nan_a(v), causal=causal, segment_ids=seg, interpret=True, **blocks)
+    want = oracle(doc(q, b), doc(k, b), doc(v, b), None, causal, 32**-0.5, doc(do, b))
+    assert rel_err(o[:, b], want[0]) < 1e-5
+    _, dq, dk, dv = flash_with_grads(nan_b(q), k, v, seg, nan_b(do), causal=causal, interpret=True, **blocks)
+    want = oracle(doc(q, a), doc(k, a), doc(v, a), None, causal, 32**-0.5, doc(do, a))
+    for got, ref in zip((dq[:, a], dk[:, a], dv[:, a]), want[1:]):
+        assert rel_err(got, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Remat: the forward's results are saved under their checkpoint names
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("save_names", [False, True])
+def test_remat_policy_can_save_attention_output_and_lse(save_names):
+    """With save_only_these_names("attn_out", "attn_lse") the backward reuses the forward kernel's results; with
+    nothing_saveable it recomputes them (rerunning the forward kernel)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    q, k, v, _, _ = make_inputs("remat", 1, 64, 4, 2, 32, jnp.float32)
+    policy = (jax.checkpoint_policies.save_only_these_names(*flash_pallas.CHECKPOINT_NAMES) if save_names
+              else jax.checkpoint_policies.nothing_saveable)
+
+    def loss(q, k, v):
+        return jnp.sum(flash_attention(q, k, v, causal=True, interpret=True) ** 2)
+
+    saved = [what for _, what in saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)]
+    from_kernel = [w for w in saved if "flash_attention" in w]
+    assert len(from_kernel) == (2 if save_names else 0), saved  # o and lse, or nothing
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Memory: no S x S buffer
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -386,6 +483,12 @@ TRITON_CASES = [
     ("float32", 2, 50, 4, 2, 64, True, "packed", dict(block_m=16, block_n=32, block_m_bwd=32, block_n_bwd=16)),
     ("float32", 1, 40, 8, 1, 32, True, "scattered", dict(block_m=32, block_n=16, block_m_bwd=16, block_n_bwd=32)),
     ("float16", 1, 33, 8, 2, 64, False, "packed", dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=16)),
+    # GQA 4 with the group in one dk/dv program (dkdv_splits=1) and in two (float32 partial sums), document
+    # masking with tile skipping over packed documents, separate dq and dk/dv tiles
+    ("float32", 1, 96, 8, 2, 32, True, "packed", dict(block_m=16, block_n=16, block_m_dq=32, block_n_dq=16,
+                                                     block_m_dkdv=16, block_n_dkdv=32, dkdv_splits=1)),
+    ("float32", 2, 80, 8, 2, 32, False, "packed", dict(block_m=16, block_n=32, block_m_dq=16, block_n_dq=16,
+                                                      block_m_dkdv=32, block_n_dkdv=16, dkdv_splits=2)),
 ]
 TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in TRITON_CASES]
 
@@ -434,11 +537,30 @@ def _triton_interpreter_errors() -> dict:
                                       has_segments=seg is not None, block_sizes=blocks)
         seg_arg = np.zeros(1, np.int32) if seg is None else seg
         o, lse = flash_triton.run_forward(launch, plan, q, k, v, seg_arg)
-        delta = np.einsum("bshd,bshd->bhs", o.astype(np.float32), do.astype(np.float32))
+        delta = (o.astype(np.float32) * do.astype(np.float32)).sum(-1).transpose(0, 2, 1)
         dq, dk, dv = flash_triton.run_backward(launch, plan, q, k, v, seg_arg, do, lse, delta)
         want = oracle(q, k, v, seg, causal, d**-0.5, do)
         results[case_id] = {name: rel_err(got.astype(np.float32), ref)
                             for name, got, ref in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), want)}
+    for causal in (False, True):  # document-mask tile skipping: NaN in one document must not reach the other
+        s, half, seg, q, k, v, do = (np.asarray(x) if hasattr(x, "shape") else x for x in _two_documents(causal))
+        a, b = slice(0, half), slice(half, s)
+        blocks = dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=16)
+        plan = flash_triton.make_plan(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=None,
+                                      has_segments=True, block_sizes=blocks)
+        k_nan, v_nan = k.copy(), v.copy()
+        k_nan[:, a] = v_nan[:, a] = np.nan
+        o, _ = flash_triton.run_forward(launch, plan, q, k_nan, v_nan, seg)
+        want_b = oracle(q[:, b], k[:, b], v[:, b], None, causal, 32**-0.5, do[:, b])
+        q_nan, do_nan = q.copy(), do.copy()
+        q_nan[:, b] = do_nan[:, b] = np.nan
+        o_nan, lse = flash_triton.run_forward(launch, plan, q_nan, k, v, seg)
+        delta = (o_nan * do_nan).sum(-1).transpose(0, 2, 1)
+        dq, dk, dv = flash_triton.run_backward(launch, plan, q_nan, k, v, seg, do_nan, lse, delta)
+        want_a = oracle(q[:, a], k[:, a], v[:, a], None, causal, 32**-0.5, do[:, a])
+        results[f"docs-causal{causal}"] = dict(
+            o=rel_err(o[:, b], want_b[0]), dq=rel_err(dq[:, a], want_a[1]), dk=rel_err(dk[:, a], want_a[2]),
+            dv=rel_err(dv[:, a], want_a[3]))
     return results
 
 
@@ -466,6 +588,13 @@ def test_triton_kernels_in_triton_interpreter(case_id, triton_interpreter_result
     errors = triton_interpreter_results[case_id]
     for name, err in errors.items():
         assert err <= tol, f"{name}: error {err} > {tol}"  # NaN (unwritten or non-finite output) fails too
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_document_mask_skips_tiles_of_other_documents(causal, triton_interpreter_results):
+    """As test_document_mask_skips_tiles_of_other_documents, for the Triton kernels in Triton's interpreter."""
+    for name, err in triton_interpreter_results[f"docs-causal{causal}"].items():
+        assert err <= 1e-5, f"{name}: error {err}"  # NaN from the other document fails
 
 
 @pytest.mark.parametrize("dtype,d,causal,segments", [("bfloat16", 128, True, True), ("float32", 64, False, False)])

@@ -1,0 +1,454 @@
+"""Offline compile check of the flash kernels for Hopper (sm_90a), on a machine without a GPU.
+
+``python -m kernels.compile_check [--json] [--subset full|ci] [--impl pallas,triton] [--jobs N]``
+
+Needs the ``compile-check`` extra on Python 3.12 (``pip install -e '.[compile-check]'``: jax 0.11.2, triton 3.6,
+jax-triton 0.3.1, the GPU machine's versions). For every configuration (impl x dtype x head_dim x causal x segments,
+all with grouped-query attention) it traces ``jax.grad`` of a loss through ``kernels.flash_attention`` and lowers it
+for an abstract NVIDIA H200 with ``lowering_platforms=("cuda",)``, which is what XLA does on the GPU machine up to
+the launch:
+
+* ``impl="pallas"``: Pallas lowers each kernel to Triton IR; the IR is captured at
+  ``lower_jaxpr_to_triton_module`` and compiled with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` using the
+  num_warps / num_stages that the lowering put into the custom call.
+* ``impl="triton"``: jax-triton's own lowering compiles the Triton-language kernels to PTX (the real code path).
+  Its launch objects (``jaxlib.gpu_triton``: TritonKernel, TritonKernelCall, ...) are C++ classes that need a
+  GPU, so this process replaces that module with recording stubs; nothing is launched. The stubs exist only in
+  this process (``python -m kernels.compile_check``), never when the kernels are used.
+
+Each kernel's PTX then goes through the ``ptxas`` bundled in the Triton wheel (``-arch=sm_90a -v``). One row per
+kernel: tiles, warps, stages, registers, spill bytes, shared memory, number of ``wgmma.mma_async``, ``mma.sync``,
+``cp.async`` and TMA (``cp.async.bulk.tensor``) instructions in the PTX, ptxas warnings (C7515 "wgmma serialized"
+in particular) and compile seconds.
+
+Exit status: 0 when every kernel passes; 1 when any kernel has a compile error, shared memory over the sm_90 limit
+(227 KiB per block), spills in a 16-bit kernel, a 16-bit kernel without ``wgmma``, or a TF32 dot in a float32
+kernel; 2 for bad arguments or a missing toolchain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import warnings
+
+SMEM_LIMIT = 227 * 1024  # sm_90 maximum dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+DTYPES = ("bfloat16", "float16", "float32")
+HEAD_DIMS = (64, 128, 256)
+IMPLS = ("pallas", "triton")
+# Shapes of the lowered call. Tiles, not sizes, decide the kernels' code; seq 4093 (not a multiple of any tile)
+# makes the Triton kernels compile their masked-load path, and heads 16 / kv heads 4 makes them GQA kernels.
+BATCH, SEQ, HEADS, KV_HEADS = 2, 4093, 16, 4
+TOOLCHAIN_HINT = ("the compile check needs Python 3.12 with jax 0.11.2, triton 3.6 and jax-triton 0.3.1: "
+                  "pip install -e '.[compile-check]' in a Python 3.12 environment")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    impl: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    segments: bool
+    block_sizes: tuple = ()  # ((name, value), ...) overrides passed to flash_attention; () for the defaults
+
+    @property
+    def label(self) -> str:
+        return (f"{self.impl} {self.dtype} d{self.head_dim} {'causal' if self.causal else 'full'}"
+                f"{' seg' if self.segments else ''}")
+
+
+def full_matrix(impls=IMPLS) -> list[Case]:
+    return [Case(i, d, h, c, s) for i, d, h, c, s in
+            itertools.product(impls, DTYPES, HEAD_DIMS, (True, False), (True, False))]
+
+
+def ci_subset(impls=IMPLS) -> list[Case]:
+    """A subset that still covers every dtype, head dim, mask kind and both impls once (the whole matrix takes
+    about an hour on 2 cores: float32 kernels compile slowly)."""
+    picks = [("bfloat16", 128, True, True), ("bfloat16", 64, False, False), ("float16", 256, True, False),
+             ("float32", 64, True, True)]
+    return [Case(i, *p) for i in impls for p in picks]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Toolchain
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def toolchain_error(impls) -> str | None:
+    """Why the check cannot run here, or None."""
+    try:
+        import jax
+        import triton
+    except ImportError as e:
+        return f"{e}; {TOOLCHAIN_HINT}"
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
+        return f"jax {jax.__version__} is too old to name an abstract H200; {TOOLCHAIN_HINT}"
+    if not os.path.exists(ptxas_path()):
+        return f"triton {triton.__version__} has no bundled ptxas at {ptxas_path()}; {TOOLCHAIN_HINT}"
+    if "triton" in impls:
+        import importlib.util
+
+        if importlib.util.find_spec("jax_triton") is None:
+            return f"jax_triton is not installed; {TOOLCHAIN_HINT}"
+    return None
+
+
+def ptxas_path() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+class _Recorder:
+    """Collects the kernels jax-triton compiles while lowering (see the module docstring)."""
+
+    kernels: list = []
+    calls: list = []
+
+
+def install_launch_stubs():
+    """Replace ``jaxlib.gpu_triton`` (GPU-only launch objects) with recording stubs before jax_triton is imported."""
+    stub = types.ModuleType("jaxlib.gpu_triton")
+
+    class TritonKernel:
+        def __init__(self, name, num_warps, num_ctas, shared, ptx, ttir, compute_capability):
+            self.name, self.num_warps, self.shared, self.ptx, self.ttir = name, num_warps, shared, ptx, ttir
+            _Recorder.kernels.append(self)
+
+    class TritonKernelCall:
+        def __init__(self, kernel, grid_x, grid_y, grid_z, params):
+            self.kernel, self.grid = kernel, (grid_x, grid_y, grid_z)
+            _Recorder.calls.append(self)
+
+        def to_proto(self, name, metadata):
+            return b"compile-check stub: not launchable"
+
+    stub.TritonKernel = TritonKernel
+    stub.TritonKernelCall = TritonKernelCall
+    stub.TritonAutotunedKernelCall = None
+    stub.create_array_parameter = lambda zeroed, alignment: ("array", zeroed, alignment)
+    stub.create_scalar_parameter = lambda value, dtype: ("scalar", value, dtype)
+    stub.get_compute_capability = lambda device: 90
+    stub.get_serialized_metadata = lambda *args: b""
+    import jax._src.lib as jax_lib
+
+    sys.modules["jaxlib.gpu_triton"] = stub
+    jax_lib.gpu_triton = stub
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Lowering
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _abstract_h200_mesh():
+    import jax
+    from jax._src.mesh import AbstractDevice
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def _lower_grad(case: Case) -> str:
+    """StableHLO text of grad(sum(flash_attention)) lowered for CUDA."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import flash_attention
+
+    dtype = jnp.dtype(case.dtype)
+    q = jax.ShapeDtypeStruct((BATCH, SEQ, HEADS, case.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((BATCH, SEQ, KV_HEADS, case.head_dim), dtype)
+    seg = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32) if case.segments else None
+
+    def loss(q, k, v, seg):
+        out = flash_attention(q, k, v, causal=case.causal, segment_ids=seg, impl=case.impl,
+                              **dict(case.block_sizes))
+        return jnp.sum(out.astype(jnp.float32))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jax 0.11 deprecation warning of the Pallas Triton backend
+        with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()):
+            lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg)
+            return lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _pallas_kernels(case: Case, workdir: str) -> list[dict]:
+    import triton
+    from jax._src.pallas.triton import pallas_call_registration as registration
+    from triton.backends.compiler import GPUTarget
+
+    captured = []
+    original = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, grid_mapping, platform, cc, mlir_ctx):
+        result = original(jaxpr, grid_mapping, platform, cc, mlir_ctx=mlir_ctx)
+        captured.append((jaxpr.debug_info.func_name, result.module.operation.get_asm(enable_debug_info=False)))
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        text = _lower_grad(case)
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = original
+    # The custom call's backend_config carries each kernel's launch parameters next to its name.
+    launch = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in re.finditer(
+        r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
+    kernels = []
+    for name, ttir in captured:
+        warps, stages = launch[name]
+        path = os.path.join(workdir, f"{name}.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        start = time.perf_counter()
+        compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
+        kernels.append(dict(name=name, ttir=ttir, ptx=compiled.asm["ptx"], shared=compiled.metadata.shared,
+                            warps=warps, stages=stages, seconds=time.perf_counter() - start))
+    return kernels
+
+
+def _triton_kernels(case: Case) -> list[dict]:
+    from kernels import flash_triton
+
+    _Recorder.kernels.clear()
+    _Recorder.calls.clear()
+    original = flash_triton.availability_error
+    flash_triton.availability_error = lambda: None  # the check compiles; it never launches
+    start = time.perf_counter()
+    try:
+        _lower_grad(case)
+    finally:
+        flash_triton.availability_error = original
+    seconds = (time.perf_counter() - start) / max(1, len(_Recorder.calls))
+    # The num_stages a kernel was compiled with is not kept on TritonKernel; take it from the kernels' own plan.
+    stages = _planned_launch(case)
+    kernels = []
+    for call in _Recorder.calls:
+        k = call.kernel
+        kernels.append(dict(name=k.name, ttir=k.ttir, ptx=k.ptx, shared=k.shared, warps=k.num_warps,
+                            stages=stages.get(_kind(k.name), {}).get("num_stages", "?"), seconds=seconds,
+                            grid=call.grid))
+    return kernels
+
+
+def _kind(name: str) -> str:
+    """Kernel role from its name: fwd, dq or dkdv."""
+    for kind in ("dkdv", "dq", "fwd"):
+        if kind in name:
+            return kind
+    return name
+
+
+def _planned_launch(case: Case) -> dict:
+    """{kind: {block_m, block_n, num_warps, num_stages}} as the kernels plan them, or {} where not available."""
+    try:
+        from kernels import api
+
+        return api.launch_plan((BATCH, SEQ, HEADS, case.head_dim), KV_HEADS, case.dtype, causal=case.causal,
+                               has_segments=case.segments, impl=case.impl, **dict(case.block_sizes))
+    except (ImportError, AttributeError):
+        return {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Analysis
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_ptxas(ptx: str, workdir: str, name: str) -> dict:
+    path = os.path.join(workdir, f"{name}.ptx")
+    with open(path, "w") as f:
+        f.write(ptx)
+    proc = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
+                          text=True)
+    out = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    codes = set(re.findall(r"\((C\d{4})\)", out))  # C7515 "wgmma serialized" and friends come as info lines
+    codes |= {line.split("warning", 1)[1].strip(" :")[:80] for line in out.splitlines()
+              if "warning" in line and not re.search(r"\(C\d{4}\)", line)}
+    return dict(
+        ptxas_rc=proc.returncode,
+        registers=int(regs.group(1)) if regs else None,
+        spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None,
+        warnings=sorted(codes),
+        ptxas_error=None if proc.returncode == 0 else out.strip().splitlines()[-1][:300],
+    )
+
+
+def analyse(case: Case, kernel: dict, workdir: str, plan: dict) -> dict:
+    ptx, ttir = kernel["ptx"], kernel["ttir"]
+    kind = _kind(kernel["name"])
+    row = dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
+               segments=case.segments, kernel=kind, name=kernel["name"])
+    tiles = plan.get(kind, {})
+    row["tiles"] = f"{tiles['block_m']}x{tiles['block_n']}" if "block_m" in tiles else "?"
+    row.update(warps=kernel["warps"], stages=kernel["stages"])
+    row.update(run_ptxas(ptx, workdir, f"{case.impl}_{kernel['name']}"))
+    row.update(
+        smem=kernel["shared"],
+        wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),
+        mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
+        cp_async=len(re.findall(r"\bcp\.async\.c[ag]\b", ptx)),
+        tma=len(re.findall(r"\bcp\.async\.bulk\.tensor", ptx)),
+        tf32=bool(re.search(r"inputPrecision\s*=\s*tf32", ttir)) or bool(re.search(r"\.tf32\b", ptx)),
+        seconds=round(kernel["seconds"], 1),
+    )
+    problems = []
+    if row["ptxas_error"]:
+        problems.append(f"ptxas: {row['ptxas_error']}")
+    if row["smem"] > SMEM_LIMIT:
+        problems.append(f"shared memory {row['smem']} B > {SMEM_LIMIT} B")
+    sixteen_bit = case.dtype in ("bfloat16", "float16")
+    if sixteen_bit and row["spill_bytes"]:
+        problems.append(f"{row['spill_bytes']} B of spills in a 16-bit kernel")
+    if sixteen_bit and not row["wgmma"]:
+        problems.append("16-bit kernel without wgmma")
+    if case.dtype == "float32" and row["tf32"]:
+        problems.append("TF32 dot in a float32 kernel")
+    row["problems"] = problems
+    return row
+
+
+def check_case(case: Case) -> list[dict]:
+    """Lower and compile one configuration; one row per kernel (a compile error gives one failing row)."""
+    with tempfile.TemporaryDirectory(prefix="compile_check_") as workdir:
+        try:
+            kernels = _pallas_kernels(case, workdir) if case.impl == "pallas" else _triton_kernels(case)
+            if not kernels:
+                raise RuntimeError("no kernel was lowered")
+        except Exception as e:  # noqa: BLE001 - a compile error is a result to report, not a crash
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:400]
+            return [dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
+                         segments=case.segments, kernel="-", name="-", problems=[f"compile error: {msg}"])]
+        plan = _planned_launch(case)
+        return [analyse(case, k, workdir, plan) for k in kernels]
+
+
+def _worker_init():
+    warnings.simplefilter("ignore")
+    install_launch_stubs()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------------------------
+
+COLUMNS = ("impl", "dtype", "head_dim", "causal", "segments", "kernel", "tiles", "warps", "stages", "registers",
+           "spill_bytes", "smem", "wgmma", "mma_sync", "cp_async", "tma", "warnings", "seconds", "status")
+
+
+def _cell(row, col):
+    if col == "status":
+        return "ok" if not row["problems"] else "FAIL: " + "; ".join(row["problems"])
+    value = row.get(col, "")
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ",".join(value) or "-"
+    return "" if value is None else str(value)
+
+
+def markdown_table(rows) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r, c) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--subset", default="full", help="full (every configuration) or ci (a covering subset)")
+    parser.add_argument("--impl", default=",".join(IMPLS), help="comma-separated: pallas, triton")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
+    parser.add_argument("--cases", default="", help="only these configurations, comma-separated "
+                        "IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg (e.g. triton:bfloat16:128:causal:seg)")
+    parser.add_argument("--blocks", default="", help="block-size overrides for every case, NAME=VALUE,... "
+                        "(the keywords of kernels.flash_attention for the impl)")
+    args = parser.parse_args(argv)
+    if args.subset not in ("full", "ci"):
+        parser.exit(2, f"compile_check: --subset {args.subset!r} is not valid; use full or ci\n")
+    impls = tuple(x for x in args.impl.split(",") if x)
+    bad = [x for x in impls if x not in IMPLS]
+    if bad or not impls:
+        parser.exit(2, f"compile_check: --impl {args.impl!r} is not valid; use a comma-separated subset of "
+                       f"{','.join(IMPLS)}\n")
+    if args.jobs < 1:
+        parser.exit(2, f"compile_check: --jobs {args.jobs} is not valid; use a positive integer\n")
+    try:
+        args.blocks = tuple((k, int(v)) for k, v in (kv.split("=") for kv in args.blocks.split(",") if kv))
+    except ValueError:
+        parser.exit(2, f"compile_check: --blocks {args.blocks!r} is not valid; use NAME=INT,...\n")
+    args.case_list = [_parse_case(spec, parser, args.blocks) for spec in args.cases.split(",") if spec]
+    return args, impls
+
+
+def _parse_case(spec: str, parser, blocks) -> Case:
+    parts = spec.split(":")
+    ok = (len(parts) == 5 and parts[0] in IMPLS and parts[1] in DTYPES and parts[2].isdigit()
+          and int(parts[2]) in HEAD_DIMS and parts[3] in ("causal", "full") and parts[4] in ("seg", "noseg"))
+    if not ok:
+        parser.exit(2, f"compile_check: case {spec!r} is not valid; use IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg "
+                       f"with IMPL in {IMPLS}, DTYPE in {DTYPES}, HEAD_DIM in {HEAD_DIMS}\n")
+    return Case(parts[0], parts[1], int(parts[2]), parts[3] == "causal", parts[4] == "seg", blocks)
+
+
+def main(argv=None) -> int:
+    args, impls = _parse_args(argv)
+    if args.case_list:
+        cases = args.case_list
+    else:
+        cases = full_matrix(impls) if args.subset == "full" else ci_subset(impls)
+        cases = [dataclasses.replace(c, block_sizes=args.blocks) for c in cases]
+    reason = toolchain_error({c.impl for c in cases})
+    if reason:
+        print(f"compile_check: {reason}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    rows = []
+    if args.jobs == 1:
+        _worker_init()
+        for case in cases:
+            rows += check_case(case)
+            if not args.json:
+                print(f"  {case.label}: done ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=_worker_init) as pool:
+            for case, case_rows in zip(cases, pool.map(check_case, cases)):
+                rows += case_rows
+                if not args.json:
+                    print(f"  {case.label}: done ({time.perf_counter() - start:.0f} s)", file=sys.stderr,
+                          flush=True)
+    failed = [r for r in rows if r["problems"]]
+    elapsed = time.perf_counter() - start
+    if args.json:
+        print(json.dumps(dict(rows=rows, failed=len(failed), seconds=round(elapsed, 1)), indent=1))
+    else:
+        import jax
+        import triton
+
+        print(f"sm_90a compile check: jax {jax.__version__}, triton {triton.__version__}, abstract NVIDIA H200, "
+              f"q [{BATCH}, {SEQ}, {HEADS}, d], kv heads {KV_HEADS}, smem limit {SMEM_LIMIT} B")
+        print(markdown_table(rows))
+        print(f"{len(rows)} kernels in {len(cases)} configurations, {len(failed)} failing, {elapsed:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
