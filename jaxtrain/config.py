@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxtrain.observe_config import ObserveConfig  # the observe section, in its own module
+
 
 class ConfigError(ValueError):
     """A user mistake in the config or command line; reported as one line, exit status 2."""
@@ -223,6 +225,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -573,7 +576,6 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
     _require(micro % dp == 0,
              f"train.global_batch={t.global_batch} (/{t.microbatches} microbatches = {micro}) is not divisible by the "
              f"data-parallel size {dp} ({' x '.join(a for a in batch_axes if a)})")
-
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:
