@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
-from jaxtrain import hardware, runtime
+from jaxtrain import hardware, observe, runtime
 from jaxtrain.config import Config, TrainConfig, dump_yaml, resolve_auto, to_dict
 from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
 from jaxtrain.metrics import MetricsWriter, log_info, summary_line
@@ -352,12 +352,17 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
              f"{count_params(cfg.model)['total'] / 1e6:.2f}M parameters, compute {cfg.model.dtype}, params "
              f"{cfg.model.param_dtype}, attention {cfg.model.attention}")
 
+    tokens_per_step = t.global_batch * d.seq_len
+    flops_per_step = train_flops_per_token(cfg.model, d.seq_len) * tokens_per_step
+    peak = hardware.peak_flops(jax.devices()[0].device_kind)
+    obs = observe.Observer(ts, run_dir, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step, peak=peak)
     state, start, data_state = ckpt.restore(source, ts.abstract_state, ts.init_state)
     if source.kind == "resume":
         log_info(f"resumed from {source.directory}/{source.step}")
     elif source.kind == "params":
         log_info(f"initialised parameters from {source.directory}/{source.step}, fresh optimizer")
-    train_step, eval_step, compile_s = ts.compile(state)
+    with obs.goodput.phase("compilation"):
+        train_step, eval_step, compile_s = ts.compile(state)
     log_info(f"compiled train and eval steps in {compile_s:.2f} s")
 
     batches = iter(data_lib.train_batches(tokens, d, seed=t.seed, global_batch=t.global_batch, steps=t.steps,
@@ -370,9 +375,6 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
     eval_set = [ts.to_device(b) for b in
                 data_lib.eval_batches(tokens, d, global_batch=t.global_batch, num_batches=t.eval_batches, rows=rows)]
 
-    tokens_per_step = t.global_batch * d.seq_len
-    flops_per_step = train_flops_per_token(cfg.model, d.seq_len) * tokens_per_step
-    peak = hardware.peak_flops(jax.devices()[0].device_kind)
     writer = MetricsWriter(cfg.run.dir, enabled=is_main, total_steps=t.steps, start_step=start)
     result = RunResult({}, {}, compile_s, [], start_step=start)
     t_start = time.perf_counter()
@@ -383,14 +385,18 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
     def report(step: int, m: dict, step_time: float, eval_state) -> None:
         result.losses[step] = m["loss"]
         result.step_times.append(step_time)
-        if step % t.log_every and step not in (start + 1, t.steps) and eval_state is None:
+        logged = not (step % t.log_every and step not in (start + 1, t.steps) and eval_state is None)
+        obs.report(step, m, step_time, logged)
+        if not logged:
             return
         record = {"step": step, **m, "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time,
                   "tokens_per_sec_per_device": tokens_per_step / step_time / n_devices,
                   "tflops_per_device": flops_per_step / step_time / n_devices / 1e12,
                   "mfu": flops_per_step / step_time / n_devices / peak if peak else None}
         if eval_state is not None:
-            record["eval_loss"] = result.eval_losses[step] = evaluate(eval_state)
+            with obs.goodput.phase("evaluation"):
+                record["eval_loss"] = result.eval_losses[step] = evaluate(eval_state)
+            obs.evaluated(record["eval_loss"])
         recent = statistics.median(result.step_times[-20:])
         writer.write(record, elapsed=time.perf_counter() - t_start, eta=recent * (t.steps - step))
 
@@ -398,31 +404,44 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
     pending = PendingMetrics(report)
     try:
         for step in range(start + 1, t.steps + 1):
-            batch = ts.to_device(next(batches))
-            state, metrics = train_step(state, batch)
+            t_begin = obs.step_begin(step)
+            local = next(batches)
+            t_batch = time.perf_counter()
+            state, metrics = train_step(state, ts.to_device(local))
+            obs.step_dispatched(step, t_begin, t_batch)
             checkpointer.raise_if_failed()
             preempted = watch.reached(step)
             wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
             pending.add(step, metrics, state if wants_eval else None)
             if preempted or checkpointer.should_save(step):
                 result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
+                obs.saved(checkpointer, result.save_block_seconds[-1])
+            obs.step_end(step, metrics)
             if preempted:
                 pending.drain()
-                checkpointer.wait()
+                with obs.goodput.phase("checkpoint"):
+                    checkpointer.wait()
                 result.preempted_at = step
                 log_info(f"stopped by a signal after step {step}; checkpoint saved to {checkpointer.directory}/{step}")
                 break
         pending.drain()
-        checkpointer.close()
+        with obs.goodput.phase("checkpoint"):
+            checkpointer.close()
+    except Exception as e:
+        obs.out_of_memory(e, train_step)  # the device memory profile, if that is what it is
+        raise
     finally:
+        obs.close()
         watch.close()
         writer.close()
     if is_main and result.step_times:
-        summary = run_summary(ts, result, train_step, tokens_per_step, flops_per_step, peak)
+        summary = {**run_summary(ts, result, train_step, tokens_per_step, flops_per_step, peak),
+                   **observe.summary_fields(obs)}
         with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(summary_line(compile_s=compile_s, step_times=result.step_times, tokens_per_step=tokens_per_step,
                            final_loss=result.losses[max(result.losses)], run_dir=run_dir), flush=True)
+        print(obs.goodput.line(), flush=True)
     return result
 
 

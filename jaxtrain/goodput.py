@@ -1,0 +1,124 @@
+"""Goodput: where this invocation's wall time went, from the process's start to the end of the run.
+
+Every moment belongs to exactly one category, so the fractions add up to 1:
+
+- ``startup``: process start (from the OS's record of it), imports, JAX and the coordination service, data, restore;
+- ``compilation``: compiling the train and eval steps;
+- ``productive``: training steps that no earlier invocation of this run had already done;
+- ``restarts``: steps recomputed after a resume, i.e. steps at or below the highest step the run's own history
+  (``run.dir/metrics.jsonl``, written before the previous invocation died) already holds;
+- ``checkpoint``: the time saves held the loop, and the final wait for background saves;
+- ``evaluation``: the eval loss computations;
+- ``other``: everything else (writing the summary, closing files).
+
+The clock is a running category plus ``charge(category, seconds)`` for intervals measured elsewhere (a save's
+blocking time), which moves those seconds out of the running category: no interval is counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+CATEGORIES = ("startup", "compilation", "productive", "restarts", "checkpoint", "evaluation", "other")
+
+
+def process_start_time() -> float:
+    """This process's start as a Unix time: from /proc on Linux, else the time of the first call."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the "(comm)" field
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def last_logged_step(run_dir: str) -> int:
+    """The highest step in ``run_dir/metrics.jsonl`` (0 when none): how far earlier invocations of this run got.
+
+    Read before this invocation's MetricsWriter drops the records past its restored step. The steps a killed
+    process finished after its last logged step are not in the file, so this undercounts by less than
+    ``train.log_every``.
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    last = 0
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a kill
+    return last
+
+
+class Goodput:
+    """Wall-time accounting for one invocation; see the module docstring for the categories."""
+
+    def __init__(self, start_time: float | None = None, previous_last_step: int = 0):
+        """``start_time``: Unix time the process started (default: from the OS). ``previous_last_step``: the
+        highest step an earlier invocation of this run completed (steps up to it count as ``restarts``)."""
+        self.previous_last_step = previous_last_step
+        self.seconds = dict.fromkeys(CATEGORIES, 0.0)
+        self.seconds["startup"] = max(0.0, time.time() - (start_time or process_start_time()))
+        self.recomputed_steps = 0
+        self._current, self._since = "startup", time.perf_counter()
+
+    def switch(self, category: str) -> str:
+        """Charge the time since the last switch to the running category, make ``category`` the running one, and
+        return the previous one."""
+        now = time.perf_counter()
+        self.seconds[self._current] += now - self._since
+        previous, self._current, self._since = self._current, category, now
+        return previous
+
+    def step(self, step: int) -> None:
+        """A training step begins: productive, or recomputed when an earlier invocation already did it."""
+        recomputed = step <= self.previous_last_step
+        self.recomputed_steps += recomputed
+        category = "restarts" if recomputed else "productive"
+        if category != self._current:
+            self.switch(category)
+
+    def charge(self, category: str, seconds: float) -> None:
+        """``seconds`` measured elsewhere, inside the running category, belong to ``category`` instead."""
+        self.switch(self._current)  # bring the running category up to date first
+        moved = min(seconds, self.seconds[self._current])
+        self.seconds[self._current] -= moved
+        self.seconds[category] += moved
+
+    @contextlib.contextmanager
+    def phase(self, category: str):
+        """Time inside the block belongs to ``category``; the running category resumes after it."""
+        previous = self.switch(category)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per category up to now (the running category included)."""
+        self.switch(self._current)
+        return dict(self.seconds)
+
+    def fractions(self) -> dict[str, float]:
+        """Each category's fraction of the wall time so far; they add up to 1."""
+        totals = self.totals()
+        wall = sum(totals.values())
+        return {k: (v / wall if wall > 0 else 0.0) for k, v in totals.items()}
+
+    def summary(self) -> dict:
+        """``summary.json``'s ``goodput``: category -> fraction of wall time (``fractions``)."""
+        return self.fractions()
+
+    def line(self) -> str:
+        """One line for the end of the run: the wall time and each non-zero category's share."""
+        totals = self.totals()
+        wall = sum(totals.values())
+        parts = [f"{k} {100 * v / wall:.1f}%" for k, v in totals.items() if v > 0 and wall > 0]
+        extra = f" ({self.recomputed_steps} steps recomputed after a restart)" if self.recomputed_steps else ""
+        return f"goodput: wall {wall:.1f} s | " + " | ".join(parts) + extra

@@ -1,0 +1,489 @@
+"""Watching a running job: a Prometheus ``/metrics`` endpoint, straggler and bandwidth warnings, profiler windows,
+the memory profile on an out-of-memory error, and goodput (``jaxtrain.goodput``).
+
+The train loop calls a few hooks of :class:`Observer`; none of them waits for the devices on an ordinary step.
+Host timings are taken around the loop's own work (reading the batch, sending it, dispatching the step); the
+straggler exchange goes through JAX's coordination service (a key-value store), not through the devices, every
+``observe.straggler_every`` steps; only the collective probe (every ``observe.collective_probe_every`` steps) and
+the end of a profile window wait for the step in flight, because they must.
+
+Metric names follow Prometheus' conventions (prefix ``jaxtrain_``, base units, ``_seconds``, ``_bytes``,
+``_total``); every metric carries the labels ``run`` (the run directory's name), ``process`` and ``host``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import prometheus_client as prom
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxtrain import hardware
+from jaxtrain.check import Measurement, node_name
+from jaxtrain.goodput import Goodput, last_logged_step
+from jaxtrain.metrics import log_info
+
+# Step times from 1 ms to 100 s.
+TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+# A straggler must also matter: its host time must exceed the median by this fraction of the median step time
+# (below that, host work hides behind the devices' and costs the job nothing).
+STRAGGLER_MIN_STEP_SHARE = 0.05
+KV_PREFIX = "jaxtrain/observe"
+PROBE_ITERS = 3
+
+
+def _kv_client():
+    """JAX's coordination-service client (set by jax.distributed.initialize), or None."""
+    from jax._src import distributed
+
+    return getattr(distributed.global_state, "client", None)
+
+
+def exchange_hosts(timeout_s: int = 120) -> list[str]:
+    """Every process's node name (index = process index), through the coordination service."""
+    if jax.process_count() == 1:
+        return [node_name()]
+    client = _kv_client()
+    client.key_value_set(f"{KV_PREFIX}/host/{jax.process_index()}", node_name())
+    return [client.blocking_key_value_get(f"{KV_PREFIX}/host/{p}", timeout_s * 1000)
+            for p in range(jax.process_count())]
+
+
+class PrometheusMetrics:
+    """The metrics, in their own registry (not the library's global one: one process may train several times).
+
+    Every metric has the labels run, process, host; a few add one (device, axis, category, peer).
+    """
+
+    def __init__(self, run: str, process: int, host: str):
+        self.registry = prom.CollectorRegistry()
+        prom.ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes...
+        self.base = {"run": run, "process": str(process), "host": host}
+        names = tuple(self.base)
+
+        def gauge(name, doc, extra=()):
+            return prom.Gauge(name, doc, names + extra, registry=self.registry)
+
+        def hist(name, doc):
+            return prom.Histogram(name, doc, names, buckets=TIME_BUCKETS, registry=self.registry).labels(**self.base)
+
+        # Gauges appear on the first value they get (a loss of 0 before the first step would be a false reading).
+        self._gauges = {name: gauge(f"jaxtrain_{name}", doc) for name, doc in (
+            ("up", "1 while the training process runs"),
+            ("start_time_seconds", "Unix time the training process started"),
+            ("step", "Last completed training step"), ("loss", "Training loss of the last step"),
+            ("eval_loss", "Last evaluation loss"), ("grad_norm", "Global gradient norm (before clipping)"),
+            ("learning_rate", "Learning rate of the last step"),
+            ("tokens_per_second", "Training tokens per second (all devices), last step"),
+            ("mfu_ratio", "Model FLOPs utilisation of the last step (0-1; absent without a peak rate)"),
+            ("step_host_seconds", "Host work of the last step: data wait, host-to-device, dispatch"),
+            ("step_device_seconds", "Rest of the last step: the host waiting for the devices"))}
+        self._bound: dict[str, Any] = {}
+        self.step_seconds = hist("jaxtrain_step_seconds", "Wall time per training step")
+        self.data_wait_seconds = hist("jaxtrain_data_wait_seconds", "Time each step waited for its batch")
+        self.checkpoint_blocking_seconds = hist("jaxtrain_checkpoint_blocking_seconds",
+                                                "Time each checkpoint save held the training loop")
+        self.checkpoint_save_seconds = hist("jaxtrain_checkpoint_save_seconds",
+                                            "Time from a save's start until it is on disk (async saves included)")
+        self.nonfinite_steps = prom.Counter("jaxtrain_nonfinite_steps", "Steps whose loss or gradient norm was not "
+                                            "finite", names, registry=self.registry).labels(**self.base)
+        self.memory_in_use = gauge("jaxtrain_device_memory_in_use_bytes", "Device memory in use", ("device",))
+        self.memory_peak = gauge("jaxtrain_device_memory_peak_bytes", "Peak device memory in use", ("device",))
+        self.busbw = gauge("jaxtrain_collective_bus_bandwidth_bytes_per_second",
+                           "Collective probe: all-reduce bus bandwidth per mesh axis", ("axis",))
+        self.expected_busbw = gauge("jaxtrain_collective_expected_bytes_per_second",
+                                    "The link rate the probe's axis is compared with", ("axis",))
+        self.bandwidth_warnings = prom.Counter("jaxtrain_bandwidth_warnings", "Probes below the expected rate",
+                                               names + ("axis",), registry=self.registry)
+        self.host_ratio = gauge("jaxtrain_straggler_host_ratio", "Process 0's view: a process's host time over "
+                                "the median of all processes, last exchange", ("peer",))
+        self.straggler_warnings = prom.Counter("jaxtrain_straggler_warnings", "Straggler warnings (process 0)",
+                                               names, registry=self.registry).labels(**self.base)
+        self.goodput = gauge("jaxtrain_goodput_ratio", "Fraction of this invocation's wall time per category",
+                             ("category",))
+        self.set("up", 1)
+
+    def set(self, name: str, value: float) -> None:
+        """Set the gauge ``jaxtrain_<name>`` of this process."""
+        child = self._bound.get(name)
+        if child is None:
+            child = self._bound[name] = self._gauges[name].labels(**self.base)
+        child.set(value)
+
+    def serve(self, address: str, port: int):
+        """Start the HTTP server (a daemon thread); returns it (``server_port`` is the port it bound)."""
+        server, _ = prom.start_http_server(port, addr=address, registry=self.registry)
+        return server
+
+
+class StragglerWatch:
+    """Per-step host/device split, and every ``every`` steps an exchange of medians between processes.
+
+    Each process posts the medians of its last window under ``KV_PREFIX/straggler/<step>/<process>``; process 0
+    reads the previous window's posts (one window late, so it never waits for a process still finishing it) and
+    warns about any process whose host time is above ``ratio`` x the median of all processes (the lower median:
+    with two processes, the faster one) by more than ``STRAGGLER_MIN_STEP_SHARE`` of the median step time.
+    """
+
+    def __init__(self, every: int, ratio: float, hosts: list[str], metrics: PrometheusMetrics | None):
+        self.every, self.ratio, self.hosts, self.metrics = every, ratio, hosts, metrics
+        self.host: dict[int, float] = {}  # step -> host seconds
+        self.data: dict[int, float] = {}
+        self.device: dict[int, float] = {}
+        self._posted: int | None = None
+        self.warnings: list[str] = []
+
+    def dispatched(self, step: int, host_s: float, data_s: float) -> None:
+        self.host[step], self.data[step] = host_s, data_s
+
+    def reported(self, step: int, step_time: float) -> float:
+        """The step's device share (step time minus its host work); stores it for the window."""
+        self.device[step] = max(0.0, step_time - self.host.get(step, 0.0))
+        return self.device[step]
+
+    def maybe_exchange(self, step: int) -> None:
+        if not self.every or step % self.every or jax.process_count() == 1:
+            return
+        window = sorted(self.host)
+        mine = {"host": statistics.median(self.host.values()), "data": statistics.median(self.data.values()),
+                "device": statistics.median(self.device.values()) if self.device else 0.0,
+                "first": window[0], "last": window[-1]}
+        self.host.clear(), self.data.clear(), self.device.clear()
+        client = _kv_client()
+        client.key_value_set(f"{KV_PREFIX}/straggler/{step}/{jax.process_index()}", json.dumps(mine))
+        previous, self._posted = self._posted, step
+        if jax.process_index() != 0 or previous is None:
+            return
+        posts = {int(k.rsplit("/", 1)[1]): json.loads(v)
+                 for k, v in client.key_value_dir_get(f"{KV_PREFIX}/straggler/{previous}/")}
+        client.key_value_delete(f"{KV_PREFIX}/straggler/{previous}")
+        self.judge(posts)
+
+    def judge(self, posts: dict[int, dict]) -> list[int]:
+        """Warn about stragglers among ``posts`` (process -> medians); returns their indices."""
+        if len(posts) < 2:
+            return []
+        median = statistics.median_low([p["host"] for p in posts.values()])
+        step_time = statistics.median(p["host"] + p["device"] for p in posts.values())
+        slow = []
+        for proc, p in sorted(posts.items()):
+            ratio = p["host"] / median if median > 0 else math.inf
+            if self.metrics:
+                self.metrics.host_ratio.labels(**self.metrics.base, peer=str(proc)).set(
+                    ratio if math.isfinite(ratio) else 0.0)
+            if ratio > self.ratio and p["host"] - median > STRAGGLER_MIN_STEP_SHARE * step_time:
+                slow.append(proc)
+                msg = (f"straggler: process {proc} (host {self.hosts[proc]}) spends {p['host'] * 1e3:.1f} ms of host "
+                       f"work per step, {ratio:.1f}x the median {median * 1e3:.1f} ms (observe.straggler_ratio="
+                       f"{self.ratio}), steps {p['first']}-{p['last']}: data wait {p['data'] * 1e3:.1f} ms, device "
+                       f"{p['device'] * 1e3:.1f} ms; the job runs at its pace (median step {step_time * 1e3:.1f} ms)")
+                self.warnings.append(msg)
+                log_info(msg)
+                if self.metrics:
+                    self.metrics.straggler_warnings.inc()
+        return slow
+
+
+class CollectiveProbe:
+    """A small all-reduce per mesh axis (size > 1), compiled once, timed every ``every`` steps.
+
+    Bus bandwidth as in ``jaxtrain.check`` (nccl-tests' definition, :class:`jaxtrain.check.Measurement`): the same
+    figure the pre-flight check reports, so the two compare. The expected rate is the link the axis runs over in
+    the hardware file (``observe.hardware``, else the shipped file of these devices): the NIC where the axis
+    crosses hosts, NVLink inside a node.
+    """
+
+    def __init__(self, mesh, shape, cfg, hosts: list[str], metrics: PrometheusMetrics | None):
+        o = cfg.observe
+        self.every, self.fraction, self.metrics, self.hosts = o.collective_probe_every, o.min_bandwidth_fraction, \
+            metrics, hosts
+        gpu = mesh.devices.flat[0].platform != "cpu"
+        size = int((o.probe_mb or (64 if gpu else 1)) * 2**20)
+        device_kind = mesh.devices.flat[0].device_kind
+        hw = hardware.load_hardware(o.hardware) if o.hardware else hardware.for_device_kind(device_kind)
+        self.axes = {}
+        spec = P(mesh.axis_names)  # every device its own block
+        sharding = NamedSharding(mesh, spec)
+        for i, axis in enumerate(mesh.axis_names):
+            n = mesh.shape[axis]
+            if n == 1:
+                continue
+            count = max(n, size // 4 // n * n)
+            x = jax.make_array_from_callback((mesh.devices.size * count,), sharding,
+                                             lambda idx, c=count: np.ones(c, np.float32))
+            f = jax.jit(jax.shard_map(lambda v, a=axis: jax.lax.psum(v, a), mesh=mesh, in_specs=spec,
+                                      out_specs=spec, check_vma=False)).lower(x).compile()
+            crosses = shape.dcn[i] > 1
+            expected = None if hw is None else (hw.inter_node_bandwidth if crosses else hw.intra_node_bandwidth)
+            self.axes[axis] = (f, x, n, count * 4, crosses, expected, self._hosts_along(mesh, i))
+            if metrics and expected:
+                metrics.expected_busbw.labels(**metrics.base, axis=axis).set(expected)
+        self.source = f"hardware file {hw.name}" if hw else None
+        self.warnings: list[str] = []
+        if self.axes and hw is None:
+            log_info(f"collective probe: no hardware file matches {device_kind!r}; bandwidth is exported but not "
+                     "judged (set observe.hardware)")
+
+    def _hosts_along(self, mesh, axis_index: int) -> list[str]:
+        """Hosts of the devices on this process's line along the axis (through its first device)."""
+        mine = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+        pos = list(np.argwhere(mesh.devices == mine)[0])
+        line = np.moveaxis(mesh.devices, axis_index, 0)[(slice(None), *pos[:axis_index], *pos[axis_index + 1:])]
+        return sorted({self.hosts[d.process_index] for d in line})
+
+    def maybe_run(self, step: int, in_flight) -> dict[str, float]:
+        """Every ``every`` steps: wait for ``in_flight`` (the step just dispatched), then time each axis. Returns
+        axis -> bus bandwidth in bytes/s (empty when not due)."""
+        if not self.every or step % self.every or not self.axes:
+            return {}
+        jax.block_until_ready(in_flight)
+        out = {}
+        for axis, (f, x, n, nbytes, crosses, expected, hosts) in self.axes.items():
+            f(x).block_until_ready()  # every process arrives: the timing starts together
+            t0 = time.perf_counter()
+            for _ in range(PROBE_ITERS):
+                y = f(x)
+            y.block_until_ready()
+            m = Measurement(axis, "all-reduce", nbytes, (time.perf_counter() - t0) / PROBE_ITERS, True, n)
+            out[axis] = busbw = m.busbw * 1e9
+            if self.metrics:
+                self.metrics.busbw.labels(**self.metrics.base, axis=axis).set(busbw)
+            if expected and busbw < self.fraction * expected:
+                where = f"it crosses hosts {', '.join(hosts)}" if crosses else f"inside host {hosts[0]}"
+                msg = (f"collective bandwidth: axis {axis} ({n} devices; {where}) all-reduce bus bandwidth "
+                       f"{busbw / 1e9:.2f} GB/s at step {step} is below observe.min_bandwidth_fraction={self.fraction}"
+                       f" of the expected {expected / 1e9:.1f} GB/s ({self.source}); run `jaxtrain check` with this "
+                       "config to find the slow link and exclude its host")
+                self.warnings.append(msg)
+                log_info(msg)
+                if self.metrics:
+                    self.metrics.bandwidth_warnings.labels(**self.metrics.base, axis=axis).inc()
+        return out
+
+
+class Profiler:
+    """``jax.profiler`` traces of step windows into ``run.dir/profile/process_<i>`` (TensorBoard's profile plugin,
+    XProf, and Perfetto through the ``perfetto_trace.json.gz`` written beside the XSpace)."""
+
+    def __init__(self, run_dir: str, o):
+        self.dir = os.path.join(run_dir, "profile", f"process_{jax.process_index()}")
+        mine = o.profile_processes is None or jax.process_index() in o.profile_processes
+        self.window = tuple(o.profile_steps) if o.profile_steps and mine else None
+        self.signal_steps, self._signalled, self.active, self._old = o.signal_profile_steps, False, False, None
+        self.written: list[str] = []
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._old = signal.signal(signal.SIGUSR1, self._on_signal)
+
+    def _on_signal(self, *_):
+        self._signalled = True  # acted on at the next step: nothing else is safe inside a handler
+
+    def begin(self, step: int) -> None:
+        if self.active:
+            return
+        if self._signalled:
+            self._signalled, self.window = False, (step, step + self.signal_steps - 1)
+            log_info(f"SIGUSR1: tracing steps {self.window[0]}-{self.window[1]}")
+        if self.window and step == self.window[0]:
+            os.makedirs(self.dir, exist_ok=True)
+            jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
+            self.active = True
+
+    def end(self, step: int, in_flight) -> None:
+        if self.active and step >= self.window[1]:
+            jax.block_until_ready(in_flight)  # the window's last step belongs in the trace
+            self._stop(f"steps {self.window[0]}-{step}")
+
+    def _stop(self, what: str) -> None:
+        jax.profiler.stop_trace()
+        self.active, self.window = False, None
+        self.written.append(self.dir)
+        log_info(f"profile of {what} written to {self.dir}; view: tensorboard --logdir {os.path.dirname(self.dir)}"
+                 f" (profile tab), xprof --logdir {os.path.dirname(self.dir)}, or perfetto_trace.json.gz in "
+                 "https://ui.perfetto.dev")
+
+    def close(self, last_step: int) -> None:
+        if self.active:
+            self._stop(f"steps {self.window[0]}-{last_step} (the run ended inside the window)")
+        if self._old is not None:
+            signal.signal(signal.SIGUSR1, self._old)
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard, per leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+class Observer:
+    """Everything the train loop reports to, for one invocation of ``train``; see the module docstring."""
+
+    def __init__(self, ts, run_dir: str, *, tokens_per_step: int, flops_per_step: float, peak: float | None):
+        cfg, o = ts.cfg, ts.cfg.observe
+        self.ts, self.run_dir, self.cfg = ts, run_dir, cfg
+        self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
+        self.goodput = Goodput(previous_last_step=last_logged_step(run_dir))
+        self.hosts = exchange_hosts()
+        self.metrics = self.server = None
+        if o.prometheus_port is not None:
+            self.metrics = PrometheusMetrics(os.path.basename(run_dir), jax.process_index(),
+                                             self.hosts[jax.process_index()])
+            self.metrics.set("start_time_seconds", time.time() - self.goodput.seconds["startup"])
+            port = o.prometheus_port + self._port_offset(o.prometheus_port_offset) if o.prometheus_port else 0
+            try:
+                self.server = self.metrics.serve(o.prometheus_address, port)
+                log_info(f"metrics: http://{o.prometheus_address}:{self.server.server_port}/metrics")
+            except OSError as e:  # an observer must not stop a job that can train: say so and train on
+                log_info(f"WARNING: no metrics endpoint: cannot serve on {o.prometheus_address}:{port} ({e.strerror});"
+                         " pick a free observe.prometheus_port (0: any)")
+        self.stragglers = StragglerWatch(o.straggler_every, o.straggler_ratio, self.hosts, self.metrics)
+        self.probe = None
+        if o.collective_probe_every:
+            self.probe = CollectiveProbe(ts.mesh, ts.shape, cfg, self.hosts, self.metrics)
+        self.profiler = Profiler(run_dir, o)
+        self._save_started: float | None = None
+        self._checkpointer = None
+        self._last_step = 0
+
+    def _port_offset(self, how: str) -> int:
+        if how == "process":
+            return jax.process_index()
+        if how == "local":  # my index among the processes sharing my host
+            me = self.hosts[jax.process_index()]
+            return sum(h == me for h in self.hosts[:jax.process_index()])
+        return 0
+
+    # -- hooks of the train loop ---------------------------------------------------------------------------------
+
+    def step_begin(self, step: int) -> float:
+        """A step starts: goodput category, profile window. Returns the start time (perf_counter)."""
+        self.goodput.step(step)
+        self.profiler.begin(step)
+        return time.perf_counter()
+
+    def step_dispatched(self, step: int, t_begin: float, t_batch: float) -> None:
+        """The step was dispatched: its host work took from ``t_begin`` to now, ``t_batch - t_begin`` of it
+        waiting for the batch."""
+        self.stragglers.dispatched(step, time.perf_counter() - t_begin, t_batch - t_begin)
+        if self.metrics:
+            self.metrics.data_wait_seconds.observe(t_batch - t_begin)
+
+    def saved(self, checkpointer, blocking_s: float) -> None:
+        """A checkpoint save started and held the loop ``blocking_s`` seconds."""
+        self.goodput.charge("checkpoint", blocking_s)
+        self._checkpointer, self._save_started = checkpointer, time.perf_counter() - blocking_s
+        if self.metrics:
+            self.metrics.checkpoint_blocking_seconds.observe(blocking_s)
+
+    def step_end(self, step: int, in_flight) -> None:
+        """After the step's dispatch and save: stragglers, probe, profile window end, save completion."""
+        self._last_step = step
+        self.stragglers.maybe_exchange(step)
+        if self.probe:
+            self.probe.maybe_run(step, in_flight)
+        self.profiler.end(step, in_flight)
+        self._poll_save()
+
+    def _poll_save(self, force: bool = False) -> None:
+        if self._save_started is None:
+            return
+        manager = getattr(self._checkpointer, "_manager", None)
+        if force or manager is None or not manager.is_saving_in_progress():
+            if self.metrics:
+                self.metrics.checkpoint_save_seconds.observe(time.perf_counter() - self._save_started)
+            self._save_started = None
+
+    def report(self, step: int, values: dict, step_time: float, logged: bool) -> None:
+        """A step's metrics arrived (every step; ``logged``: a step the writer logs)."""
+        device_s = self.stragglers.reported(step, step_time)
+        m = self.metrics
+        if m is None:
+            return
+        m.set("step", step)
+        m.step_seconds.observe(step_time)
+        m.set("step_host_seconds", step_time - device_s)
+        m.set("step_device_seconds", device_s)
+        m.set("loss", values["loss"])
+        if values.get("nonfinite_steps"):  # the step was skipped (train_step's count of consecutive ones)
+            m.nonfinite_steps.inc()
+        if "grad_norm" in values:
+            m.set("grad_norm", values["grad_norm"])
+        if "lr" in values:
+            m.set("learning_rate", values["lr"])
+        m.set("tokens_per_second", self.tokens_per_step / step_time)
+        if self.peak:
+            m.set("mfu_ratio", self.flops_per_step / step_time / self.ts.shape.num_devices / self.peak)
+        if logged:  # the costlier reads, at the logging pace
+            for d in jax.local_devices():
+                stats = d.memory_stats() or {}
+                if "bytes_in_use" in stats:
+                    m.memory_in_use.labels(**m.base, device=str(d.id)).set(stats["bytes_in_use"])
+                if "peak_bytes_in_use" in stats:
+                    m.memory_peak.labels(**m.base, device=str(d.id)).set(stats["peak_bytes_in_use"])
+            for category, fraction in self.goodput.fractions().items():
+                m.goodput.labels(**m.base, category=category).set(fraction)
+
+    def evaluated(self, eval_loss: float) -> None:
+        if self.metrics:
+            self.metrics.set("eval_loss", eval_loss)
+
+    def nonfinite_step(self) -> None:
+        """A step whose loss or gradient norm was not finite (counted for jaxtrain_nonfinite_steps_total)."""
+        if self.metrics:
+            self.metrics.nonfinite_steps.inc()
+
+    def out_of_memory(self, e: BaseException, compiled_step=None) -> str | None:
+        """On an out-of-memory error: write the device memory profile next to this process's log, say where, with
+        the per-device split of parameters / optimizer state (from the sharded state) and temporaries (XLA's
+        compiled figure). Returns the profile's path (None when ``e`` is not an out-of-memory error)."""
+        if not is_out_of_memory(e):
+            return None
+        path = os.path.join(self.run_dir, "logs", f"memory_process_{jax.process_index()}.prof")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(jax.profiler.device_memory_profile())
+        state = self.ts.abstract_state
+        split = {"parameters": _bytes_per_device(state["model"]),
+                 "optimizer": _bytes_per_device({k: v for k, v in state.items() if k != "model"})}
+        mem = compiled_step.memory_analysis() if compiled_step is not None else None
+        if mem is not None:
+            split["temporaries"] = mem.temp_size_in_bytes
+        log_info(f"out of device memory: memory profile written to {path} (view: pprof -http=: {path}); per "
+                 f"device on mesh {self.ts.shape.label}: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
+                                                                         for k, v in split.items()))
+        return path
+
+    def close(self) -> None:
+        """End of the run (or of an error): stop a trace in progress, record the last save, stop serving."""
+        self.profiler.close(self._last_step)
+        self._poll_save(force=True)
+        self.goodput.switch("other")
+        if self.metrics:
+            for category, fraction in self.goodput.fractions().items():
+                self.metrics.goodput.labels(**self.metrics.base, category=category).set(fraction)
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def summary_fields(obs: Observer) -> dict[str, Any]:
+    """What the observer adds to ``summary.json``: ``goodput`` (category -> fraction of wall time)."""
+    return {"goodput": obs.goodput.summary(), "goodput_wall_seconds": sum(obs.goodput.totals().values()),
+            "recomputed_steps": obs.goodput.recomputed_steps}
