@@ -235,18 +235,22 @@ def _triton_kernels(case: Case) -> list[dict]:
     # The num_stages a kernel was compiled with is not kept on TritonKernel; take it from the kernels' own plan.
     stages = _planned_launch(case)
     kernels = []
+    dkdv_calls = [c for c in _Recorder.calls if _kind(c.kernel.name) == "dkdv"]
     for call in _Recorder.calls:
         k = call.kernel
-        kernels.append(dict(name=k.name, ttir=k.ttir, ptx=k.ptx, shared=k.shared, warps=k.num_warps,
+        name = k.name
+        if len(dkdv_calls) == 2 and call in dkdv_calls:  # two passes, dv then dk (flash_triton.run_backward)
+            name = f"{name}:{'dv' if call is dkdv_calls[0] else 'dk'}"
+        kernels.append(dict(name=name, ttir=k.ttir, ptx=k.ptx, shared=k.shared, warps=k.num_warps,
                             stages=stages.get(_kind(k.name), {}).get("num_stages", "?"), seconds=seconds,
                             grid=call.grid))
     return kernels
 
 
 def _kind(name: str) -> str:
-    """Kernel role from its name: fwd, dq or dkdv."""
-    for kind in ("dkdv", "dq", "fwd"):
-        if kind in name:
+    """Kernel role from its name: fwd, dq, dkdv (or dk / dv for the passes of a two-pass dk/dv)."""
+    for kind in ("dkdv", "dq", "fwd", "dk", "dv"):
+        if kind in name.split(":")[-1]:
             return kind
     return name
 
@@ -293,10 +297,10 @@ def analyse(case: Case, kernel: dict, workdir: str, plan: dict) -> dict:
     kind = _kind(kernel["name"])
     row = dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
                segments=case.segments, kernel=kind, name=kernel["name"])
-    tiles = plan.get(kind, {})
+    tiles = plan.get("dkdv" if kind in ("dk", "dv") else kind, {})
     row["tiles"] = f"{tiles['block_m']}x{tiles['block_n']}" if "block_m" in tiles else "?"
     row.update(warps=kernel["warps"], stages=kernel["stages"])
-    row.update(run_ptxas(ptx, workdir, f"{case.impl}_{kernel['name']}"))
+    row.update(run_ptxas(ptx, workdir, f"{case.impl}_{kernel['name'].replace(':', '_')}"))
     row.update(
         smem=kernel["shared"],
         wgmma=len(re.findall(r"\bwgmma\.mma_async", ptx)),

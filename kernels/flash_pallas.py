@@ -361,11 +361,13 @@ def _dq_kernel(*refs, cfg: _Config):
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, cfg: _Config, group: int):
+def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
+    """``want``: ("dk", "dv"), or one of them (a pass of a two-pass backward, see ``dkdv_passes``)."""
+    refs, out_refs = refs[:len(refs) - len(want)], dict(zip(want, refs[len(refs) - len(want):]))
     if cfg.has_segments:
-        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
     else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
         bounds_ref = seg_q_ref = seg_k_ref = None
     block_q, block_k = cfg.dkdv.block_m, cfg.dkdv.block_n
     head_dim = k_ref.shape[-1]
@@ -395,10 +397,12 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int):
         if mask is not None:
             s_t = jnp.where(mask, s_t, MASK_VALUE)
         p_t = jnp.exp2(s_t - lse[None, :])
-        dv = dv + _dot_nn(p_t.astype(do.dtype), do)
-        dp_t = _dot_nt(v, do)  # [bk, bq]
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = dk + _dot_nn(ds_t.astype(q.dtype), q)
+        if "dv" in want:
+            dv = dv + _dot_nn(p_t.astype(do.dtype), do)
+        if "dk" in want:
+            dp_t = _dot_nt(v, do)  # [bk, bq]
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = dk + _dot_nn(ds_t.astype(q.dtype), q)
         return dk, dv
 
     def head(g, carry):
@@ -408,10 +412,19 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int):
             carry = lax.fori_loop(lo, hi, functools.partial(step, g=g, on_diagonal=on_diagonal), carry)
         return carry
 
-    zeros = jnp.zeros((block_k, head_dim), jnp.float32)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    dk_ref[...] = (dk * cfg.sm_scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    # An accumulator this pass does not compute is a [1, 1] placeholder, so it costs no registers.
+    shape = {name: (block_k, head_dim) if name in want else (1, 1) for name in ("dk", "dv")}
+    dk, dv = lax.fori_loop(0, group, head, tuple(jnp.zeros(shape[n], jnp.float32) for n in ("dk", "dv")))
+    if "dk" in want:
+        out_refs["dk"][...] = (dk * cfg.sm_scale).astype(out_refs["dk"].dtype)
+    if "dv" in want:
+        out_refs["dv"][...] = dv.astype(out_refs["dv"].dtype)
+
+
+def dkdv_passes(head_dim: int) -> int:
+    """2 at head_dim 256: dk and dv accumulators of a wgmma-sized kv tile ([64, 256] float32 each) do not fit the
+    registers together (ptxas spills), so one kernel computes dv and a second dk, recomputing S and P."""
+    return 2 if head_dim >= 256 else 1
 
 
 def row_dot(o, do):
@@ -478,17 +491,20 @@ def _backward(cfg: _Config, res, do):
         ] + dkdv_specs
         seg_args = [_tile_ranges(seg, cfg, cfg.dkdv, True), seg, seg]
     kv_block = pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, cfg=cfg, group=group),
-        grid=(sp // bk, b, kvh),
-        in_specs=dkdv_specs,
-        out_specs=[kv_block, kv_block],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compiler_params(cfg, cfg.dkdv),
-        interpret=cfg.interpret,
-        name="flash_attention_bwd_dkdv",
-    )(*seg_args, q, k, v, do, lse, delta)
-    return dq, dk, dv, None
+    grads = {}
+    for want in [("dk", "dv")] if dkdv_passes(d) == 1 else [("dv",), ("dk",)]:
+        outs = pl.pallas_call(
+            functools.partial(_dkdv_kernel, cfg=cfg, group=group, want=want),
+            grid=(sp // bk, b, kvh),
+            in_specs=dkdv_specs,
+            out_specs=[kv_block] * len(want),
+            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * len(want),
+            compiler_params=_compiler_params(cfg, cfg.dkdv),
+            interpret=cfg.interpret,
+            name="flash_attention_bwd_" + "".join(want),
+        )(*seg_args, q, k, v, do, lse, delta)
+        grads.update(zip(want, outs))
+    return dq, grads["dk"], grads["dv"], None
 
 
 def named_forward(forward, q, k, v, seg, cfg):

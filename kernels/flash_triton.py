@@ -35,117 +35,15 @@ globals, so they are bound there rather than in a closure.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import types
 
 import numpy as np
 
-from kernels.tiling import Launch, checked_block_sizes, resolve_launches, segment_tile_ranges
+from kernels.triton_plan import (  # noqa: F401 - the plan's names are part of this module's interface
+    SUPPORTED_HEAD_DIMS, BlockSizes, Plan, choose_splits, dkdv_passes, make_plan)
 
-LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
-TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs
-
-_TILE_FIELDS = ("block_m", "block_n", "block_m_bwd", "block_n_bwd", "block_m_dq", "block_n_dq", "block_m_dkdv",
-                "block_n_dkdv")
-_OVERRIDES = {
-    "fwd": (("block_m",), ("block_n",)),
-    "dq": (("block_m_dq", "block_m_bwd"), ("block_n_dq", "block_n_bwd")),
-    "dkdv": (("block_m_dkdv", "block_m_bwd"), ("block_n_dkdv", "block_n_bwd")),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
-
-    block_m/block_n: forward (query x key tile); block_m_bwd/block_n_bwd: both backward kernels; block_*_dq and
-    block_*_dkdv: one of them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA
-    group in dk/dv (None: as many as needed to fill the GPU; must divide heads // kv_heads).
-    """
-
-    block_m: int | None = None
-    block_n: int | None = None
-    block_m_bwd: int | None = None
-    block_n_bwd: int | None = None
-    block_m_dq: int | None = None
-    block_n_dq: int | None = None
-    block_m_dkdv: int | None = None
-    block_n_dkdv: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    dkdv_splits: int | None = None
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
-        return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "triton")
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Static description of one attention call: shapes, per-kernel launches and the constexprs of every kernel."""
-
-    batch: int
-    seq: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    causal: bool
-    sm_scale: float
-    has_segments: bool
-    dtype: str  # numpy dtype name of q/k/v
-    fwd_launch: Launch
-    dq_launch: Launch
-    dkdv_launch: Launch
-    splits: int  # dk/dv programs per GQA group
-
-    def _common(self, launch: Launch) -> dict:
-        bm, bn = launch.block_m, launch.block_n
-        return dict(
-            SEQ=self.seq, H=self.heads, KVH=self.kv_heads, HEAD_DIM=self.head_dim, BLOCK_M=bm, BLOCK_N=bn,
-            CAUSAL=self.causal, HAS_SEG=self.has_segments, EVEN=(self.seq % bm == 0 and self.seq % bn == 0),
-            QK_SCALE=self.sm_scale * LOG2E, SM_SCALE=self.sm_scale,
-            # float32 users get float32 matmuls; Triton's default for fp32 dots would be TF32.
-            INPUT_PRECISION="ieee" if self.dtype == "float32" else "tf32",
-        )
-
-    def forward(self):
-        """-> (grid, constexprs, launch) for ``_fwd_kernel``."""
-        launch = self.fwd_launch
-        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
-
-    def dq(self):
-        launch = self.dq_launch
-        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
-
-    def dkdv(self):
-        launch = self.dkdv_launch
-        meta = dict(self._common(launch), SPLITS=self.splits)
-        return (_cdiv(self.seq, launch.block_n), self.batch * self.kv_heads * self.splits), meta, launch
-
-    def tile_ranges(self, seg, kind: str):
-        """Document-mask tile ranges for kernel ``kind`` (int32 [B, tiles, 2]), numpy or jax like ``seg``."""
-        launch = getattr(self, f"{kind}_launch")
-        xp = np if isinstance(seg, np.ndarray) else None
-        if kind == "dkdv":
-            return segment_tile_ranges(seg, launch.block_n, launch.block_m, xp=xp)
-        return segment_tile_ranges(seg, launch.block_m, launch.block_n, xp=xp)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_n: int) -> int:
-    """Smallest divisor of ``group`` giving at least TARGET_PROGRAMS dk/dv programs (or ``group`` itself)."""
-    programs = _cdiv(seq, block_n) * batch * kv_heads
-    for splits in range(1, group + 1):
-        if group % splits == 0 and programs * splits >= TARGET_PROGRAMS:
-            return splits
-    return group
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -345,7 +243,7 @@ def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
 def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base, lo, hi,
                     SEQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr):
+                    INPUT_PRECISION: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
     # Transposed: rows are this program's keys, columns the visited queries.
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
@@ -374,10 +272,12 @@ def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delt
         if (not EVEN) or ON_DIAG or HAS_SEG:
             s_t = tl.where(valid, s_t, _TL_MASK_VALUE)
         p_t = tl.math.exp2(s_t - lse[None, :])
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=INPUT_PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=INPUT_PRECISION)
+        if WANT_DV:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=INPUT_PRECISION)
+        if WANT_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=INPUT_PRECISION)
     return dk, dv
 
 
@@ -385,7 +285,8 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
                      SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                      EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                     INPUT_PRECISION: tl.constexpr, SPLITS: tl.constexpr, WANT_DK: tl.constexpr,
+                     WANT_DV: tl.constexpr):
     # kv tile 0 sees the most query tiles under causal: the natural order already starts with the heaviest.
     start_n = tl.program_id(0) * BLOCK_N
     pid = tl.program_id(1)
@@ -433,21 +334,25 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
         # Unmasked tiles first, then the masked diagonal ones.
         dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
                              full_lo, hi, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, False, EVEN, QK_SCALE,
-                             INPUT_PRECISION)
+                             INPUT_PRECISION, WANT_DK, WANT_DV)
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
                                  diag_lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, True, EVEN, QK_SCALE,
-                                 INPUT_PRECISION)
+                                 INPUT_PRECISION, WANT_DK, WANT_DV)
     dk = dk * SM_SCALE
     if SPLITS > 1:  # float32 partial sums, one slab per split: [SPLITS, B, S, KVH, D]
         part = split.to(tl.int64) * (tl.num_programs(1) // SPLITS) * (SEQ * HEAD_DIM)
         kv_ptrs = kv_ptrs + part
-    if EVEN:
-        tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty))
-        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty))
-    else:
-        tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < SEQ)
-        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < SEQ)
+    if WANT_DK:
+        if EVEN:
+            tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty))
+        else:
+            tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < SEQ)
+    if WANT_DV:
+        if EVEN:
+            tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty))
+        else:
+            tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < SEQ)
 
 
 @functools.cache
@@ -497,16 +402,17 @@ def run_backward(launch, plan: Plan, q, k, v, seg, do, lse, delta):
     grid, meta, lp = plan.dq()
     (dq,) = launch(kern.dq, (q, k, v, seg, _ranges_arg(plan, seg, "dq"), do, lse, delta), [(q.shape, q.dtype)],
                    grid, meta, lp.num_warps, lp.num_stages)
-    grid, meta, lp = plan.dkdv()
     inputs = (q, k, v, seg, _ranges_arg(plan, seg, "dkdv"), do, lse, delta)
-    if plan.splits == 1:
-        dk, dv = launch(kern.dkdv, inputs, [(k.shape, k.dtype), (v.shape, v.dtype)], grid, meta, lp.num_warps,
-                        lp.num_stages)
-        return dq, dk, dv
-    parts = (plan.splits, *k.shape)
-    dk, dv = launch(kern.dkdv, inputs, [(parts, np.float32), (parts, np.float32)], grid, meta, lp.num_warps,
-                    lp.num_stages)
-    return dq, dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
+    # With splits, float32 partial sums [splits, B, S, KVH, D] that XLA adds up.
+    outs = [(k.shape, k.dtype)] * 2 if plan.splits == 1 else [((plan.splits, *k.shape), np.float32)] * 2
+    dk = dv = None
+    for grid, meta, lp in plan.dkdv():  # a pass leaves the output it does not compute unwritten
+        got = launch(kern.dkdv, inputs, outs, grid, meta, lp.num_warps, lp.num_stages)
+        dk = got[0] if meta["WANT_DK"] else dk
+        dv = got[1] if meta["WANT_DV"] else dv
+    if plan.splits > 1:
+        dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -569,24 +475,6 @@ def _custom_vjp():
 
 
 _attention = None
-
-
-def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
-              block_sizes: dict) -> Plan:
-    """The static plan of a call; raises ValueError on bad block sizes (names, values, dkdv_splits)."""
-    b, s, h, d = q_shape
-    sizes = BlockSizes.from_kwargs(block_sizes)
-    launches = resolve_launches(sizes, _OVERRIDES, dtype, d, s)
-    group = h // kv_heads
-    splits = sizes.dkdv_splits
-    if splits is None:
-        splits = choose_splits(b, s, kv_heads, group, launches["dkdv"].block_n)
-    elif not isinstance(splits, int) or splits < 1 or group % splits:
-        raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
-    scale = d**-0.5 if sm_scale is None else float(sm_scale)
-    return Plan(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
-                has_segments=has_segments, dtype=np.dtype(dtype).name, fwd_launch=launches["fwd"],
-                dq_launch=launches["dq"], dkdv_launch=launches["dkdv"], splits=splits)
 
 
 def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,

@@ -142,6 +142,8 @@ F32_CASES = [
     (1, 45, 8, 1, 128, False, "scattered", SMALL_BLOCKS, None),  # GQA 8 with segments
     (1, 300, 2, 2, 64, True, "packed", dict(block_q=64, block_k=32, block_q_bwd=32, block_k_bwd=64), None),
     (2, 1, 2, 2, 64, True, None, SMALL_BLOCKS, None),  # a single token
+    (1, 50, 4, 2, 256, True, "packed", SMALL_BLOCKS, None),  # head_dim 256: dk and dv in two passes
+    (1, 64, 4, 4, 32, True, None, {}, None),  # the default tiles (clamped to the sequence)
 ]
 
 
@@ -489,6 +491,8 @@ TRITON_CASES = [
                                                      block_m_dkdv=16, block_n_dkdv=32, dkdv_splits=1)),
     ("float32", 2, 80, 8, 2, 32, False, "packed", dict(block_m=16, block_n=32, block_m_dq=16, block_n_dq=16,
                                                       block_m_dkdv=32, block_n_dkdv=16, dkdv_splits=2)),
+    # head_dim 256: dk and dv in two passes
+    ("float32", 1, 40, 4, 2, 256, True, "packed", dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=32)),
 ]
 TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in TRITON_CASES]
 

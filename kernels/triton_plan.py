@@ -1,0 +1,142 @@
+"""Launch planning of the Triton-language flash kernels (``kernels.flash_triton``): per-kernel tiles, warps and
+stages, constexprs, grids, the GQA split of dk/dv and the dk/dv passes. Pure Python: no Triton needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from kernels.tiling import Launch, checked_block_sizes, resolve_launches, segment_tile_ranges
+
+LOG2E = math.log2(math.e)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
+TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs
+
+_TILE_FIELDS = ("block_m", "block_n", "block_m_bwd", "block_n_bwd", "block_m_dq", "block_n_dq", "block_m_dkdv",
+                "block_n_dkdv")
+_OVERRIDES = {
+    "fwd": (("block_m",), ("block_n",)),
+    "dq": (("block_m_dq", "block_m_bwd"), ("block_n_dq", "block_n_bwd")),
+    "dkdv": (("block_m_dkdv", "block_m_bwd"), ("block_n_dkdv", "block_n_bwd")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
+
+    block_m/block_n: forward (query x key tile); block_m_bwd/block_n_bwd: both backward kernels; block_*_dq and
+    block_*_dkdv: one of them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA
+    group in dk/dv (None: as many as needed to fill the GPU; must divide heads // kv_heads).
+    """
+
+    block_m: int | None = None
+    block_n: int | None = None
+    block_m_bwd: int | None = None
+    block_n_bwd: int | None = None
+    block_m_dq: int | None = None
+    block_n_dq: int | None = None
+    block_m_dkdv: int | None = None
+    block_n_dkdv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    dkdv_splits: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
+        return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static description of one attention call: shapes, per-kernel launches and the constexprs of every kernel."""
+
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    sm_scale: float
+    has_segments: bool
+    dtype: str  # numpy dtype name of q/k/v
+    fwd_launch: Launch
+    dq_launch: Launch
+    dkdv_launch: Launch
+    splits: int  # dk/dv programs per GQA group
+
+    def _common(self, launch: Launch) -> dict:
+        bm, bn = launch.block_m, launch.block_n
+        return dict(
+            SEQ=self.seq, H=self.heads, KVH=self.kv_heads, HEAD_DIM=self.head_dim, BLOCK_M=bm, BLOCK_N=bn,
+            CAUSAL=self.causal, HAS_SEG=self.has_segments, EVEN=(self.seq % bm == 0 and self.seq % bn == 0),
+            QK_SCALE=self.sm_scale * LOG2E, SM_SCALE=self.sm_scale,
+            # float32 users get float32 matmuls; Triton's default for fp32 dots would be TF32.
+            INPUT_PRECISION="ieee" if self.dtype == "float32" else "tf32",
+        )
+
+    def forward(self):
+        """-> (grid, constexprs, launch) for ``_fwd_kernel``."""
+        launch = self.fwd_launch
+        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
+
+    def dq(self):
+        launch = self.dq_launch
+        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
+
+    def dkdv(self):
+        """-> [(grid, constexprs, launch)], one launch computing dk and dv, or one for each (see dkdv_passes)."""
+        launch = self.dkdv_launch
+        grid = (_cdiv(self.seq, launch.block_n), self.batch * self.kv_heads * self.splits)
+        meta = dict(self._common(launch), SPLITS=self.splits)
+        if dkdv_passes(self.head_dim) == 1:
+            return [(grid, dict(meta, WANT_DK=True, WANT_DV=True), launch)]
+        return [(grid, dict(meta, WANT_DK=False, WANT_DV=True), launch),
+                (grid, dict(meta, WANT_DK=True, WANT_DV=False), launch)]
+
+    def tile_ranges(self, seg, kind: str):
+        """Document-mask tile ranges for kernel ``kind`` (int32 [B, tiles, 2]), numpy or jax like ``seg``."""
+        launch = getattr(self, f"{kind}_launch")
+        xp = np if isinstance(seg, np.ndarray) else None
+        if kind == "dkdv":
+            return segment_tile_ranges(seg, launch.block_n, launch.block_m, xp=xp)
+        return segment_tile_ranges(seg, launch.block_m, launch.block_n, xp=xp)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dkdv_passes(head_dim: int) -> int:
+    """2 at head_dim 256: dk and dv accumulators of a wgmma-sized kv tile ([64, 256] float32 each) do not fit the
+    registers together (ptxas spills), so one launch computes dv and a second dk, recomputing S and P."""
+    return 2 if head_dim >= 256 else 1
+
+
+def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_n: int) -> int:
+    """Smallest divisor of ``group`` giving at least TARGET_PROGRAMS dk/dv programs (or ``group`` itself)."""
+    programs = _cdiv(seq, block_n) * batch * kv_heads
+    for splits in range(1, group + 1):
+        if group % splits == 0 and programs * splits >= TARGET_PROGRAMS:
+            return splits
+    return group
+
+
+def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
+              block_sizes: dict) -> Plan:
+    """The static plan of a call; raises ValueError on bad block sizes (names, values, dkdv_splits)."""
+    b, s, h, d = q_shape
+    sizes = BlockSizes.from_kwargs(block_sizes)
+    launches = resolve_launches(sizes, _OVERRIDES, dtype, d, s)
+    group = h // kv_heads
+    splits = sizes.dkdv_splits
+    if splits is None:
+        splits = choose_splits(b, s, kv_heads, group, launches["dkdv"].block_n)
+    elif not isinstance(splits, int) or splits < 1 or group % splits:
+        raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
+    scale = d**-0.5 if sm_scale is None else float(sm_scale)
+    return Plan(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
+                has_segments=has_segments, dtype=np.dtype(dtype).name, fwd_launch=launches["fwd"],
+                dq_launch=launches["dq"], dkdv_launch=launches["dkdv"], splits=splits)
