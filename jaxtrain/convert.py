@@ -279,10 +279,9 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     shapes = _leaf_shapes(abstract)
     dtypes = {_name(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     maps = hf.tensor_maps(cfg.model)
-    # HF order within a layer, layer after layer, as save_pretrained writes them.
-    order = [(tm, None) for tm in maps if not tm.layered and tm.path[0] == "embed"]
-    order += [(tm, i) for i in range(cfg.model.n_layers) for tm in maps if tm.layered]
-    order += [(tm, None) for tm in maps if not tm.layered and tm.path[0] != "embed"]
+    # Parameter by parameter (all layers of q, then of k, ...): each parameter is restored from the checkpoint once.
+    # The index maps names to files, so readers do not depend on the order.
+    order = [(tm, i) for tm in maps for i in (range(cfg.model.n_layers) if tm.layered else [None])]
     sizes = {}
     for tm, i in order:
         shape = shapes[tm.path][1:] if tm.layered else shapes[tm.path]
