@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import prometheus_client as prom
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxtrain import hardware
@@ -65,6 +64,8 @@ class PrometheusMetrics:
     """
 
     def __init__(self, run: str, process: int, host: str):
+        import prometheus_client as prom  # only when the endpoint is on: an image without it still trains
+
         self.registry = prom.CollectorRegistry()
         prom.ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes...
         self.base = {"run": run, "process": str(process), "host": host}
@@ -121,6 +122,8 @@ class PrometheusMetrics:
 
     def serve(self, address: str, port: int):
         """Start the HTTP server (a daemon thread); returns it (``server_port`` is the port it bound)."""
+        import prometheus_client as prom
+
         server, _ = prom.start_http_server(port, addr=address, registry=self.registry)
         return server
 
@@ -326,6 +329,10 @@ def _bytes_per_device(tree) -> int:
     return total
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def is_out_of_memory(e: BaseException) -> bool:
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
@@ -465,8 +472,7 @@ class Observer:
         if mem is not None:
             split["temporaries"] = mem.temp_size_in_bytes
         log_info(f"out of device memory: memory profile written to {path} (view: pprof -http=: {path}); per "
-                 f"device on mesh {self.ts.shape.label}: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
-                                                                         for k, v in split.items()))
+                 f"device on mesh {self.ts.shape.label}: " + ", ".join(f"{k} {_size(v)}" for k, v in split.items()))
         return path
 
     def close(self) -> None:
