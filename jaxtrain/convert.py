@@ -221,10 +221,9 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
 
         def read(index):
             if not tm.layered:
-                return hf.read_block(tm, tensors.slice(tm.name(None)), per_layer, index).astype(leaf.dtype)
+                return tensors.read(tm, None, per_layer, index).astype(leaf.dtype)
             lo, hi = hf._bounds(index[0], leaf.shape[0])
-            return np.stack([hf.read_block(tm, tensors.slice(tm.name(i)), per_layer, index[1:]).astype(leaf.dtype)
-                             for i in range(lo, hi)])
+            return np.stack([tensors.read(tm, i, per_layer, index[1:]).astype(leaf.dtype) for i in range(lo, hi)])
 
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, read)
 

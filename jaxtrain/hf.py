@@ -289,14 +289,13 @@ class SafetensorsDir:
                         self.dtypes[key] = sl.get_dtype()
             except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
                 raise ConfigError(f"{path} is not a readable safetensors file: {' '.join(str(e).split())}") from None
-        self._handles: dict[str, object] = {}
 
-    def slice(self, name: str):
-        """A lazily read view of tensor ``name``: index it with slices to read that part (numpy array)."""
-        path = self.where[name]
-        if path not in self._handles:
-            self._handles[path] = self._open(path, framework="numpy").__enter__()
-        return self._handles[path].get_slice(name)
+    def read(self, tm: "TensorMap", layer: int | None, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """:func:`read_block` of ``tm``'s tensor for ``layer``. The file is mapped only while it is read, so its
+        pages leave this process's resident memory once the block is copied out."""
+        name = tm.name(layer)
+        with self._open(self.where[name], framework="numpy") as f:
+            return read_block(tm, f.get_slice(name), shape, index)
 
 
 def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], shapes: dict[tuple[str, ...], tuple[int, ...]],
