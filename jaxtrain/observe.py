@@ -52,6 +52,12 @@ def exchange_hosts(timeout_s: int = 120) -> list[str]:
     if jax.process_count() == 1:
         return [node_name()]
     client = _kv_client()
+    if client is None:  # JAX moved its client: fall back to a (one-off) device all-gather
+        from jax.experimental import multihost_utils
+
+        name = np.frombuffer(node_name().encode()[:64].ljust(64, b"\0"), np.uint8)
+        names = np.asarray(multihost_utils.process_allgather(name)).reshape(jax.process_count(), 64)
+        return [bytes(n).rstrip(b"\0").decode() for n in names]
     client.key_value_set(f"{KV_PREFIX}/host/{jax.process_index()}", node_name())
     return [client.blocking_key_value_get(f"{KV_PREFIX}/host/{p}", timeout_s * 1000)
             for p in range(jax.process_count())]
@@ -154,7 +160,7 @@ class StragglerWatch:
         return self.device[step]
 
     def maybe_exchange(self, step: int) -> None:
-        if not self.every or step % self.every or jax.process_count() == 1:
+        if not self.every or step % self.every or jax.process_count() == 1 or _kv_client() is None:
             return
         window = sorted(self.host)
         mine = {"host": statistics.median(self.host.values()), "data": statistics.median(self.data.values()),
@@ -210,7 +216,9 @@ class CollectiveProbe:
         self.every, self.fraction, self.metrics, self.hosts = o.collective_probe_every, o.min_bandwidth_fraction, \
             metrics, hosts
         gpu = mesh.devices.flat[0].platform != "cpu"
-        size = int((o.probe_mb or (64 if gpu else 1)) * 2**20)
+        # GPUs: large enough for the bus bandwidth to near its plateau (check measures up to 1 GiB), small
+        # enough that its buffers (input and output, kept) cost 0.5 GiB per device.
+        size = int((o.probe_mb or (256 if gpu else 1)) * 2**20)
         device_kind = mesh.devices.flat[0].device_kind
         hw = hardware.load_hardware(o.hardware) if o.hardware else hardware.for_device_kind(device_kind)
         self.axes = {}
@@ -280,7 +288,8 @@ class Profiler:
     def __init__(self, run_dir: str, o):
         self.dir = os.path.join(run_dir, "profile", f"process_{jax.process_index()}")
         mine = o.profile_processes is None or jax.process_index() in o.profile_processes
-        self.window = tuple(o.profile_steps) if o.profile_steps and mine else None
+        self.configured = tuple(o.profile_steps) if o.profile_steps and mine else None
+        self.window = self.configured
         self.signal_steps, self._signalled, self.active, self._old = o.signal_profile_steps, False, False, None
         self.written: list[str] = []
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -307,7 +316,8 @@ class Profiler:
 
     def _stop(self, what: str) -> None:
         jax.profiler.stop_trace()
-        self.active, self.window = False, None
+        self.active = False
+        self.window = self.configured if self.configured and self.configured[0] > self.window[1] else None
         self.written.append(self.dir)
         log_info(f"profile of {what} written to {self.dir}; view: tensorboard --logdir {os.path.dirname(self.dir)}"
                  f" (profile tab), xprof --logdir {os.path.dirname(self.dir)}, or perfetto_trace.json.gz in "

@@ -26,7 +26,7 @@ class ObserveConfig:
     # Every N steps a small all-reduce per mesh axis measures its bus bandwidth against the link's expected rate
     # (from `hardware`, else the shipped hardware file of these devices); below min_bandwidth_fraction it warns.
     collective_probe_every: int = 0  # 0: off
-    probe_mb: float | None = None  # message per device; None: 1 MiB on CPU, 64 MiB on GPUs
+    probe_mb: float | None = None  # message per device; None: 1 MiB on CPU, 256 MiB on GPUs
     min_bandwidth_fraction: float = 0.7
     hardware: str | None = None  # hardware file (name or path) with the link rates; None: matched by device kind
     # A jax.profiler trace of steps [START, END] into run.dir/profile/process_<i>, on the processes listed in
