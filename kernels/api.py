@@ -116,7 +116,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale:
         num_warps, num_stages, dkdv_splits. Tiles are powers of two >= 16 and are clamped to the sequence.
 
     Returns:
-      [batch, seq, heads, head_dim] in q's dtype. Softmax statistics and accumulators are float32.
+      [batch, seq, heads, head_dim] in q's dtype. Softmax statistics and accumulators are float32. Under
+      ``jax.checkpoint`` the output and the log-sum-exp carry the checkpoint names "attn_out" and "attn_lse"
+      (``flash_pallas.CHECKPOINT_NAMES``): a policy saving them (``save_only_these_names`` or combined with
+      another policy) keeps the backward from rerunning the forward kernel.
 
     Raises:
       ValueError: a bad argument (rank, shapes, head_dim, dtype, impl, block sizes), before any launch.

@@ -200,6 +200,36 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
 
 
+def tile_skip_report(seq: int, head_dims=(64, 128)) -> list[dict]:
+    """Document masking on the embedded corpus: how many causal tiles each kernel computes at ``seq`` when tiles
+    whose query and key documents differ are skipped. Windows and segment ids as jaxtrain's training makes them
+    (byte-level, NUL-separated documents; a segment ends with its NUL); tiles are the bfloat16 defaults."""
+    from jaxtrain.data import EOS, embedded_corpus
+    from kernels import tiling
+
+    tokens = np.frombuffer(embedded_corpus(), np.uint8).astype(np.int32)
+    n = (len(tokens) - 1) // seq
+    inputs = np.stack([tokens[i * seq: i * seq + seq] for i in range(n)])  # Windows(seq)[i][:-1]
+    is_eos = (inputs == EOS).astype(np.int32)
+    segments = np.cumsum(is_eos, axis=1) - is_eos  # as train.py: the token after an eos starts a new segment
+    doc_lengths = np.diff(np.flatnonzero(np.concatenate([[1], tokens == EOS, [1]])))
+    print(f"embedded corpus: {len(tokens)} tokens, {len(doc_lengths)} documents (median length "
+          f"{int(np.median(doc_lengths))}, mean {doc_lengths.mean():.0f}), {n} windows of {seq}")
+    rows = []
+    for d in head_dims:
+        for kind in tiling.KINDS:
+            launch = tiling.default_launch(kind, jnp.bfloat16, d)
+            computed, causal_tiles, all_tiles = tiling.tiles_computed(segments, launch.block_m, launch.block_n,
+                                                                      causal=True)
+            rows.append(dict(head_dim=d, kernel=kind, tiles=f"{launch.block_m}x{launch.block_n}",
+                             computed=computed, causal_tiles=causal_tiles,
+                             fraction_of_causal=computed / causal_tiles, fraction_of_all=computed / all_tiles))
+            print(f"  d={d:<4} {kind:<5} tiles {launch.block_m}x{launch.block_n}: {computed} of {causal_tiles} "
+                  f"causal tiles computed ({100 * computed / causal_tiles:.1f}%; {100 * computed / all_tiles:.1f}% "
+                  "of all tiles)")
+    return rows
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench_out", help="directory for flash_attention_bench.{md,csv}")
@@ -216,11 +246,17 @@ def parse_args(argv):
                    help="compare gradients with the float32 reference up to this seq (its S x S memory grows)")
     p.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds; rows not started when it is spent are recorded as skipped")
+    p.add_argument("--tile-skip", type=int, default=None, metavar="SEQ",
+                   help="only report the document-mask tile skipping on the embedded corpus at this seq (no GPU)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.tile_skip is not None:
+        if args.tile_skip < 1:
+            raise SystemExit(f"kernels.bench: --tile-skip {args.tile_skip} must be a positive sequence length")
+        return tile_skip_report(args.tile_skip)
     gpu = _has_gpu()
     if not gpu and not args.smoke:
         raise SystemExit("kernels.bench: no GPU visible to JAX (backend: "

@@ -11,7 +11,8 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: f
 
     Args:
       q: [batch, seq, heads, head_dim].
-      k, v: [batch, seq, kv_heads, head_dim]; kv_heads divides heads. Query head h reads kv head h // (heads // kv_heads).
+      k, v: [batch, seq, kv_heads, head_dim]; kv_heads divides heads. Query head h reads kv head
+        h // (heads // kv_heads).
       causal: mask keys after the query position.
       segment_ids: optional int [batch, seq]; a token attends only to tokens with the same id (packed sequences).
       sm_scale: softmax scale, default 1/sqrt(head_dim).

@@ -293,6 +293,18 @@ def test_document_mask_skips_tiles_of_other_documents(causal):
         assert rel_err(got, ref) < 1e-5
 
 
+def test_tile_skip_report_on_the_embedded_corpus():
+    """python -m kernels.bench --tile-skip 4096: every kernel computes some but not all causal tiles (the corpus's
+    documents are shorter than the window), and no more than the causal tiles."""
+    from kernels import bench
+
+    rows = bench.main(["--tile-skip", "4096"])
+    assert {r["kernel"] for r in rows} == set(tiling.KINDS)
+    for r in rows:
+        assert 0 < r["computed"] < r["causal_tiles"]
+        assert r["fraction_of_all"] < r["fraction_of_causal"] < 1
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Remat: the forward's results are saved under their checkpoint names
 # ----------------------------------------------------------------------------------------------------------------
@@ -647,6 +659,9 @@ GPU_CASES = [
     ("pallas", jnp.bfloat16, 1, 1024, 8, 1, 64, False, None, 1e-2),
     ("triton", jnp.float32, 2, 300, 8, 2, 128, True, "packed", 1e-5),
     ("triton", jnp.bfloat16, 1, 1000, 8, 8, 64, True, "scattered", 1e-2),
+    ("triton", jnp.bfloat16, 2, 2000, 16, 2, 128, True, "packed", 1e-2),  # GQA 8: dk/dv split over the group
+    ("pallas", jnp.bfloat16, 1, 777, 4, 2, 256, True, "packed", 1e-2),  # head_dim 256: dk and dv in two passes
+    ("triton", jnp.float32, 1, 513, 4, 4, 256, False, None, 1e-5),
 ]
 
 
