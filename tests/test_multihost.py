@@ -250,7 +250,7 @@ def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "low.out"
     small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=64",
              "data.seq_len=32", "train.global_batch=4", "train.eval_every=0", "checkpoint.every=100000"]
-    steps = 3000
+    steps = 30000  # far more than run before the preemption arrives (~2 ms per step here)
     submit, job = sbatch(slurm | {"JAXTRAIN_CHECK": "0"}, "-p", "low", "-N1", f"--output={out}",
                          os.path.join(REPO, "launch/slurm.sbatch"), "train", f"run.dir={run_dir}",
                          f"train.steps={steps}", "runtime.cpu_devices=1", *small, wait=False)
@@ -263,7 +263,7 @@ def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
                      "--wrap", "sleep 1", timeout=600)
     assert high.returncode == 0, high.stderr
     deadline = time.time() + 900
-    while time.time() < deadline and "JobState=COMPLETED" not in job_state(slurm, job):
+    while time.time() < deadline and not re.search(r"JobState=(COMPLETED|FAILED|CANCELLED)", job_state(slurm, job)):
         time.sleep(2)
     state, log = job_state(slurm, job), out.read_text()
     assert "JobState=COMPLETED" in state and "Restarts=1" in state, state + log[-3000:]
@@ -319,3 +319,32 @@ def test_health_check_names_nodes_with_pairwise_sub_checks(tmp_path):
         line = next(x for x in out.splitlines() if x.startswith(f"check: all-reduce between node {i} (gpu{i:03d})"))
         assert f"with {min(left, right)}:" in line and f"with {max(left, right)}:" in line and line.count("(bad)") == 2
         assert out.splitlines().count(f"check: exclude hosts: gpu{i:03d}") == 1
+
+
+@pytest.mark.slow
+def test_real_slurm_excludes_the_node_the_health_check_names(slurm, tmp_path):
+    """The check step fails on a node (here: a hardware file whose peak this CPU cannot reach); the job is requeued
+    and held, a helper job adds the node to its ExcNodeList (Slurm refuses that while the job runs) and releases
+    it; it then waits for other nodes (this cluster has none)."""
+    hw = tmp_path / "fast.yaml"
+    hw.write_text("name: fast\ndevice_kind: cpu\npeak_flops: 1.0e+15\nhbm_bytes: 1.0e+9\nhbm_bandwidth: 1.0e+10\n"
+                  "devices_per_node: 1\nintra_node_bandwidth: 1.0e+9\ninter_node_bandwidth: 1.0e+9\n"
+                  "compute_efficiency: 0.5\n")
+    out = tmp_path / "job.out"
+    submit, job = sbatch(slurm, "-N1", f"--output={out}", os.path.join(REPO, "launch/slurm.sbatch"), "train",
+                         f"run.dir={tmp_path / 'run'}", "runtime.cpu_devices=1", f"check.hardware={hw}",
+                         "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256", wait=False)
+    assert submit.returncode == 0, submit.stderr
+    node = socket.gethostname().split(".")[0]
+    deadline = time.time() + 300
+    while time.time() < deadline and not re.search(rf"ExcNodeList={node}\b.*", job_state(slurm, job)):
+        time.sleep(2)
+    time.sleep(5)  # the helper releases the job right after updating it
+    state, log = job_state(slurm, job), out.read_text()
+    try:
+        assert f"ExcNodeList={node}" in state and "Restarts=1" in state, state + log[-3000:]
+        assert "JobState=PENDING" in state and "JobHeldUser" not in state, state  # released, waiting for nodes
+        assert f"jaxtrain: health check failed on {node} (sbatch --exclude={node})" in log
+        assert "requeueing job" in log and not (tmp_path / "run" / "metrics.jsonl").exists()  # no training ran
+    finally:
+        subprocess.run(["scancel", job], env=slurm, timeout=60)
