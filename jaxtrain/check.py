@@ -193,7 +193,7 @@ def attribute(op: str, size_bytes: int, iters: int, bound_gbps: float, crosses_h
         if jax.device_count() // len(nodes) < 2:
             return False, "one device per node: nothing to split"
         flag, m = bad([nodes[me]], "local")
-        return flag, (f"{op} inside node {node_name()}: {m.busbw:.2f} GB/s, values {'ok' if m.correct else 'WRONG'}"
+        return flag, (f"{op} inside node {node_name()}: {m.busbw:.3g} GB/s, values {'ok' if m.correct else 'WRONG'}"
                       f"{' (bad)' if flag else ''}")
     if len(nodes) < 2:
         return False, "a single node"
@@ -203,7 +203,7 @@ def attribute(op: str, size_bytes: int, iters: int, bound_gbps: float, crosses_h
         if me in (a, b):
             flag, m = bad([nodes[a], nodes[b]], "node")
             mine.append((b if a == me else a, flag, m))
-    words = "; ".join(f"with {other}: {m.busbw:.2f} GB/s, values {'ok' if m.correct else 'WRONG'}"
+    words = "; ".join(f"with {other}: {m.busbw:.3g} GB/s, values {'ok' if m.correct else 'WRONG'}"
                       f"{' (bad)' if flag else ''}" for other, flag, m in mine)
     return all(flag for _, flag, _ in mine), f"{op} between node {me} ({node_name()}) and its neighbours: {words}"
 
@@ -267,14 +267,14 @@ def run(cfg: Config) -> list[str]:
             m, wrong = None, False
             for nbytes in sizes:
                 m = measure_collective(mesh, axis, op, nbytes, c.iters)
-                say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.2f} | "
-                    f"{m.busbw:.2f} | {'ok' if m.correct else 'WRONG'} |")
+                say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.3g} | "
+                    f"{m.busbw:.3g} | {'ok' if m.correct else 'WRONG'} |")
                 if not m.correct:
                     wrong = True
                     failures.append(f"axis {axis}: {op} of {m.size_bytes} bytes returned wrong values")
             slow = bool(bound) and m.busbw < bound
             if slow:
-                failures.append(f"axis {axis}: {op} bus bandwidth {m.busbw:.2f} GB/s at {m.size_bytes / 2**20:.2f} "
+                failures.append(f"axis {axis}: {op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} "
                                 f"MiB is below {bound:.2f} GB/s ({why})")
             if _any_process(wrong or slow):  # all processes agree before the sub-checks, which they all join
                 guilty, evidence = attribute(op, sizes[-1], c.iters, bound, crosses_hosts)

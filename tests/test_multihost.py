@@ -292,7 +292,7 @@ def test_health_check_bounds_from_a_hardware_file(tmp_path):
     assert "check.min_link_fraction=0.5 of slow-cpu's intra-node link" in proc.stderr
     node = socket.gethostname().split(".")[0]
     assert f"check: exclude hosts: {node}" in proc.stdout.splitlines()
-    assert re.search(r"check: all-reduce inside node \S+: [\d.]+ GB/s, values ok \(bad\)", proc.stdout)
+    assert re.search(r"check: all-reduce inside node \S+: [\d.e+-]+ GB/s, values ok \(bad\)", proc.stdout)
     # A named hardware file must describe the devices at hand.
     wrong = run_cli("check", *args, "check.hardware=h100-8x")
     assert wrong.returncode == 2
