@@ -9,10 +9,11 @@ that was interrupted is never seen as a step. Restoring reads each array straigh
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -34,6 +35,8 @@ class RestoreSource:
     kind: str  # "fresh" | "resume" | "params"
     directory: str | None = None
     step: int | None = None
+    # checkpoint.resume=auto: the older steps, newest first, to fall back on if ``step`` turns out damaged when read.
+    older: tuple[int, ...] = ()
 
 
 def checkpoint_dir(cfg: Config) -> str:
@@ -86,7 +89,7 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
                               "or checkpoint.dir (existing checkpoints are never overwritten)")
     elif c.resume == "auto":
         if own_steps:
-            source = RestoreSource("resume", own, own_steps[-1])
+            source = RestoreSource("resume", own, own_steps[-1], tuple(reversed(own_steps[:-1])))
     elif c.resume.isdigit():
         step = int(c.resume)
         if step not in own_steps:
@@ -107,13 +110,77 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
         if step not in steps:
             raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: {steps or 'none'}")
         source = RestoreSource("params", directory, step)
+    if source.kind != "fresh":
+        source = _first_readable(source, _target(source, abstract_state))
     if source.kind == "resume" and source.step > cfg.train.steps:
         raise ConfigError(f"the checkpoint to resume is at step {source.step}, beyond train.steps={cfg.train.steps}; "
                           f"raise train.steps or set checkpoint.resume")
-    if source.kind != "fresh":
-        target = abstract_state if source.kind == "resume" else {"model": abstract_state["model"]}
-        _check_shapes(source, target)
     return source
+
+
+def _target(source: RestoreSource, abstract_state: Any) -> Any:
+    return abstract_state if source.kind == "resume" else {"model": abstract_state["model"]}
+
+
+def _damaged(source: RestoreSource, step: int, damage: str, tried: list[str]) -> None:
+    """Report a damaged step: exit 2 (ConfigError) when it was asked for by name, else one warning line."""
+    where = f"{source.directory}/{step}"
+    tried.append(f"{step} ({damage})")
+    if not (source.kind == "resume" and (source.older or len(tried) > 1)):
+        what = "checkpoint.init_from" if source.kind == "params" else "the checkpoint to resume"
+        raise ConfigError(f"{what} {where} is damaged: {damage}; name another step, or move it aside")
+    from jaxtrain.metrics import log_info
+
+    log_info(f"warning: skipping damaged checkpoint {where}: {damage}")
+
+
+def _none_readable(source: RestoreSource, tried: list[str]) -> ConfigError:
+    return ConfigError(f"no checkpoint in {source.directory} can be restored: {'; '.join(tried)}. Move them aside "
+                       "(nothing was deleted) or resume from another directory")
+
+
+def _first_readable(source: RestoreSource, target: Any) -> RestoreSource:
+    """``source``, or under resume=auto the newest step whose metadata reads, warning once per damaged newer step.
+    A checkpoint of another model shape is a ConfigError, not damage."""
+    tried: list[str] = []
+    candidates = (source.step, *source.older)
+    for i, step in enumerate(candidates):
+        damage = _metadata_damage(source.directory, step)
+        if damage is None:
+            _check_shapes(replace(source, step=step), target)
+            return replace(source, step=step, older=candidates[i + 1:])
+        _damaged(source, step, damage, tried)
+    raise _none_readable(source, tried)
+
+
+def _metadata_damage(directory: str, step: int) -> str | None:
+    """What is wrong with the metadata of step ``directory/step`` (read without any array), or None."""
+    path = os.path.join(directory, str(step))
+    if not os.listdir(path):
+        return "the step directory is empty"
+    for rel in ("state/_METADATA", "meta/metadata"):
+        if not os.path.isfile(os.path.join(path, rel)):
+            return f"{rel} is missing"
+    try:
+        with open(os.path.join(path, "meta", "metadata"), "rb") as f:
+            if not isinstance(json.loads(f.read().decode("utf-8")), dict):
+                return "meta/metadata is not a JSON object"
+    except (ValueError, OSError) as e:
+        return f"meta/metadata cannot be read: {_reason(e)}"
+    try:
+        _saved_tree(path)
+    except Exception as e:  # Orbax raises whatever its JSON and TensorStore readers raise
+        return f"state/_METADATA cannot be read: {_reason(e)}"
+    return None
+
+
+def _saved_tree(step_path: str) -> Any:
+    """The array metadata tree of a step's ``state`` item (no array is read)."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.metadata(epath.Path(step_path) / "state").tree
+    finally:
+        handler.close()  # its background event loop, else it complains at exit
 
 
 def _leaf_name(path) -> str:
@@ -122,7 +189,7 @@ def _leaf_name(path) -> str:
 
 
 def _check_shapes(source: RestoreSource, target: Any) -> None:
-    saved = ocp.PyTreeCheckpointHandler().metadata(epath.Path(source.directory) / str(source.step) / "state").tree
+    saved = _saved_tree(os.path.join(source.directory, str(source.step)))
     saved_shapes = {_leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = _leaf_name(path)
@@ -135,23 +202,96 @@ def _check_shapes(source: RestoreSource, target: Any) -> None:
 
 
 def restore(source: RestoreSource, abstract_state: Any, fresh_state):
-    """(state, step, data iterator state or None). ``fresh_state()`` makes a new state where the source needs one."""
+    """(state, step, data iterator state or None). ``fresh_state()`` makes a new state where the source needs one.
+
+    A step whose arrays cannot be read (a truncated or overwritten file) is damage: under resume=auto the next older
+    step is tried (all processes agree on the outcome of each try), else ConfigError naming the damage.
+    """
     if source.kind == "fresh":
         return fresh_state(), 0, None
+    tried: list[str] = []
+    target = _target(source, abstract_state)
+    for i, step in enumerate((source.step, *source.older)):
+        if i:  # an older fallback: its metadata has not been looked at yet
+            damage = _metadata_damage(source.directory, step)
+            if damage is not None:
+                _damaged(source, step, damage, tried)
+                continue
+            _check_shapes(replace(source, step=step), target)
+        try:
+            out, error = _restore_step(source, step, abstract_state, fresh_state), None
+        except Exception as e:  # TensorStore/Orbax raise plain Exception, ValueError, OSError, JSONDecodeError
+            out, error = None, e
+        if _everyone_ok(error is None):
+            return out
+        _damaged(source, step, "its arrays do not restore: " + (_reason(error) if error else "on another process"), tried)
+    raise _none_readable(source, tried)
+
+
+def _restore_step(source: RestoreSource, step: int, abstract_state: Any, fresh_state):
     manager = _manager(source.directory, read_only=True, partial=source.kind == "params")
+    try:
+        return _read_step(manager, source, step, abstract_state, fresh_state)
+    finally:
+        manager.close()
+
+
+def _read_step(manager, source: RestoreSource, step: int, abstract_state: Any, fresh_state):
     if source.kind == "resume":
-        out = manager.restore(source.step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                                 meta=ocp.args.JsonRestore()))
-        return out["state"], source.step, out["meta"]["data_iterator"]
+        out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                          meta=ocp.args.JsonRestore()))
+        _verify(out["state"], out["meta"])
+        return out["state"], step, out["meta"]["data_iterator"]
     # Parameters only: read the model subtree, keep the fresh optimizer state.
-    state = fresh_state()
     # restore_args carry the target shardings: without them Orbax restores onto the mesh that saved the
     # checkpoint (e.g. an import sharded fsdp=8), which the train step compiled for this mesh then rejects.
     item = {"model": abstract_state["model"]}
-    out = manager.restore(source.step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True),
+        meta=ocp.args.JsonRestore()))
+    _verify({"model": out["state"]["model"]}, out["meta"])
+    state = fresh_state()
     state["model"] = out["state"]["model"]
     return state, 0, None
+
+
+def _verify(state: Any, meta: dict) -> None:
+    """ValueError when restored values differ from the fingerprint saved with them (checkpoints written before
+    fingerprints existed, or by ``convert``, have none to compare)."""
+    saved = (meta or {}).get("fingerprint")
+    if not saved:
+        return
+    _, sums = fingerprint(state)
+    bad = [name for name, value in sums.items() if name in saved and saved[name] != value]
+    if bad:
+        raise ValueError(f"{len(bad)} array(s) hold other values than were saved (checksum mismatch), e.g. {bad[0]}")
+
+
+def _everyone_ok(ok: bool) -> bool:
+    """True when ``ok`` on every process: a damaged shard may be read by one process only, and all must move on to
+    the same older step together."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
+    """After a resume=auto restore of ``restored_step``: rename every newer step (each one found damaged) to
+    ``<step>.damaged`` so that a later save of that step number cannot meet or mix with its files, and nothing is
+    deleted (Orbax ignores such names). Process 0 only. Returns the new names."""
+    moved = []
+    for step in _existing_steps(directory):
+        if step > restored_step:
+            new, n = os.path.join(directory, f"{step}.damaged"), 1
+            while os.path.exists(new):
+                n += 1
+                new = os.path.join(directory, f"{step}.damaged-{n}")
+            os.rename(os.path.join(directory, str(step)), new)
+            moved.append(new)
+    return moved
 
 
 class Checkpointer:
@@ -177,9 +317,16 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_iterator_state: dict) -> float:
         """Start saving ``step``; returns the seconds the save held the caller once the state was computed."""
-        meta = {**self._meta, "step": step, "data_iterator": data_iterator_state, "time": time.time()}
         jax.block_until_ready(state)  # a save needs the values anyway; don't count the step's compute as save cost
         t0 = time.perf_counter()
+        # Skipped non-finite steps leave the state finite; should anything else ever make it non-finite, the run
+        # stops here rather than write a checkpoint that every resume would restore.
+        finite, sums = fingerprint(state)
+        if not finite:
+            raise CheckpointError(f"refusing to save step {step} in {self.directory}: the train state holds "
+                                  "non-finite values (the previous checkpoints are intact)")
+        meta = {**self._meta, "step": step, "data_iterator": data_iterator_state, "time": time.time(),
+                "fingerprint": sums}
         try:
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)
@@ -206,10 +353,36 @@ class Checkpointer:
         self._manager.close()
 
 
+@jax.jit
+def _fingerprint(state: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(every floating-point value finite, {leaf name: wrapping uint32 sum of the leaf's bit patterns}).
+
+    Integer addition modulo 2**32 does not depend on the order of the terms, so the sums are the same on any mesh
+    and shard layout: a restore onto another mesh compares them as they were saved. Orbax's compressed chunks catch
+    most damage by failing to decode, but bytes overwritten inside an incompressible (stored) block decode fine into
+    wrong values; these sums catch that.
+    """
+    import jax.numpy as jnp
+
+    finite, sums = [], {}
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            finite.append(jnp.isfinite(x).all())
+            x = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+        sums[_leaf_name(path)] = jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
+    return (jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)), sums
+
+
+def fingerprint(state: Any) -> tuple[bool, dict[str, int]]:
+    """:func:`_fingerprint`'s values on the host."""
+    finite, sums = jax.device_get(_fingerprint(state))
+    return bool(finite), {k: int(v) for k, v in sums.items()}
+
+
 def _reason(e: BaseException) -> str:
     while e.__cause__ is not None or e.__context__ is not None:
         e = e.__cause__ or e.__context__
-    text = " ".join(f"{type(e).__name__}: {e}".split())
+    text = " ".join(f"{type(e).__name__}: {e}".split()).split(" [tensorstore_spec=")[0]
     return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
 
 

@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxtrain.checkpoint import CheckpointError
         from jaxtrain.distributed import DistributedError
 
-        if not isinstance(e, (CheckpointError, DistributedError)):
+        expected = (CheckpointError, DistributedError)
+        if "jaxtrain.train" in sys.modules:  # a run that cannot make progress (non-finite steps): one line, exit 1
+            expected += (sys.modules["jaxtrain.train"].NonFiniteError,)
+        if not isinstance(e, expected):
             # A bug or a runtime failure (e.g. a lost peer): the traceback matters, and so does which process.
             traceback.print_exc()
             print(f"error: {_tag()}{type(e).__name__}: {' '.join(str(e).split())[:500]}", file=sys.stderr)

@@ -39,6 +39,7 @@ class RunConfig:
 class RuntimeConfig:
     # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (mesh.cpu_devices_per_process).
     cpu_devices: int | None = None
+    ignore_memory_check: bool = False  # train even when the compiled step needs more memory than the devices have
 
 
 @dataclass
@@ -170,6 +171,7 @@ class TrainConfig:
     eval_every: int = 100  # 0 disables periodic evaluation (it still runs at the end)
     eval_batches: int = 4
     log_every: int = 10  # progress line and metrics.jsonl every N steps (and the first and last step)
+    max_nonfinite_steps: int = 10  # stop after this many steps in a row with non-finite loss or gradients (skipped)
 
 
 @dataclass
@@ -469,7 +471,7 @@ def validate(cfg: Config) -> None:
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
 
-    for name in ("steps", "global_batch", "microbatches", "eval_batches", "log_every"):
+    for name in ("steps", "global_batch", "microbatches", "eval_batches", "log_every", "max_nonfinite_steps"):
         _positive(f"train.{name}", getattr(t, name))
     _require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _positive("train.lr", t.lr)

@@ -64,14 +64,22 @@ class MetricsWriter:
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
     """Keep only the records of steps <= last_step, atomically (a resumed run logs the later steps again)."""
-    if not last_step or not os.path.isfile(path):
+    if not os.path.isfile(path):  # also with last_step 0: a run killed before its first checkpoint starts over
         return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        kept = [line for line in f if _step_of(line) <= last_step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    """A record's step; a line cut short by a crash mid-write (or otherwise unreadable) is dropped (infinity)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float,

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
-from jaxtrain import hardware, observe, runtime
+from jaxtrain import guards, hardware, observe, runtime
 from jaxtrain.config import Config, TrainConfig, dump_yaml, resolve_auto, to_dict
 from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
 from jaxtrain.metrics import MetricsWriter, log_info, summary_line
@@ -51,7 +51,10 @@ def make_optimizer(t: TrainConfig) -> tuple[optax.GradientTransformation, optax.
 
     adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)
     tx = optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip > 0 else adamw
-    return tx, schedule
+    # A step whose gradients (or loss: train_step folds it in) are not finite changes neither the parameters nor the
+    # moments and schedule count (optax skips it inside a lax.cond). The loop stops after train.max_nonfinite_steps
+    # in a row, long before optax's own limit, past which it would apply the update anyway.
+    return optax.apply_if_finite(tx, max_consecutive_errors=2**30), schedule
 
 
 class TrainState(nnx.Module):
@@ -194,10 +197,15 @@ class TrainSetup:
             loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch)
         else:
             loss, grads = self._accumulated_grads(params, model_def, batch)
-        lr = self.schedule(ts.opt.step[...])
+        # A non-finite loss poisons the gradients, so that optax.apply_if_finite skips the step for either cause.
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
+        skipped = ts.opt.opt_state
+        lr = self.schedule(ts.opt.step[...] - skipped.total_notfinite[...])  # skipped steps do not advance it
         grad_norm = optax.tree.norm(grads)
         ts.opt.update(ts.model, grads)
-        return nnx.state(ts), {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        # nonfinite_steps: consecutive steps skipped so far, this one included (0: this step was applied).
+        return nnx.state(ts), {"loss": loss, "grad_norm": grad_norm, "lr": lr,
+                               "nonfinite_steps": ts.opt.opt_state.notfinite_count[...]}
 
     def eval_step(self, state, batch):
         """Mean loss on one batch, no update."""
@@ -272,6 +280,10 @@ def effective_config(ts: TrainSetup) -> Config:
         cfg.runtime, cpu_devices=ts.shape.num_devices // jax.process_count() if cpu else None))
 
 
+class NonFiniteError(RuntimeError):
+    """train.max_nonfinite_steps steps in a row had a non-finite loss or gradients: the run cannot make progress."""
+
+
 @dataclass
 class RunResult:
     losses: dict[int, float]  # step (1-based) -> training loss, for the steps this run executed
@@ -286,6 +298,12 @@ class RunResult:
 def train(cfg: Config, devices: list | None = None) -> RunResult:
     """Train as configured. Everything that can fail on user input fails before ``run.dir`` is touched, and a run
     with nothing left to train writes nothing."""
+    # First of all, so that a second job on this run.dir stops at once (guards.RunLock: process 0, flock).
+    with guards.RunLock(cfg.run.dir):
+        return _start(cfg, devices)
+
+
+def _start(cfg: Config, devices: list | None) -> RunResult:
     ts = setup(cfg, devices)
     cfg = ts.cfg
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
@@ -294,7 +312,15 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
         log_info(f"nothing to do: the checkpoint in {source.directory} is already at step {source.step} = "
                  f"train.steps; results are in {os.path.abspath(cfg.run.dir)}")
         return RunResult({}, {}, 0.0, [], start_step=source.step)
-
+    # Compiled from the abstract state, before any array exists: a step that cannot fit stops here (exit 2).
+    compiled = ts.compile(ts.abstract_state)
+    guards.check_memory_fit(ts, compiled[0])
+    # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
+    # config.yaml and metrics.jsonl as they were.
+    restored = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    if source.kind == "resume" and jax.process_index() == 0 and source.directory == ckpt.checkpoint_dir(cfg):
+        for moved in ckpt.set_aside_damaged(source.directory, restored[1]):
+            log_info(f"moved the damaged checkpoint aside to {moved} (not deleted)")
     effective = effective_config(ts)
     checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": ts.shape.label,
                                            "processes": jax.process_count(), "devices": ts.shape.num_devices})
@@ -303,7 +329,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(effective))
     with runtime.process_log(cfg.run.dir):
-        return _train(ts, tokens, source, checkpointer)
+        return _train(ts, tokens, source, checkpointer, restored, compiled)
 
 
 class PendingMetrics:
@@ -338,7 +364,7 @@ class PendingMetrics:
             self._last_done = time.perf_counter() if eval_state is not None else now
 
 
-def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
+def _train(ts: TrainSetup, tokens, source, checkpointer, restored, compiled) -> RunResult:
     cfg = ts.cfg
     t, d = cfg.train, cfg.data
     rows = ts.local_rows()
@@ -356,13 +382,13 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
     flops_per_step = train_flops_per_token(cfg.model, d.seq_len) * tokens_per_step
     peak = hardware.peak_flops(jax.devices()[0].device_kind)
     obs = observe.Observer(ts, run_dir, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step, peak=peak)
-    state, start, data_state = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    state, start, data_state = restored
     if source.kind == "resume":
-        log_info(f"resumed from {source.directory}/{source.step}")
+        log_info(f"resumed from {source.directory}/{start}")
     elif source.kind == "params":
         log_info(f"initialised parameters from {source.directory}/{source.step}, fresh optimizer")
-    with obs.goodput.phase("compilation"):
-        train_step, eval_step, compile_s = ts.compile(state)
+    train_step, eval_step, compile_s = compiled
+    obs.goodput.charge("compilation", compile_s)  # compiled in train(), before the state existed
     log_info(f"compiled train and eval steps in {compile_s:.2f} s")
 
     batches = iter(data_lib.train_batches(tokens, d, seed=t.seed, global_batch=t.global_batch, steps=t.steps,
@@ -385,20 +411,33 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
     def report(step: int, m: dict, step_time: float, eval_state) -> None:
         result.losses[step] = m["loss"]
         result.step_times.append(step_time)
-        logged = not (step % t.log_every and step not in (start + 1, t.steps) and eval_state is None)
+        bad = int(m.get("nonfinite_steps", 0))  # consecutive skipped steps, this one included
+        if bad:
+            nonfinite["first"] = step - bad + 1  # consecutive: also right after a resume in the middle of a run
+            log_info(f"warning: step {step}: loss or gradients not finite (loss {m['loss']}); update skipped, "
+                     f"{bad} such step(s) in a row")
+        logged = bad or not (step % t.log_every and step not in (start + 1, t.steps) and eval_state is None)
         obs.report(step, m, step_time, logged)
         if not logged:
             return
         record = {"step": step, **m, "step_time": step_time, "tokens_per_sec": tokens_per_step / step_time,
                   "tokens_per_sec_per_device": tokens_per_step / step_time / n_devices,
                   "tflops_per_device": flops_per_step / step_time / n_devices / 1e12,
-                  "mfu": flops_per_step / step_time / n_devices / peak if peak else None}
+                  "mfu": flops_per_step / step_time / n_devices / peak if peak else None, **obs.step_split(step)}
         if eval_state is not None:
             with obs.goodput.phase("evaluation"):
                 record["eval_loss"] = result.eval_losses[step] = evaluate(eval_state)
             obs.evaluated(record["eval_loss"])
         recent = statistics.median(result.step_times[-20:])
         writer.write(record, elapsed=time.perf_counter() - t_start, eta=recent * (t.steps - step))
+        if bad >= t.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"training stopped: {bad} steps in a row (train.max_nonfinite_steps={t.max_nonfinite_steps}) had a "
+                f"non-finite loss or gradients, the first at step {nonfinite['first']}; their updates were skipped, "
+                f"so the state is that of step {nonfinite['first'] - 1} (checkpoints in {checkpointer.directory}). "
+                "Look at the data of those steps, lower train.lr, or use float32 (model.dtype)")
+
+    nonfinite = {"first": None}
 
     watch = ckpt.PreemptionWatch(checkpointer)
     pending = PendingMetrics(report)
@@ -427,6 +466,9 @@ def _train(ts: TrainSetup, tokens, source, checkpointer) -> RunResult:
         pending.drain()
         with obs.goodput.phase("checkpoint"):
             checkpointer.close()
+    except NonFiniteError:
+        checkpointer.close()  # the saves in flight hold finite states (skipped steps change nothing): keep them
+        raise
     except Exception as e:
         obs.out_of_memory(e, train_step)  # the device memory profile, if that is what it is
         raise
