@@ -372,6 +372,8 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:  # free-form: the file's owner checks it (an experiment's runs: a list of mappings or "all")
         return value
+    if tp is Any:  # free-form: the file's owner checks it (an experiment's runs: a list of mappings or "all")
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -402,6 +404,10 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{name}={value!r} must be a string")
+    if origin is list and args == (str,):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}={value!r} must be a list of strings")
+        return list(value)
     if origin is list and args == (str,):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}={value!r} must be a list of strings")

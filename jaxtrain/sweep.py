@@ -1,11 +1,12 @@
 """Sweep: a real short training run per mesh (or other overrides), side by side with the planner's prediction.
 
 Each run is its own process (``python -m jaxtrain train run.dir=... overrides...``), so a shape that fails (bad
-config, out of memory, a crash in XLA) is recorded with its error and the sweep goes on. The runs' own
-``metrics.jsonl`` and closing summary give the measurements; the planner (``jaxtrain.plan``) compiles the same step
-in this process for the prediction, with the CPU's measured rates as the hardware.
+config, out of memory, a crash in XLA) is recorded with its error and the sweep goes on. Each run's
+``run.dir/summary.json`` (written by train) gives the measurements, and its ``metrics.jsonl`` the progress while it
+runs; the planner (``jaxtrain.planner``) compiles the same step in this process for the prediction, with the CPU's
+measured rates as the hardware.
 
-An experiment file (YAML)::
+An experiment file (YAML, read by ``config.load_typed`` into :class:`ExperimentFile`)::
 
     name: cpu8-tiny
     config: null                  # base config file for every run (default: the built-in tiny config)
@@ -19,23 +20,30 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from jaxtrain.config import ConfigError, find_yaml, load_config, load_typed
 
-from jaxtrain.config import ConfigError, load_config, read_yaml_mapping, resolved_cpu_devices
-
-_EXPERIMENT_KEYS = {"name", "config", "dir", "overrides", "runs"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+@dataclass
+class ExperimentFile:
+    """The keys of an experiment file, as written."""
+
+    name: str | None = None  # default: the file's stem
+    config: str | None = None  # base config file or shipped name (default: the built-in tiny config)
+    dir: str | None = None  # default: runs/sweep-<name>
+    overrides: list[str] | None = None  # every run
+    runs: Any = "all"  # a list of {name, overrides}, or "all"
 
 
 @dataclass
@@ -96,18 +104,16 @@ def _string_list(value: Any, where: str) -> list[str]:
     return list(value)
 
 
-def load_experiment(path: str, extra_overrides: list[str] = (), directory: str | None = None) -> Experiment:
-    """Read and check an experiment file; ``extra_overrides`` (command line) apply to every run, last."""
-    raw = read_yaml_mapping(path, "experiment file")
-    unknown = sorted(set(raw) - _EXPERIMENT_KEYS)
-    if unknown:
-        raise ConfigError(f"experiment file {path!r}: unknown keys {', '.join(unknown)}; "
-                          f"valid: {', '.join(sorted(_EXPERIMENT_KEYS))}")
+def load_experiment(path: str, extra_overrides: Sequence[str] = (), directory: str | None = None) -> Experiment:
+    """Read and check an experiment file (a path, or a shipped name such as ``cpu8-tiny``); ``extra_overrides``
+    (command line) apply to every run, last."""
+    path = find_yaml(path, "experiments", "experiment file")
+    raw = load_typed(path, ExperimentFile, "experiment file")
     if any(o.partition("=")[0].strip() == "run.dir" for o in extra_overrides):
         raise ConfigError("run.dir is set per run by the sweep; use --dir for the sweep's directory")
-    name = str(raw.get("name") or Path(path).stem)
-    common = _string_list(raw.get("overrides"), "overrides") + list(extra_overrides)
-    runs_raw = raw.get("runs", "all")
+    name = raw.name or Path(path).stem
+    common = _string_list(raw.overrides, "overrides") + list(extra_overrides)
+    runs_raw = raw.runs
     if runs_raw == "all":
         runs: list[RunSpec] | str = "all"
     elif isinstance(runs_raw, list) and runs_raw:
@@ -118,10 +124,15 @@ def load_experiment(path: str, extra_overrides: list[str] = (), directory: str |
             raise ConfigError(f"experiment file {path!r}: run names must be unique, repeated: {', '.join(dupes)}")
     else:
         raise ConfigError(f"experiment file {path!r}: runs must be a non-empty list or 'all'")
-    config = raw.get("config")
-    if config is not None and not os.path.isfile(config):
-        raise ConfigError(f"experiment file {path!r}: config file {config!r} does not exist")
-    return Experiment(name, config, directory or str(raw.get("dir") or f"runs/sweep-{name}"), common, runs)
+    config = raw.config
+    if config is not None:
+        try:
+            config = find_yaml(config, "", "config")
+        except ConfigError:
+            pass  # not a shipped name either: reported as a missing file below
+        if not os.path.isfile(config):
+            raise ConfigError(f"experiment file {path!r}: config file {raw.config!r} does not exist")
+    return Experiment(name, config, directory or raw.dir or f"runs/sweep-{name}", common, runs)
 
 
 def _run_spec(index: int, raw: Any, common: list[str]) -> RunSpec:
@@ -138,18 +149,14 @@ def _run_spec(index: int, raw: Any, common: list[str]) -> RunSpec:
 
 def expand_runs(exp: Experiment) -> list[RunSpec]:
     """The experiment's runs; for ``all``, one per mesh the planner finds valid on the configured devices."""
-    if exp.runs != "all":
+    if not isinstance(exp.runs, str):
         return list(exp.runs)
-    from jaxtrain.plan import enumerate_shapes, mesh_label
+    from jaxtrain.mesh import cpu_devices_per_process
+    from jaxtrain.planner.search import enumerate_shapes
 
     cfg = load_config(exp.config, exp.overrides)
-    n = resolved_cpu_devices(cfg)
-    runs = []
-    for shape in enumerate_shapes(cfg, n, nodes=1):
-        sizes = [f"mesh.{part}.{ax}={v}" for part, vals in (("ici", shape.ici), ("dcn", shape.dcn))
-                 for ax, v in zip(("data", "fsdp", "tensor"), vals)]
-        runs.append(RunSpec(re.sub(r"[^A-Za-z0-9_.+-]+", "_", mesh_label(shape)), exp.overrides + sizes))
-    return runs
+    return [RunSpec(re.sub(r"[^A-Za-z0-9_.+-]+", "_", shape.label), exp.overrides + shape.overrides())
+            for shape in enumerate_shapes(cfg, cpu_devices_per_process(cfg), nodes=1)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,26 +171,30 @@ def train_command(exp: Experiment, run: RunSpec, run_dir: str) -> list[str]:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The records of a run's metrics.jsonl (a missing file is no records)."""
+    """The records of a run's metrics.jsonl so far (a missing file is no records; a line being written is not
+    read yet)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
-def summarize_metrics(records: list[dict], tokens_per_step: int) -> dict:
-    """Median step time (the first step is the compile and carries no step_time), tokens/s, final loss."""
-    times = [r["step_time"] for r in records if r.get("step_time") is not None]
-    median = statistics.median(times) if times else None
-    return {"median_step_s": median, "tokens_per_s": tokens_per_step / median if median else None,
-            "final_loss": records[-1]["loss"] if records else None, "steps_measured": len(times)}
+def read_summary(run_dir: str) -> dict | None:
+    """The run's ``summary.json`` (``train.run_summary``), or None when the run wrote none (it failed early)."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
-def compile_seconds(stdout: str, stderr: str) -> float | None:
-    """The compile time the train command reports (closing summary, else its log line)."""
-    m = re.search(r"compile ([\d.]+) s", stdout) or re.search(r"compiled train and eval steps in ([\d.]+) s", stderr)
-    return float(m.group(1)) if m else None
+def measurements(summary: dict) -> dict:
+    """Record fields from a run's summary.json: compile time, median step time, tokens/s, final loss, steps
+    timed, the process's peak resident memory."""
+    return {"compile_s": summary["compile_seconds"], "median_step_s": summary["step_seconds"]["median"],
+            "tokens_per_s": summary["tokens_per_sec"], "final_loss": summary["final_loss"],
+            "steps_measured": summary["steps_timed"], "peak_rss_bytes": summary["host_peak_rss_bytes"]}
 
 
 def last_error_line(stderr: str) -> str:
@@ -236,16 +247,19 @@ class Predictor:
         self._hardware: dict[int, Any] = {}
 
     def predict(self, cfg) -> dict:
-        from jaxtrain import plan
+        from jaxtrain.config import resolve_auto
+        from jaxtrain.mesh import MeshShape, cpu_devices_per_process
+        from jaxtrain.planner import measure, search
 
-        n = resolved_cpu_devices(cfg)
+        n = cpu_devices_per_process(cfg)
         if n > len(self.devices):
             raise ConfigError(f"the run needs {n} devices but the sweep started {len(self.devices)}")
         devices = self.devices[:n]
         if n not in self._hardware:
-            self._hardware[n] = plan.measure_cpu(devices)
-        shape = plan.given_shape(cfg, n, nodes=math.prod(plan.resolve_shape(cfg.mesh, n).dcn))
-        return plan.candidate_result(cfg, shape, self._hardware[n], plan.compile_step(cfg, shape, devices))
+            self._hardware[n] = measure.measure_cpu(devices)
+        cfg = resolve_auto(cfg, "cpu")  # as the run will (train.setup on CPU devices)
+        shape = search.given_shape(cfg, n, nodes=MeshShape.resolve(cfg.mesh, n).num_nodes)
+        return search.candidate_result(cfg, shape, self._hardware[n], search.compile_step(cfg, shape, devices))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,7 +273,9 @@ def sweep(exp: Experiment, log: Callable[[str], None] = lambda m: print(m, file=
     runs = expand_runs(exp)
     os.makedirs(exp.dir, exist_ok=True)
     configs = {run.name: _load(exp, run) for run in runs}  # a bad config is recorded, not fatal
-    n_max = max([resolved_cpu_devices(c) for c in configs.values() if not isinstance(c, ConfigError)] or [1])
+    from jaxtrain.mesh import cpu_devices_per_process
+
+    n_max = max([cpu_devices_per_process(c) for c in configs.values() if not isinstance(c, ConfigError)] or [1])
     predictor = Predictor(n_max) if predict else None
     records, paths = [], {}
     tty = sys.stderr.isatty()
@@ -286,12 +302,12 @@ def _load(exp: Experiment, run: RunSpec):
 
 def _mesh_of(cfg) -> str:
     """The run's mesh label, or "" when its config or mesh is invalid (the run will say why)."""
-    from jaxtrain.plan import mesh_label, resolve_shape
+    from jaxtrain.mesh import MeshShape, cpu_devices_per_process
 
     if isinstance(cfg, ConfigError):
         return ""
     try:
-        return mesh_label(resolve_shape(cfg.mesh, resolved_cpu_devices(cfg)))
+        return MeshShape.resolve(cfg.mesh, cpu_devices_per_process(cfg)).label
     except ConfigError:
         return ""
 
@@ -328,14 +344,12 @@ def _measure_into(rec: Record, exp: Experiment, run: RunSpec, cfg, head: str, lo
     status, stdout, stderr, rss, wall = run_training(train_command(exp, run, run_dir), run_dir, progress)
     if tty:
         print(file=sys.stderr)
-    rec.wall_s, rec.peak_rss_bytes = wall, rss
-    records = read_metrics(run_dir)
+    rec.wall_s, rec.peak_rss_bytes = wall, rss  # the child's peak RSS, also when it wrote no summary
     if status != 0:
         rec.status, rec.error = "failed", f"exit {status}: {last_error_line(stderr)}"
-    if not isinstance(cfg, ConfigError):
-        rec.compile_s = compile_seconds(stdout, stderr)
-        summary = summarize_metrics(records, cfg.train.global_batch * cfg.data.seq_len)
-        for k, v in summary.items():
+    summary = read_summary(run_dir)
+    if summary is not None:
+        for k, v in measurements(summary).items():
             setattr(rec, k, v)
     done = (f"median step {rec.median_step_s * 1e3:.1f} ms" if rec.median_step_s else "no step timed")
     pred = f", predicted {rec.predicted_step_s * 1e3:.1f} ms" if rec.predicted_step_s else ""
@@ -354,9 +368,9 @@ CSV_FIELDS = ["name", "mesh", "status", "error", "compile_s", "median_step_s", "
 
 def write_outputs(exp: Experiment, records: list[Record]) -> dict[str, str | None]:
     """sweep.csv, sweep.md and sweep.png (None when matplotlib is missing) in exp.dir."""
-    paths = {"csv": os.path.join(exp.dir, "sweep.csv"), "md": os.path.join(exp.dir, "sweep.md")}
-    write_csv(paths["csv"], records)
-    with open(paths["md"], "w") as f:
+    paths: dict[str, str | None] = {"csv": os.path.join(exp.dir, "sweep.csv"), "md": os.path.join(exp.dir, "sweep.md")}
+    write_csv(os.path.join(exp.dir, "sweep.csv"), records)
+    with open(os.path.join(exp.dir, "sweep.md"), "w") as f:
         f.write(markdown(exp, records))
     paths["png"] = write_chart(os.path.join(exp.dir, "sweep.png"), exp.name, records)
     return paths
@@ -401,10 +415,10 @@ def markdown(exp: Experiment, records: list[Record]) -> str:
     if problems:
         lines += ["", "Errors:", ""] + [f"- `{n}`: {_md_cell(e)}" for n, e in problems]
     lines += ["",
-              "Measured: one `python -m jaxtrain train` process per run; median of the timed steps in its "
-              "`metrics.jsonl` (the first step, the compile, is not timed); compile time from its summary; peak RSS "
-              "of the whole process (all emulated devices plus the runtime). Predicted: `jaxtrain plan` for the same "
-              "config with the CPU's measured matmul rate, memory bandwidth and collective latency shared by the "
+              "Measured: one `python -m jaxtrain train` process per run; compile time, median step time and "
+              "tokens/s from its `summary.json` (the step is compiled ahead of time, so every step is timed); peak "
+              "RSS of the whole process (all emulated devices plus the runtime). Predicted: `jaxtrain plan` for the "
+              "same config with the CPU's measured matmul rate, memory bandwidth and collective latency shared by the "
               "devices, no overlap. Load avg: the host's 1-minute load when the run started (on a shared machine, "
               "steps slow down with it).",
               ""]

@@ -1,4 +1,5 @@
 """The planner: collective bytes read from the compiled HLO against closed forms, memory, the cost model, the CLI.
+(The HLO reading alone, on stored HLO text, is tested in test_planner_hlo.py.)
 
 Compiles use the tiny model on the 8 emulated CPU devices that conftest sets up (a few seconds each); each mesh is
 compiled once per module.
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import FAST, run_cli
-from jaxtrain import plan
+from jaxtrain import hardware
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.mesh import MeshShape, build_mesh, resolve_shape
+from jaxtrain.mesh import MeshShape, build_mesh
 from jaxtrain.model import count_params
+from jaxtrain.planner import collectives, cost, report, search
 
 MESHES = {
     "data8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
@@ -33,21 +35,21 @@ def tiny(*overrides):
 
 @pytest.fixture(scope="module")
 def compiled():
-    """name -> (config, shape, plan.Compiled), compiled on first use."""
+    """name -> (config, shape, search.Compiled), compiled on first use."""
     cache = {}
 
     def get(name):
         if name not in cache:
             cfg = tiny(*MESHES[name])
-            shape = resolve_shape(cfg.mesh, 8)
-            cache[name] = (cfg, shape, plan.compile_step(cfg, shape, jax.devices()[:8]))
+            shape = MeshShape.resolve(cfg.mesh, 8)
+            cache[name] = (cfg, shape, search.compile_step(cfg, shape, jax.devices()[:8]))
         return cache[name]
 
     return get
 
 
 def by_kind(comp):
-    out = {k: 0 for k in plan.KINDS}
+    out = {k: 0 for k in collectives.KINDS}
     for c in comp.collectives:
         out[c.kind] += c.total_bytes
     return out
@@ -100,95 +102,49 @@ def test_one_compile_serves_every_ici_dcn_split(compiled):
     """The program depends on the axis sizes only; the ici/dcn split only renames devices (why plan() compiles once
     per sizes)."""
     _, _, a = compiled("data2fsdp4")
-    b = plan.compile_step(tiny(), MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)), jax.devices()[:8])
-    key = lambda comp: sorted((c.kind, c.bytes, c.count, c.groups.tolist().__repr__()) for c in comp.collectives)
+    b = search.compile_step(tiny(), MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)), jax.devices()[:8])
+
+    def key(comp):
+        return sorted((c.kind, c.bytes, c.count, c.groups.tolist().__repr__()) for c in comp.collectives)
+
     assert key(a) == key(b) and a.memory_bytes == b.memory_bytes
 
 
 def test_node_coordinates_match_build_mesh():
-    """plan's logical id -> node mapping is the one build_mesh lays out (contiguous devices play a host)."""
+    """The planner's logical id -> node mapping (MeshShape.node_of) is the one build_mesh lays out (contiguous
+    devices play a host)."""
     for ici, dcn in [((1, 4, 1), (2, 1, 1)), ((2, 2, 1), (1, 2, 1)), ((1, 2, 2), (2, 1, 1))]:
         shape = MeshShape(ici=ici, dcn=dcn)
-        cfg = plan.with_shape(tiny(), shape)
-        mesh = build_mesh(cfg, jax.devices()[:8])
+        mesh, built = build_mesh(shape.apply(tiny()), jax.devices()[:8])
+        assert built == shape
         per_host = 8 // math.prod(dcn)
         ids = np.arange(8)
-        sub = plan._sub_coordinates(shape, ids)
-        nodes = {tuple(row) for row in sub[:, 0::2]}
+        node = shape.node_of(ids)
         host_of = [d.id // per_host for d in mesh.devices.flat]
-        for node in nodes:
-            members = [i for i in ids if tuple(sub[i, 0::2]) == node]
+        for n in set(node.tolist()):
+            members = [i for i in ids if node[i] == n]
             assert len({host_of[i] for i in members}) == 1  # one node = one host's devices
+        assert len(set(node.tolist())) == math.prod(dcn)
 
 
 def test_group_span_and_hierarchical_link_bytes():
     shape = MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1))  # fsdp within a node, data across 2 nodes
     over_data = np.array([[0, 4], [1, 5], [2, 6], [3, 7]])
     over_fsdp = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
-    assert plan.group_span(shape, over_data) == (1, 2, ["data(dcn)"])
-    assert plan.group_span(shape, over_fsdp) == (4, 1, ["fsdp"])
-    assert plan.group_span(shape, np.arange(8)[None]) == (4, 2, ["data(dcn)", "fsdp"])
+    assert cost.group_span(shape, over_data) == (1, 2, ["data(dcn)"])
+    assert cost.group_span(shape, over_fsdp) == (4, 1, ["fsdp"])
+    assert cost.group_span(shape, np.arange(8)[None]) == (4, 2, ["data(dcn)", "fsdp"])
     # Ring all-reduce of S over n devices sends 2 S (n-1)/n per device; hierarchically, the network carries only
     # the 1/a shard each device holds after the in-node reduce-scatter.
-    assert plan.link_bytes("all-reduce", 800, 8, 1, False) == (1400, 0)
-    assert plan.link_bytes("all-reduce", 800, 1, 8, True) == (0, 1400)
-    assert plan.link_bytes("all-reduce", 800, 8, 8, True) == (1400, 175)
-    assert plan.link_bytes("all-gather", 800, 4, 2, True) == (600, 100)
-    assert plan.link_bytes("collective-permute", 800, 1, 2, True) == (0, 800)
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("replica_groups={{0,2},{1,3}}, x", [[0, 2], [1, 3]]),
-    ("replica_groups={}, x", [[0, 1, 2, 3]]),
-    ("replica_groups=[2,2]<=[4], x", [[0, 1], [2, 3]]),
-    ("replica_groups=[2,2]<=[2,2]T(1,0), x", [[0, 2], [1, 3]]),
-    ("replica_groups=mesh['a'=2,'b'=2] {'a'}, x", [[0, 2], [1, 3]]),
-    ("replica_groups=mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}, x", [[0, 2], [1, 3]]),
-    ("replica_groups=mesh['a'=4] {'a':(2)2}, x", [[0, 1], [2, 3]]),
-])
-def test_replica_group_forms(text, expected):
-    assert plan.replica_groups(text, 4).tolist() == expected
-
-
-def test_hlo_parser_counts_loop_trips():
-    hlo = """HloModule m, num_partitions=2
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %s = f32[] add(%x, %y)
-}
-
-%body (p: (s32[], f32[16])) -> (s32[], f32[16]) {
-  %p = (s32[], f32[16]{0}) parameter(0)
-  %v = f32[16]{0} get-tuple-element(%p), index=1
-  %ar = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
-  %i = s32[] get-tuple-element(%p), index=0
-  ROOT %t = (s32[], f32[16]{0}) tuple(%i, %ar)
-}
-
-%cond (p.1: (s32[], f32[16])) -> pred[] {
-  %p.1 = (s32[], f32[16]{0}) parameter(0)
-  ROOT %c = pred[] constant(true)
-}
-
-ENTRY %main (a: f32[16]) -> f32[16] {
-  %a = f32[16]{0} parameter(0)
-  %z = s32[] constant(0)
-  %init = (s32[], f32[16]{0}) tuple(%z, %a)
-  %w = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
-  %g = f32[32]{0} all-gather(%a), channel_id=2, replica_groups={{0,1}}, dimensions={0}, use_global_device_ids=true
-  ROOT %r = f32[16]{0} get-tuple-element(%w), index=1
-}
-"""
-    colls, unknown = plan.collectives(hlo, (2, 1, 1))
-    assert unknown == []
-    got = sorted((c.kind, c.bytes, c.count) for c in colls)
-    assert got == [("all-gather", 128, 1), ("all-reduce", 64, 6)]
+    assert cost.link_bytes("all-reduce", 800, 8, 1, False) == (1400, 0)
+    assert cost.link_bytes("all-reduce", 800, 1, 8, True) == (0, 1400)
+    assert cost.link_bytes("all-reduce", 800, 8, 8, True) == (1400, 175)
+    assert cost.link_bytes("all-gather", 800, 4, 2, True) == (600, 100)
+    assert cost.link_bytes("collective-permute", 800, 1, 2, True) == (0, 800)
 
 
 def small_hardware(usable_bytes):
-    return plan.Hardware(name="test", device="test", peak_flops=1e12, hbm_bytes=usable_bytes, hbm_bandwidth=1e11,
+    return hardware.Hardware(name="test", device="test", peak_flops=1e12, hbm_bytes=usable_bytes, hbm_bandwidth=1e11,
                          devices_per_node=8, intra_node_bandwidth=1e11, inter_node_bandwidth=1e10,
                          compute_efficiency=0.5)
 
@@ -200,15 +156,17 @@ def test_plan_prunes_what_cannot_fit_and_marks_what_does_not(compiled):
     # fits but not its whole step (temporaries included), so it is compiled and marked.
     hw = small_hardware(data.params_bytes + data.opt_bytes - 1)
     assert fsdp.params_bytes + fsdp.opt_bytes < hw.usable_bytes < fsdp.memory_bytes
-    shapes = [resolve_shape(tiny(*MESHES[n]).mesh, 8) for n in ("data8", "fsdp8")]
-    result = plan.plan(tiny(), shapes, hw, jax.devices()[:8])
+    shapes = [MeshShape.resolve(tiny(*MESHES[n]).mesh, 8) for n in ("data8", "fsdp8")]
+    result = search.plan(tiny(), shapes, hw, jax.devices()[:8])
     assert [p["label"] for p in result["pruned"]] == ["data8"]
     (cand,) = result["candidates"]
     assert cand["label"] == "fsdp8" and cand["mesh"]["fsdp"] == 8 and not cand["fits"]
     assert cand["memory_bytes_per_device"] == fsdp.memory_bytes
-    report = plan.format_report(tiny(), hw, 8, 1, result)
-    assert "fsdp8" in report and " NO " in report and "pruned" in report
-    assert plan.candidate_result(cfg, fsdp_shape, small_hardware(fsdp.memory_bytes), fsdp)["fits"]
+    for wide in (False, True):
+        text = report.format_report(tiny(), hw, 8, 1, result, wide=wide)
+        assert "fsdp8" in text and " NO " in text and "pruned" in text
+        assert max(map(len, text.splitlines())) <= (200 if wide else report.WIDTH)
+    assert search.candidate_result(cfg, fsdp_shape, small_hardware(fsdp.memory_bytes), fsdp)["fits"]
 
 
 def test_hybrid_sharding_within_nodes_crosses_nodes_less(compiled):
@@ -216,7 +174,10 @@ def test_hybrid_sharding_within_nodes_crosses_nodes_less(compiled):
     far fewer bytes between nodes than replicating within and sharding across (ici data 2 fsdp 2, dcn fsdp 2)."""
     hw = small_hardware(1e12)
     cfg, _, prog = compiled("data2fsdp4")
-    est = lambda shape: plan.estimate(cfg, shape, hw, prog.collectives, prog.params_bytes, prog.opt_bytes)[0]
+
+    def est(shape):
+        return cost.estimate(cfg, shape, hw, prog.collectives, prog.params_bytes, prog.opt_bytes)[0]
+
     hsdp = est(MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)))
     reverse = est(MeshShape(ici=(2, 2, 1), dcn=(1, 2, 1)))
     single = est(MeshShape(ici=(2, 4, 1), dcn=(1, 1, 1)))
@@ -241,18 +202,19 @@ def test_cli_json_two_devices():
     assert set(cands) == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
     data, fsdp = cands[(2, 1, 1)], cands[(1, 2, 1)]
     for c in result["candidates"]:
-        assert set(c["collective_bytes"]) == set(plan.KINDS)
+        assert set(c["collective_bytes"]) == set(collectives.KINDS)
         assert c["mesh"]["dcn"] == {"data": 1, "fsdp": 1, "tensor": 1}
         assert c["est_step_seconds"] > 0 and isinstance(c["fits"], bool)
     assert fsdp["memory"]["params"] + fsdp["memory"]["optimizer"] < 0.6 * (data["memory"]["params"] +
                                                                             data["memory"]["optimizer"])
     assert data["collective_bytes"]["all-reduce"] > 0 and fsdp["collective_bytes"]["all-gather"] > 0
-    times = [c["est_step_seconds"] for c in result["candidates"]]
-    assert times == sorted(times)
+    order = [(not c["fits"], c["est_step_seconds"]) for c in result["candidates"]]
+    assert order == sorted(order)  # meshes that fit first, then by estimated step time
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--hardware", "h999-8x"], "unknown hardware 'h999-8x'; known: a100-8x, b200-8x, h100-8x, h200-8x"),
+    (["--hardware", "h999-8x"],
+     "hardware 'h999-8x' is neither a file nor a shipped name; shipped: a100-8x, b200-8x, h100-8x, h200-8x"),
     (["runtime.cpu_devices=7"], "no valid mesh over 7 device(s) on 1 node(s): "),
     (["runtime.cpu_devices=8", "--nodes", "3"], "8 device(s) cannot be split evenly into 3 node(s)"),
     (["--hardware", "h100-8x", "--nodes", "2", "mesh.ici.fsdp=4", "mesh.dcn.data=2"],
@@ -269,16 +231,16 @@ def test_cli_bad_input_exits_2_with_one_line(args, expected):
 
 def test_impossible_device_count_says_why():
     with pytest.raises(ConfigError, match=r"no valid mesh over 7 device\(s\).*not divisible by the "):
-        plan.enumerate_shapes(tiny(), 7, 1)
-    shapes = plan.enumerate_shapes(tiny(), 64, 8)
+        search.enumerate_shapes(tiny(), 7, 1)
+    shapes = search.enumerate_shapes(tiny(), 64, 8)
     assert all(s.dcn[2] == 1 and math.prod(s.dcn) == 8 and math.prod(s.ici) == 8 for s in shapes)
     assert all(tiny().model.n_kv_heads % s.axis_sizes["tensor"] == 0 for s in shapes)
 
 
 def test_hardware_files_are_complete():
-    for name in plan.known_hardware():
-        hw = plan.load_hardware(name)
+    for name in hardware.known_hardware():
+        hw = hardware.load_hardware(name)
         assert hw.devices_per_node == 8 and hw.inter_node_bandwidth < hw.intra_node_bandwidth
-    assert plan.load_hardware("h100-8x").inter_node_bandwidth == 50e9  # 400 Gb/s per GPU
-    assert plan.load_hardware("a100-8x").inter_node_bandwidth == 25e9  # 200 Gb/s per GPU
-    assert dataclasses.replace(plan.load_hardware("h200-8x"), mem_fraction=0.5).usable_bytes == 70.5e9
+    assert hardware.load_hardware("h100-8x").inter_node_bandwidth == 50e9  # 400 Gb/s per GPU
+    assert hardware.load_hardware("a100-8x").inter_node_bandwidth == 25e9  # 200 Gb/s per GPU
+    assert dataclasses.replace(hardware.load_hardware("h200-8x"), mem_fraction=0.5).usable_bytes == 70.5e9

@@ -1,6 +1,8 @@
-"""The sweep: experiment files, measurements read back from real runs, one failing run recorded, outputs."""
+"""The sweep: experiment files, measurements read back from real runs' summary.json, one failing run recorded,
+outputs."""
 
 import csv
+import json
 import os
 
 import pytest
@@ -18,7 +20,7 @@ def write(tmp_path, body, name="exp.yaml"):
 
 
 @pytest.mark.parametrize("body, expected", [
-    ({"runz": []}, "unknown keys runz"),
+    ({"runz": []}, "unknown keys: runz"),
     ({"runs": [{"name": "a"}, {"name": "a"}]}, "run names must be unique, repeated: a"),
     ({"runs": [{"name": "a", "overrides": ["run.dir=/x"]}]}, "sets run.dir"),
     ({"runs": [{"name": "a b"}]}, "may only use letters"),
@@ -46,13 +48,15 @@ def test_all_expands_to_the_planners_meshes(tmp_path):
     assert names == ["data2", "fsdp2", "tensor2"]
 
 
-def test_measurements_from_metrics_and_logs():
-    records = [{"step": 1, "loss": 5.0, "step_time": None}, {"step": 2, "loss": 4.0, "step_time": 0.30},
-               {"step": 3, "loss": 3.5, "step_time": 0.10}, {"step": 4, "loss": 3.0, "step_time": 0.20}]
-    s = sweep.summarize_metrics(records, tokens_per_step=1000)
-    assert s == {"median_step_s": 0.20, "tokens_per_s": 5000.0, "final_loss": 3.0, "steps_measured": 3}
-    assert sweep.compile_seconds("done: compile 2.51 s | median step 1 ms", "") == 2.51
-    assert sweep.compile_seconds("", "[12:00:00] compiled train and eval steps in 3.25 s") == 3.25
+def test_measurements_from_summary(tmp_path):
+    """A run's summary.json (train.run_summary's keys) gives the record's measurements; no summary, none."""
+    assert sweep.read_summary(str(tmp_path)) is None
+    summary = {"compile_seconds": 2.51, "step_seconds": {"median": 0.2, "p10": 0.1, "p90": 0.3, "max": 0.3},
+               "tokens_per_sec": 5000.0, "final_loss": 3.0, "steps_timed": 4, "host_peak_rss_bytes": 123456789}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    s = sweep.measurements(sweep.read_summary(str(tmp_path)))
+    assert s == {"compile_s": 2.51, "median_step_s": 0.2, "tokens_per_s": 5000.0, "final_loss": 3.0,
+                 "steps_measured": 4, "peak_rss_bytes": 123456789}
     assert sweep.last_error_line("noise\nerror: model.n_heads=8 is not divisible\n") == \
         "error: model.n_heads=8 is not divisible"
     assert sweep.last_error_line("Traceback (most recent call last):\n  x\nValueError: boom\n") == "ValueError: boom"
@@ -63,7 +67,7 @@ def test_sweep_runs_isolated_and_records_a_failure(tmp_path):
     exp = write(tmp_path, {
         "name": "t",
         "overrides": ["runtime.cpu_devices=2", "train.steps=4", "train.eval_every=0", "train.eval_batches=1",
-                      "data.threads=0", "checkpoint.every=0"],
+                      "data.threads=0", "checkpoint.every=0", "train.log_every=1"],
         "runs": [{"name": "fsdp2", "overrides": ["mesh.ici.fsdp=2"]},
                  {"name": "tensor3", "overrides": ["mesh.ici.fsdp=1", "mesh.ici.tensor=3"]}],
     })
@@ -78,7 +82,10 @@ def test_sweep_runs_isolated_and_records_a_failure(tmp_path):
     for key in ("compile_s", "median_step_s", "tokens_per_s", "peak_rss_bytes", "final_loss", "predicted_step_s",
                 "predicted_memory_bytes_per_device"):
         assert float(ok[key]) > 0, key
-    assert int(ok["steps_measured"]) == 3  # step 1 is the compile
+    # The step is compiled ahead of time, so every step is timed; the figures are the run's own summary.json.
+    summary = json.loads((out / "runs/fsdp2/summary.json").read_text())
+    assert int(ok["steps_measured"]) == summary["steps_timed"] == 4
+    assert float(ok["median_step_s"]) == summary["step_seconds"]["median"]
     metrics_loss = [line for line in (out / "runs/fsdp2/metrics.jsonl").read_text().splitlines() if line]
     assert len(metrics_loss) == 4
     assert bad["status"] == "failed" and "not divisible by the tensor axis size 3" in bad["error"]

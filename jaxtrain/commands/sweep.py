@@ -6,7 +6,8 @@ def add_arguments(p):
         "Train briefly once per mesh (or other overrides) listed in an experiment file, each run in its own process "
         "so that a failing shape is recorded and the sweep goes on; compare with the planner's prediction. Writes "
         "sweep.csv, sweep.md and sweep.png into the experiment's directory. Overrides given here apply to every run.")
-    p.add_argument("--config", required=True, help="experiment file, e.g. configs/experiments/cpu8-tiny.yaml")
+    p.add_argument("--config", required=True, help="experiment file, e.g. configs/experiments/cpu8-tiny.yaml, or "
+                                                   "a shipped name (cpu8-tiny)")
     p.add_argument("--dir", help="the sweep's directory (default: the experiment file's 'dir')")
     p.add_argument("--no-predict", action="store_true", help="skip the planner's predictions (measure only)")
     p.add_argument("overrides", nargs="*", metavar="key=value")

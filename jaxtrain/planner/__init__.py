@@ -1,0 +1,51 @@
+"""Plan a mesh before paying for it: memory, collectives and an estimated step time for each candidate mesh.
+
+For every candidate layout the real train step is lowered and compiled ahead of time for that many devices
+(emulated CPU devices will do) from abstract shapes, so nothing is allocated. From the compiled program:
+
+- memory per device: parameter and optimizer-state shards (exact, from the abstract state's shardings) and the
+  compiler's temporary buffers (``Compiled.memory_analysis()``);
+- collectives (``Compiled.as_text()``): kind, bytes, and the mesh axes their replica groups span, multiplied by the
+  trip counts of the loops they run in, with the effect of XLA:GPU's collective passes that XLA:CPU does not run;
+- an estimated step time: model FLOPs over (peak x efficiency), ring communication time per link class (NVLink
+  within a node, the network between nodes), and the memory-bound optimizer update.
+
+Modules, in the order a plan uses them: ``target`` (what the plan is for: hardware, devices, nodes, the config as
+it runs there, the meshes), ``search`` (candidate meshes, pruning, compiling), ``hlo`` (HLO text -> instructions,
+loops, replica groups, collectives), ``passes`` (the GPU collective passes), ``cost`` (bytes per link, time per
+part), ``measure`` (the devices at hand), ``report`` (table and JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from jaxtrain.config import Config
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None, nodes: int | None = None,
+         efficiency: float | None = None, mem_fraction: float | None = None, as_json: bool = False,
+         wide: bool = False) -> int:
+    """``jaxtrain plan``: plan ``cfg`` (loaded from the command line's ``overrides``, which say whether a mesh is
+    given) for the hardware named, or the devices at hand; print the table or JSON. Returns the exit status."""
+    from jaxtrain.planner import target as target_lib
+
+    target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
+                                mem_fraction=mem_fraction)
+    from jaxtrain import runtime
+    from jaxtrain.planner import report, search
+
+    runtime.quiet_logs()
+    log(f"planning {len(target.shapes)} mesh(es) over {target.n_devices} device(s) on {target.nodes} node(s) for "
+        f"{target.hw.name}")
+    result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log)
+    if as_json:
+        print(json.dumps(report.to_json(target.hw, target.n_devices, target.nodes, result), indent=1))
+    else:
+        print(report.format_report(target.cfg, target.hw, target.n_devices, target.nodes, result, wide=wide))
+    return 0

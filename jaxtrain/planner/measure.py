@@ -1,0 +1,84 @@
+"""The hardware at hand: the CPU measured (emulated devices have no datasheet), an accelerator recognised by its
+device kind among the shipped hardware descriptions (``jaxtrain.hardware``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxtrain import hardware
+from jaxtrain.config import ConfigError
+from jaxtrain.hardware import Hardware
+
+# ASSUMPTION for the CPU at hand, like the GPU files' compute_efficiency: the fraction of the best measured matmul
+# rate that XLA's CPU code sustains over a whole transformer step (small matmuls, softmax, elementwise work). On this
+# project's 2-core machine the tiny model runs ~39 GFLOP/s on one device against 180-310 GFLOP/s for plain matmuls.
+# `jaxtrain sweep` prints the measured / predicted ratio that checks it.
+CPU_COMPUTE_EFFICIENCY = 0.2
+
+
+def hardware_at_hand(devices: list, mem_fraction: float | None) -> Hardware:
+    """CPU: measured. Accelerators: the shipped description whose device_kind matches, with the real memory."""
+    dev = devices[0]
+    if dev.platform == "cpu":
+        return measure_cpu(devices)
+    hw = hardware.for_device_kind(dev.device_kind)
+    if hw is None:
+        raise ConfigError(f"no hardware description matches device kind {dev.device_kind!r}; pass --hardware "
+                          f"({', '.join(hardware.known_hardware())})")
+    stats = dev.memory_stats() or {}
+    if "bytes_limit" in stats:  # the allocator's pool, already net of the memory fraction
+        return dataclasses.replace(hw, hbm_bytes=float(stats["bytes_limit"]), mem_fraction=mem_fraction or 1.0)
+    return dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
+
+
+def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
+    """The CPU at hand as "hardware": a measured f32 matmul rate, copy bandwidth and collective latency.
+
+    Emulated CPU devices share the host's cores and memory, so each gets 1/n of the measured rates and of the RAM;
+    collectives between them are memory copies, so both link classes run at the per-device memory bandwidth.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = len(devices)
+    dev = devices[0]
+    a = jax.device_put(jnp.ones((512, 512), jnp.float32), dev)
+    matmul = jax.jit(lambda x: x @ x)
+    flops = 2 * 512 ** 3 / _best_time(lambda: matmul(a).block_until_ready(), seconds)
+    big = jax.device_put(jnp.ones((8 * 1024 * 1024,), jnp.float32), dev)  # 32 MiB: beyond the caches
+    scale = jax.jit(lambda x: x * 1.0001)
+    bandwidth = 2 * big.nbytes / _best_time(lambda: scale(big).block_until_ready(), seconds)  # read + write
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware(name="cpu (measured)", device=f"emulated {dev.device_kind} devices sharing one host",
+                    peak_flops=flops / n, hbm_bytes=ram / n, hbm_bandwidth=bandwidth / n, devices_per_node=n,
+                    intra_node_bandwidth=bandwidth / n, inter_node_bandwidth=bandwidth / n,
+                    compute_efficiency=CPU_COMPUTE_EFFICIENCY, device_kind=dev.device_kind,
+                    collective_latency=_psum_latency(devices, seconds) if n > 1 else 0.0)
+
+
+def _psum_latency(devices: list, seconds: float) -> float:
+    """Seconds for one all-reduce of a few bytes over ``devices`` (a step's many small collectives pay this)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(devices), ("x",))
+    x = jax.device_put(jnp.ones((len(devices), 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
+    psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
+                                 out_specs=PartitionSpec("x")))
+    return _best_time(lambda: psum(x).block_until_ready(), seconds)
+
+
+def _best_time(fn: Callable[[], Any], seconds: float) -> float:
+    fn()  # compile and warm up
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end or best == float("inf"):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best

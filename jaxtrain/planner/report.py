@@ -1,0 +1,122 @@
+"""The plan as a text table (readable in 120 columns; ``wide`` adds the memory and per-kind collective columns)
+and as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+from jaxtrain.config import Config
+from jaxtrain.hardware import Hardware
+from jaxtrain.model import count_params
+from jaxtrain.planner.cost import remat_factor
+
+WIDTH = 120
+_COLLECTIVE_COLUMNS = ("all-reduce", "all-gather", "reduce-scatter", "a2a+permute")
+
+
+def _bytes(x: float) -> str:
+    """Decimal units, as datasheets and link rates use them."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _rate(x: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _sec(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _header(wide: bool) -> list[str]:
+    memory = ["params", "optimizer", "temp", "memory"] if wide else ["memory"]
+    kinds = list(_COLLECTIVE_COLUMNS) if wide else []
+    return ["#", "mesh (ici | dcn)", *memory, "fits", *kinds, "in-node", "x-node", "compute", "comm", "step",
+            "overlapped"]
+
+
+def _row(rank: int, r: dict, wide: bool) -> list[str]:
+    cb, mem, t = r["collective_bytes"], r["memory"], r["time"]
+    memory = [_bytes(mem["params"]), _bytes(mem["optimizer"]), _bytes(mem["temp"])] if wide else []
+    kinds = [_bytes(cb["all-reduce"]), _bytes(cb["all-gather"]), _bytes(cb["reduce-scatter"]),
+             _bytes(cb["all-to-all"] + cb["collective-permute"])] if wide else []
+    return [str(rank), r["label"], *memory, _bytes(r["memory_bytes_per_device"]), "yes" if r["fits"] else "NO",
+            *kinds, _bytes(r["intra_node_bytes_per_device"]), _bytes(r["inter_node_bytes_per_device"]),
+            _sec(t["compute"]), _sec(t["intra_node"] + t["inter_node"]), _sec(r["est_step_seconds"]),
+            _sec(r["est_step_seconds_overlap"])]
+
+
+def _pruned_row(p: dict, wide: bool) -> list[str]:
+    n = len(_header(wide))
+    row = ["-", p["label"]] + [""] * (n - 2)
+    memory_col = 5 if wide else 2
+    row[memory_col], row[memory_col + 1], row[-2] = f"> {_bytes(p['state_bytes_per_device'])}", "NO", "pruned"
+    return row
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Aligned text table; collective columns that are zero in every row are left out."""
+    keep = [i for i, h in enumerate(header)
+            if not (h in _COLLECTIVE_COLUMNS and all(r[i] in ("0 B", "") for r in rows))]
+    header, rows = [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+
+
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent="  ")
+
+
+def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result: dict, wide: bool = False) -> str:
+    """The ranked table printed by ``jaxtrain plan``: meshes that fit first, then by estimated step time."""
+    m = cfg.model
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    lines = _wrap(
+        f"model: {count_params(m)['total'] / 1e6:,.1f}M parameters ({m.param_dtype}), compute {m.dtype}, attention "
+        f"{m.attention}, remat {m.remat}; {tokens:,} tokens/step (global_batch {cfg.train.global_batch} x seq_len "
+        f"{cfg.data.seq_len}, {cfg.train.microbatches} microbatch(es))")
+    lines += _wrap(
+        f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
+        f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {hw.compute_efficiency:g}; memory {_bytes(hw.hbm_bytes)} x "
+        f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links "
+        f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
+        "(per device, each way)"
+        + (f"; {hw.collective_latency * 1e6:.0f} us per collective" if hw.collective_latency else ""))
+    lines.append("")
+    lines += _table(_header(wide), [_row(i, r, wide) for i, r in enumerate(result["candidates"], 1)]
+                    + [_pruned_row(p, wide) for p in result["pruned"]])
+    lines.append("")
+    notes = [
+        "Per device and step. memory: parameter and optimizer shards (exact) + the compiler's temporaries + "
+        f"non-donated outputs; fits: memory <= {hw.mem_fraction:g} x {_bytes(hw.hbm_bytes)}.",
+        "in-node / x-node: collective bytes each device sends within its node / to other nodes (hierarchical "
+        "rings), loop trip counts included.",
+        "step = compute + comm + optimizer update (no overlap); overlapped = max(compute, in-node, x-node) + update. "
+        f"compute = model FLOPs x remat {remat_factor(cfg):.3g} / (peak x {hw.compute_efficiency:g}).",
+        "Meshes that fit are listed first, then by step. --wide: memory and bytes per collective kind; --json: "
+        "everything, per collective.",
+    ]
+    if result["pruned"]:
+        notes.append("pruned: parameters + optimizer state alone exceed the usable memory, so not compiled.")
+    if any(u["holds_collectives"] for r in result["candidates"] for u in r["unknown_trip_count_loops"]):
+        notes.append("note: some collectives run inside a loop whose number of iterations the compiler does not "
+                     "state; they are counted as running once per step, so the collective bytes and comm times "
+                     "above may be too low (--json lists the loops).")
+    for note in notes:
+        lines += _wrap(note)
+    return "\n".join(lines)
+
+
+def to_json(hw: Hardware, n_devices: int, nodes: int, result: dict) -> dict:
+    """The JSON the ``--json`` flag prints."""
+    return {"hardware": dataclasses.asdict(hw), "devices": n_devices, "nodes": nodes, **result}

@@ -1,0 +1,224 @@
+"""Candidate meshes, pruning, and compiling the real train step for each (``jaxtrain.train.setup``).
+
+A compiled program depends only on the axis sizes (data, fsdp, tensor); how each axis splits into intra-node (ici)
+and inter-node (dcn) parts only changes which physical devices its logical ids are, so it is compiled once per
+sizes and costed for every split.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from jaxtrain.config import Config, ConfigError
+from jaxtrain.hardware import Hardware
+from jaxtrain.mesh import MeshShape
+from jaxtrain.planner.collectives import KINDS, Collective
+from jaxtrain.planner.cost import estimate
+from jaxtrain.planner.hlo import UnknownLoop
+from jaxtrain.planner.passes import collectives
+
+
+def _factorizations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Every ordered tuple of ``parts`` positive integers whose product is ``n``."""
+    if parts == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in _factorizations(n // d, parts - 1)]
+
+
+def devices_per_node(n_devices: int, nodes: int) -> int:
+    if nodes < 1:
+        raise ConfigError(f"--nodes={nodes} must be >= 1")
+    if n_devices < 1:
+        raise ConfigError(f"cannot plan for {n_devices} devices")
+    if n_devices % nodes:
+        raise ConfigError(f"{n_devices} device(s) cannot be split evenly into {nodes} node(s)")
+    return n_devices // nodes
+
+
+def enumerate_shapes(cfg: Config, n_devices: int, nodes: int) -> list[MeshShape]:
+    """All meshes over ``n_devices`` on ``nodes`` nodes that the model and batch allow.
+
+    Each node's devices form the ici part (its product is the devices per node) and the dcn parts multiply to the
+    node count. Tensor parallelism stays inside a node (dcn tensor = 1): its per-layer activation all-reduces
+    would otherwise cross the network. Raises ConfigError saying why when nothing is valid.
+    """
+    per_node = devices_per_node(n_devices, nodes)
+    shapes, reasons = [], {}
+    for ici in _factorizations(per_node, 3):
+        for dcn_df in _factorizations(nodes, 2):
+            shape = MeshShape(ici=ici, dcn=(*dcn_df, 1))
+            try:
+                shape.check(cfg)
+            except ConfigError as e:
+                reasons.setdefault(str(e), shape)
+                continue
+            shapes.append(shape)
+    if not shapes:
+        why = "; ".join(f"{s.label}: {msg}" for msg, s in list(reasons.items())[:3])
+        raise ConfigError(f"no valid mesh over {n_devices} device(s) on {nodes} node(s): {why}")
+    return shapes
+
+
+def given_shape(cfg: Config, n_devices: int, nodes: int) -> MeshShape:
+    """The config's own mesh over ``n_devices`` (the -1 axis filled), checked against the node count."""
+    shape = MeshShape.resolve(cfg.mesh, n_devices)
+    shape.check(cfg)
+    devices_per_node(n_devices, nodes)
+    if shape.num_nodes != nodes:
+        raise ConfigError(f"mesh.dcn sizes multiply to {shape.num_nodes} but the plan is for {nodes} node(s); "
+                          f"set --nodes {shape.num_nodes} or change mesh.dcn")
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compiling
+
+
+@dataclass
+class Compiled:
+    """What one compile of the step gives, independent of how the axes split over nodes."""
+
+    params_bytes: int
+    opt_bytes: int
+    temp_bytes: int
+    memory_bytes: int  # arguments + temporaries + outputs not aliased to (donated) arguments
+    collectives: list[Collective]
+    unknown_loops: list[UnknownLoop]
+    compile_s: float
+
+
+def state_bytes(ts) -> tuple[int, int]:
+    """Per-device bytes of the parameter shards and of the optimizer-state shards (largest shard per leaf) of a
+    ``train.TrainSetup``."""
+    import jax
+
+    params = opt = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(ts.abstract_state)[0]:
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        size = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        if jax.tree_util.keystr(path).startswith("['model']"):
+            params += size
+        else:
+            opt += size
+    return params, opt
+
+
+def param_axes(ts) -> frozenset[str]:
+    """The mesh axes that some parameter is sharded over (from the abstract state's shardings)."""
+    import jax
+
+    axes = set()
+    for leaf in jax.tree.leaves(ts.abstract_state["model"]):
+        for entry in leaf.sharding.spec:
+            axes.update(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+    return frozenset(axes)
+
+
+def _setup(cfg: Config, shape: MeshShape, devices: list):
+    from jaxtrain.train import setup
+
+    return setup(shape.apply(cfg), devices[:shape.num_devices])
+
+
+def compile_train_step(ts):
+    """The train step of a ``TrainSetup`` compiled ahead of time from abstract shapes (nothing allocated), and the
+    seconds it took. The same jit as ``TrainSetup.compile`` (shardings, donation), without the eval step, which the
+    plan does not need (about a fifth of the compile time)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    batch = jax.ShapeDtypeStruct((ts.cfg.train.global_batch, ts.cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=ts.batch_sharding)
+    t0 = time.perf_counter()
+    with ts.scope():
+        step = jax.jit(ts.train_step, in_shardings=(ts.state_sharding, ts.batch_sharding),
+                       out_shardings=(ts.state_sharding, NamedSharding(ts.mesh, PartitionSpec())), donate_argnums=0)
+        compiled = step.lower(ts.abstract_state, batch).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def compile_step(cfg: Config, shape: MeshShape, devices: list) -> Compiled:
+    """Lower and compile the real train step for ``shape`` from abstract shapes (nothing is allocated)."""
+    return _compile(_setup(cfg, shape, devices))
+
+
+def _compile(ts) -> Compiled:
+    params, opt = state_bytes(ts)
+    train, seconds = compile_train_step(ts)
+    mem, text = train.memory_analysis(), train.as_text()
+    if mem is None or text is None:  # a backend without them cannot be planned on
+        raise RuntimeError("the compiled step offers no memory analysis or HLO text on this backend")
+    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    colls, unknown = collectives(text, tuple(ts.shape.axis_sizes.values()), param_axes(ts))
+    return Compiled(params, opt, mem.temp_size_in_bytes, total, colls, unknown, seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Planning
+
+
+def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled) -> dict:
+    """One row of the plan (the JSON contract's keys plus details)."""
+    est, summary = estimate(cfg, shape, hw, comp.collectives, comp.params_bytes, comp.opt_bytes)
+    by_kind = {k: 0 for k in KINDS}
+    for c in comp.collectives:
+        by_kind[c.kind] += c.total_bytes
+    return {
+        "mesh": shape.as_dict(),
+        "label": shape.label,
+        "memory_bytes_per_device": comp.memory_bytes,
+        "memory": {"params": comp.params_bytes, "optimizer": comp.opt_bytes, "temp": comp.temp_bytes,
+                   "usable": hw.usable_bytes},
+        "collective_bytes": by_kind,
+        "intra_node_bytes_per_device": est.ici_bytes,
+        "inter_node_bytes_per_device": est.dcn_bytes,
+        "collectives": summary,
+        "est_step_seconds": est.serial_s,
+        "est_step_seconds_overlap": est.overlap_s,
+        "time": {"compute": est.compute_s, "intra_node": est.ici_s, "inter_node": est.dcn_s,
+                 "optimizer": est.optimizer_s},
+        "fits": comp.memory_bytes <= hw.usable_bytes,
+        "compile_seconds": comp.compile_s,
+        "unknown_trip_count_loops": [{"name": u.name, "op_name": u.op_name, "holds_collectives": u.holds_collectives}
+                                     for u in comp.unknown_loops],
+    }
+
+
+def rank(candidates: list[dict]) -> list[dict]:
+    """Meshes that fit first, then by estimated step time (no overlap)."""
+    return sorted(candidates, key=lambda r: (not r["fits"], r["est_step_seconds"]))
+
+
+def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
+         progress: Callable[[str], None] = lambda msg: None) -> dict:
+    """Compile each distinct axis-size combination once and report every shape, ranked by :func:`rank`.
+
+    A shape whose parameter and optimizer shards alone exceed the usable memory is not compiled (it cannot fit
+    whatever the activations) and is listed under ``pruned``.
+    """
+    by_sizes: dict[tuple[int, ...], list[MeshShape]] = {}
+    for s in shapes:
+        by_sizes.setdefault(tuple(s.axis_sizes.values()), []).append(s)
+    results, pruned = [], []
+    for i, (sizes, group) in enumerate(by_sizes.items(), 1):
+        ts = _setup(cfg, group[0], devices)
+        params, opt = state_bytes(ts)
+        if params + opt > hw.usable_bytes:
+            for s in group:
+                pruned.append({"mesh": s.as_dict(), "label": s.label, "state_bytes_per_device": params + opt,
+                               "reason": f"parameters + optimizer state alone take {params + opt:,} bytes per "
+                                         f"device > {hw.usable_bytes:,.0f} usable"})
+            progress(f"[{i}/{len(by_sizes)}] {group[0].label}: pruned, state alone does not fit")
+            continue
+        t0 = time.perf_counter()
+        comp = _compile(ts)
+        sizes_text = " ".join(f"{ax}={n}" for ax, n in group[0].axis_sizes.items())
+        progress(f"[{i}/{len(by_sizes)}] {sizes_text}: compiled in {time.perf_counter() - t0:.1f} s")
+        results += [candidate_result(cfg, s, hw, comp) for s in group]
+    return {"candidates": rank(results), "pruned": pruned}

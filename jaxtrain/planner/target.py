@@ -1,0 +1,107 @@
+"""What a plan is for: the hardware (a shipped description, or the devices at hand), the devices that compile
+the step, the node count, the config as it would run there, and the meshes to plan (given or enumerated)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from jaxtrain import hardware
+from jaxtrain.config import Config, ConfigError, resolve_auto, validate
+from jaxtrain.hardware import Hardware
+from jaxtrain.mesh import MeshShape
+
+
+@dataclass
+class Target:
+    cfg: Config  # no "auto" left: resolved for the target hardware
+    hw: Hardware
+    devices: list  # the devices that compile the step (emulated CPU devices stand in for the target's)
+    nodes: int
+    shapes: list[MeshShape]
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.devices)
+
+
+def mesh_given(overrides: list[str]) -> bool:
+    """Whether the command line sets a mesh size (then only that mesh is planned)."""
+    return any(o.partition("=")[0].strip().startswith(("mesh.ici.", "mesh.dcn.")) for o in overrides)
+
+
+def as_on_gpu(cfg: Config) -> Config:
+    """``cfg`` as it would run on GPUs, compilable by the CPU that makes the plan: the one place the planner's
+    choices differ from the training run's.
+
+    "auto" means what it means on a GPU (``config.resolve_auto(cfg, "gpu")``). STAND-IN: where that choice (or the
+    config's) is cuDNN's fused attention, which XLA:CPU cannot compile, the plan compiles jaxtrain's Pallas flash
+    kernel instead (interpreted on CPU): like cuDNN's, its memory grows with the sequence, not with its square as
+    the XLA reference's scores do, and the collectives do not depend on the attention kernel. Where the flash
+    kernel does not take the config (e.g. a head dim outside config.FLASH_HEAD_DIMS) the XLA reference stands in,
+    and the plan's temporaries are then an upper bound.
+    """
+    cfg = resolve_auto(cfg, "gpu")
+    if cfg.model.attention != "cudnn":
+        return cfg
+    for stand_in in ("pallas", "xla"):
+        candidate = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=stand_in))
+        try:
+            validate(candidate)
+        except ConfigError:
+            continue
+        return candidate
+    return cfg
+
+
+def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = None, nodes: int | None = None,
+            efficiency: float | None = None, mem_fraction: float | None = None) -> Target:
+    """The target of a plan, with JAX's CPU devices configured for it. Every check on the user's input runs
+    before JAX starts, so that a mistake answers at once."""
+    nodes = 1 if nodes is None else nodes
+    if nodes < 1:
+        raise ConfigError(f"--nodes={nodes} must be >= 1")
+    for name, value in (("efficiency", efficiency), ("mem-fraction", mem_fraction)):
+        if value is not None and not 0 < value <= 1:
+            raise ConfigError(f"--{name}={value} must be in (0, 1]")
+    from jaxtrain.planner.search import enumerate_shapes, given_shape
+
+    def shapes_for(c: Config, n: int, k: int) -> list[MeshShape]:
+        return [given_shape(c, n, k)] if mesh_given(overrides) else enumerate_shapes(c, n, k)
+
+    if hardware_name:
+        hw = hardware.load_hardware(hardware_name)
+        n_devices = hw.devices_per_node * nodes
+        if cfg.runtime.cpu_devices not in (None, n_devices):
+            raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} contradicts --hardware {hardware_name} "
+                              f"--nodes {nodes} ({n_devices} devices); drop it")
+        hw = dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
+        cfg = as_on_gpu(cfg)
+        shapes = shapes_for(cfg, n_devices, nodes)
+        # Nothing compiled here ever runs, so skip LLVM's optimisations of the CPU code: about a third of the compile
+        # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Not for the devices
+        # at hand: their rates are measured by running code. Set before JAX creates its CPU client.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                                   " --xla_llvm_disable_expensive_passes=true").strip()
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", n_devices)
+        devices = jax.devices("cpu")[:n_devices]
+    else:
+        import jax
+
+        from jaxtrain.mesh import cpu_devices_per_process
+        from jaxtrain.planner.measure import hardware_at_hand
+
+        jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg))
+        devices = jax.devices()
+        n_devices = len(devices)
+        if nodes == 1 and jax.process_count() > 1:
+            nodes = jax.process_count()
+        cfg = resolve_auto(cfg, devices[0].platform)
+        shapes = shapes_for(cfg, n_devices, nodes)
+        hw = hardware_at_hand(devices, mem_fraction)
+    if efficiency:
+        hw = dataclasses.replace(hw, compute_efficiency=efficiency)
+    return Target(cfg, hw, devices, nodes, shapes)

@@ -1,0 +1,156 @@
+"""Regenerate the golden HLO files: ``python tests/golden/generate.py [NAME ...]`` (all: about 5 minutes on 2 cores).
+
+Each golden is the post-optimisation HLO (``Compiled.as_text()``) of the real train step of the tiny model
+(tests/conftest.py's FAST settings) compiled by XLA:CPU on 8 emulated devices, trimmed to what the planner reads:
+
+1. the module header reduced to its name and partition count, the stack-frame tables dropped, metadata reduced
+   to op_name; backend_config kept only where it states a loop trip count; layouts and
+   ``/*index=N*/`` comments dropped;
+2. fused computations, then instruction lines, removed while the planner's reading of the file (every
+   collective's kind, bytes, count and replica groups, after the GPU passes, and the loops of unknown trip count)
+   stays exactly what it is for the untrimmed text.
+
+So a golden is no longer valid HLO for XLA, but every line in it is a line XLA printed (less the dropped
+attributes), and the planner reads it exactly as it reads the full program. ``goldens.json`` records, per file,
+the config overrides, the mesh sizes and the parameter-sharded axes the analysis needs. The hand-written goldens
+(``*.handwritten.hlo.txt``) are not touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest's FAST) and the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+from conftest import FAST  # noqa: E402
+from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.mesh import MeshShape  # noqa: E402
+from jaxtrain.planner import search  # noqa: E402
+from jaxtrain.planner.passes import collectives  # noqa: E402
+
+# name -> overrides on top of FAST and 8 devices. What each exercises is in tests/golden/README.md.
+GOLDENS = {
+    "data8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
+    "fsdp8": ["mesh.ici.fsdp=8"],
+    "tensor8": ["mesh.ici.tensor=8", "mesh.ici.fsdp=1", "model.n_kv_heads=8"],
+    "data2fsdp4": ["mesh.ici.data=2", "mesh.ici.fsdp=4"],
+    # Gradient accumulation: 8 microbatches of 8 sequences (one per device) against 1 of 64.
+    "fsdp8-b64-mb1": ["mesh.ici.fsdp=8", "train.global_batch=64"],
+    "fsdp8-b64-mb8-unreduced": ["mesh.ici.fsdp=8", "train.global_batch=64", "train.microbatches=8",
+                                "train.accumulate=unreduced"],
+    "fsdp8-b64-mb8-sharded": ["mesh.ici.fsdp=8", "train.global_batch=64", "train.microbatches=8",
+                              "train.accumulate=sharded"],
+}
+
+
+def reading(text: str, sizes: tuple[int, ...], axes: frozenset[str]):
+    """What the planner reads from ``text``: the comparison key for trimming."""
+    colls, unknown = collectives(text, sizes, axes)
+    return (sorted((c.kind, c.bytes, c.count, repr(c.groups.tolist())) for c in colls),
+            sorted((u.name, u.holds_collectives) for u in unknown))
+
+
+def strip_attributes(text: str) -> str:
+    text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n.*?\n\n", "", text, flags=re.M | re.S)
+    header, _, rest = text.partition("\n")
+    parts = re.search(r"num_partitions=\d+", header)
+    text = f"HloModule {header.split()[1].rstrip(',')}" + (f", {parts.group(0)}" if parts else "") + "\n" + rest
+    def metadata(m: re.Match) -> str:
+        name = re.search(r'op_name="[^"]*"', m.group(0))
+        return f", metadata={{{name.group(0)}}}" if name else ""
+
+    text = re.sub(r", metadata=\{[^}]*\}", metadata, text)
+    text = re.sub(r', backend_config=(\{.*?\})(?=,|$)',
+                  lambda m: m.group(0) if "known_trip_count" in m.group(1) else "", text, flags=re.M)
+    text = re.sub(r"\]\{[\d,]*\}", "]", text)  # layouts
+    return re.sub(r"/\*index=\d+\*/", "", text)
+
+
+def _computations(lines: list[str]) -> list[tuple[int, int]]:
+    """(first, last) line index of each non-entry computation."""
+    spans, start = [], None
+    for i, line in enumerate(lines):
+        if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("ENTRY"):
+            start = i
+        elif line.startswith("}") and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def _drop(lines: list[str], keep_fn, candidates: list[list[int]]) -> list[str]:
+    """Remove groups of line indices (halving the batch on failure) while ``keep_fn(lines)`` holds."""
+    removed: set[int] = set()
+    batch = max(1, len(candidates) // 4)
+    while candidates:
+        chunk, rest = candidates[:batch], candidates[batch:]
+        trial = removed | {i for group in chunk for i in group}
+        if keep_fn([ln for i, ln in enumerate(lines) if i not in trial]):
+            removed, candidates = trial, rest
+        elif batch > 1:
+            batch //= 2
+            continue
+        else:
+            candidates = rest
+        batch = max(1, min(batch * 2, len(candidates) // 4 or 1))
+    return [ln for i, ln in enumerate(lines) if i not in removed]
+
+
+def trim(text: str, sizes: tuple[int, ...], axes: frozenset[str]) -> str:
+    want = reading(text, sizes, axes)
+    text = strip_attributes(text)
+    assert reading(text, sizes, axes) == want, "attribute stripping changed the reading"
+
+    def same(lines: list[str]) -> bool:
+        try:
+            return reading("\n".join(lines), sizes, axes) == want
+        except Exception:  # a removal that breaks the parse is not a valid trim
+            return False
+
+    lines = text.splitlines()
+    lines = _drop(lines, same, [list(range(a, b + 1)) for a, b in _computations(lines)])
+    # Instruction lines (not headers, closing braces or ROOTs), in chunks of neighbours.
+    body = [i for i, ln in enumerate(lines) if ln.startswith("  ") and not ln.lstrip().startswith("ROOT")]
+    lines = _drop(lines, same, [[i] for i in body])
+    out = re.sub(r"\n{3,}", "\n\n", "\n".join(lines)) + "\n"
+    assert reading(out, sizes, axes) == want
+    return out
+
+
+def main(names: list[str]) -> None:
+    index_path = os.path.join(HERE, "goldens.json")
+    index = {}
+    if names and os.path.isfile(index_path):
+        with open(index_path) as f:
+            index = json.load(f)
+    for name in names or GOLDENS:
+        overrides = GOLDENS[name]
+        full = ["runtime.cpu_devices=8", *FAST, *overrides]
+        cfg = load_config(None, full)
+        shape = MeshShape.resolve(cfg.mesh, 8)
+        ts = search._setup(cfg, shape, jax.devices())
+        compiled, _ = search.compile_train_step(ts)
+        sizes, axes = tuple(shape.axis_sizes.values()), search.param_axes(ts)
+        text = trim(compiled.as_text(), sizes, axes)
+        path = os.path.join(HERE, f"{name}.hlo.txt")
+        with open(path, "w") as f:
+            f.write(text)
+        index[name] = {"overrides": full, "mesh_sizes": list(sizes), "param_axes": sorted(axes),
+                       "jax": jax.__version__, "backend": "cpu"}
+        print(f"{name}: {len(compiled.as_text()):,} -> {len(text):,} characters", flush=True)
+    with open(index_path, "w") as f:
+        json.dump({k: index[k] for k in GOLDENS if k in index}, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
