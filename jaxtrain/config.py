@@ -196,7 +196,7 @@ class DistConfig:
     # GPU ordinals (after CUDA_VISIBLE_DEVICES) this process drives; None: JAX_LOCAL_DEVICE_IDS, else derived from
     # Slurm's task layout, else all (see jaxtrain.distributed; `python -m jaxtrain env` shows the result).
     local_device_ids: list | None = None
-    bind_address: str | None = None  # host:port process 0's coordinator listens on; None: every interface
+    bind_address: str | None = None  # host:port process 0's coordinator listens on; None: the coordinator address
 
 
 @dataclass
@@ -372,8 +372,6 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:  # free-form: the file's owner checks it (an experiment's runs: a list of mappings or "all")
         return value
-    if tp is Any:  # free-form: the file's owner checks it (an experiment's runs: a list of mappings or "all")
-        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -404,10 +402,6 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{name}={value!r} must be a string")
-    if origin is list and args == (str,):
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name}={value!r} must be a list of strings")
-        return list(value)
     if origin is list and args == (str,):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}={value!r} must be a list of strings")
