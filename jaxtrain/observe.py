@@ -93,7 +93,7 @@ class PrometheusMetrics:
             ("tokens_per_second", "Training tokens per second (all devices), last step"),
             ("mfu_ratio", "Model FLOPs utilisation of the last step (0-1; absent without a peak rate)"),
             ("step_host_seconds", "Host work of the last step: data wait, host-to-device, dispatch"),
-            ("step_device_seconds", "Rest of the last step: the host waiting for the devices"))}
+            ("step_device_seconds", "Rest of the last step's loop iteration: the host waiting for the devices"))}
         self._bound: dict[str, Any] = {}
         self.step_seconds = hist("jaxtrain_step_seconds", "Wall time per training step")
         self.data_wait_seconds = hist("jaxtrain_data_wait_seconds", "Time each step waited for its batch")
@@ -154,19 +154,36 @@ class StragglerWatch:
     def dispatched(self, step: int, host_s: float, data_s: float) -> None:
         self.host[step], self.data[step] = host_s, data_s
 
-    def reported(self, step: int, step_time: float) -> float:
-        """The step's device share (step time minus its host work); stores it for the window."""
-        self.device[step] = max(0.0, step_time - self.host.get(step, 0.0))
-        return self.device[step]
+    def iteration(self, step: int, seconds: float) -> None:
+        """The loop's iteration for ``step`` took ``seconds`` in all: the part after its host work is the device
+        share (the host waiting for the devices, with the loop's own bookkeeping)."""
+        if step in self.host:
+            self.device[step] = max(0.0, seconds - self.host[step])
+
+    def split(self, step: int) -> dict[str, float]:
+        """This process's figures for a step, for metrics.jsonl: host work, data wait, device (when known)."""
+        if step not in self.host:
+            return {}
+        out = {"host_time": self.host[step], "data_wait": self.data[step]}
+        if step in self.device:
+            out["device_time"] = self.device[step]
+        return out
 
     def maybe_exchange(self, step: int) -> None:
-        if not self.every or step % self.every or jax.process_count() == 1 or _kv_client() is None:
+        if not (self.every and jax.process_count() > 1 and _kv_client() is not None):
+            for d in (self.host, self.data, self.device):  # nothing to exchange: keep only what report() needs
+                for old in [k for k in d if k < step - 1]:
+                    del d[old]
+            return
+        if step % self.every:
             return
         window = sorted(self.host)
         mine = {"host": statistics.median(self.host.values()), "data": statistics.median(self.data.values()),
                 "device": statistics.median(self.device.values()) if self.device else 0.0,
                 "first": window[0], "last": window[-1]}
-        self.host.clear(), self.data.clear(), self.device.clear()
+        for d in (self.host, self.data, self.device):  # this step's figures stay until report() has used them
+            for old in [k for k in d if k < step]:
+                del d[old]
         client = _kv_client()
         client.key_value_set(f"{KV_PREFIX}/straggler/{step}/{jax.process_index()}", json.dumps(mine))
         previous, self._posted = self._posted, step
@@ -377,6 +394,7 @@ class Observer:
         self._save_started: float | None = None
         self._checkpointer = None
         self._last_step = 0
+        self._iteration_start: float | None = None
 
     def _port_offset(self, how: str) -> int:
         if how == "process":
@@ -392,7 +410,11 @@ class Observer:
         """A step starts: goodput category, profile window. Returns the start time (perf_counter)."""
         self.goodput.step(step)
         self.profiler.begin(step)
-        return time.perf_counter()
+        now = time.perf_counter()
+        if self._iteration_start is not None:
+            self.stragglers.iteration(step - 1, now - self._iteration_start)
+        self._iteration_start = now
+        return now
 
     def step_dispatched(self, step: int, t_begin: float, t_batch: float) -> None:
         """The step was dispatched: its host work took from ``t_begin`` to now, ``t_batch - t_begin`` of it
@@ -428,14 +450,15 @@ class Observer:
 
     def report(self, step: int, values: dict, step_time: float, logged: bool) -> None:
         """A step's metrics arrived (every step; ``logged``: a step the writer logs)."""
-        device_s = self.stragglers.reported(step, step_time)
         m = self.metrics
         if m is None:
             return
         m.set("step", step)
         m.step_seconds.observe(step_time)
-        m.set("step_host_seconds", step_time - device_s)
-        m.set("step_device_seconds", device_s)
+        split = self.stragglers.split(step)
+        if "device_time" in split:
+            m.set("step_host_seconds", split["host_time"])
+            m.set("step_device_seconds", split["device_time"])
         m.set("loss", values["loss"])
         if values.get("nonfinite_steps"):  # the step was skipped (train_step's count of consecutive ones)
             m.nonfinite_steps.inc()
@@ -455,6 +478,10 @@ class Observer:
                     m.memory_peak.labels(**m.base, device=str(d.id)).set(stats["peak_bytes_in_use"])
             for category, fraction in self.goodput.fractions().items():
                 m.goodput.labels(**m.base, category=category).set(fraction)
+
+    def step_split(self, step: int) -> dict[str, float]:
+        """``host_time``, ``data_wait``, ``device_time`` (seconds) of a reported step on this process."""
+        return self.stragglers.split(step)
 
     def evaluated(self, eval_loss: float) -> None:
         if self.metrics:

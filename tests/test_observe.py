@@ -150,6 +150,9 @@ def test_metrics_endpoint_scraped_during_a_real_run(scraped_run):
     assert value(last, "jaxtrain_step_seconds_count") >= value(last, "jaxtrain_step") - 1
     assert value(last, "jaxtrain_learning_rate") > 0 and 0 < value(last, "jaxtrain_loss") < 6
     records = {r["step"]: r for r in map(json.loads, open(scraped_run["run_dir"] / "metrics.jsonl"))}
+    # Each logged step's split on this process: data wait within host work, then the device share.
+    for r in list(records.values())[:-1]:
+        assert 0 <= r["data_wait"] <= r["host_time"] < r["host_time"] + r["device_time"], r
     step = int(value(last, "jaxtrain_step"))
     if step in records:  # a logged step: the endpoint shows the same loss as metrics.jsonl
         assert value(last, "jaxtrain_loss") == pytest.approx(records[step]["loss"], rel=1e-6)
