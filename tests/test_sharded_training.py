@@ -1,10 +1,13 @@
 """Sharded training is proven by comparing against the unsharded run on the same inputs."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
 from jaxtrain import train as train_lib
+from test_reference_flops import hand_forward_flops_per_token
 
 MESHES = {
     "data=8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
@@ -35,10 +38,20 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(MESHES))
-def test_losses_match_single_device(make_config, reference, name):
+def test_losses_match_single_device(make_config, reference, name, tmp_path):
     losses = _losses(make_config, MESHES[name], 8)
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
     assert losses[-1] < losses[0]  # it trained
+    # Per-device figures divide by the 8 devices (the one-device run in test_train_loop cannot tell).
+    cfg = make_config()
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    matmuls, attention = hand_forward_flops_per_token(cfg.model, cfg.data.seq_len)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 8]
+    for r in records:
+        assert r["tokens_per_sec_per_device"] == pytest.approx(tokens / r["step_time"] / 8, rel=1e-9)
+        assert r["tflops_per_device"] == pytest.approx(3 * (matmuls + attention) * tokens / r["step_time"] / 8e12,
+                                                       rel=1e-9)
 
 
 @pytest.mark.parametrize("accumulate", ["unreduced", "sharded"])
@@ -108,7 +121,9 @@ def test_bfloat16_compute_with_float32_parameters_trains(make_config, reference)
     result = train_lib.train(cfg, devices=jax.devices()[:1])
     losses = np.array([result.losses[s] for s in range(1, 9)])
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
-    # bfloat16 matmuls track float32 closely over the first steps; later, rounding differences compound (2% by
-    # step 6 here), so the end is held to the looser bound only.
+    # bfloat16 matmuls track float32 closely over the first steps (measured: within 6e-4 of the loss for steps
+    # 1-5). Step 6 alone is 2.1% off here (jax 0.10.2, CPU), steps 7 and 8 0.26% and 0.20%: rounding differences
+    # do not compound, so the end is held to 5e-3, not the 2e-2 that would let a loss computed in bfloat16 through.
     np.testing.assert_allclose(losses[:5], reference[:5], rtol=2e-3)
-    np.testing.assert_allclose(losses[-1], reference[-1], rtol=2e-2)
+    np.testing.assert_allclose(losses[6:], reference[6:], rtol=5e-3)
+    assert abs(losses[5] / reference[5] - 1) < 3e-2

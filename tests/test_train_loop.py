@@ -7,6 +7,7 @@ import pytest
 
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
+from test_reference_flops import hand_forward_flops_per_token
 
 
 def test_default_config_learns_and_writes_its_outputs(tmp_path):
@@ -21,6 +22,15 @@ def test_default_config_learns_and_writes_its_outputs(tmp_path):
     assert {"grad_norm", "lr", "step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
             "mfu"} <= set(records[-1])
     assert records[-1]["mfu"] is None  # CPU: peak unknown
+    # The throughput figures follow from the step time and a hand count of the model's FLOPs (tests/
+    # test_reference_flops.py), not only present: tokens are global_batch x seq_len inputs per step.
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    matmuls, attention = hand_forward_flops_per_token(cfg.model, cfg.data.seq_len)
+    for r in records:
+        assert r["tokens_per_sec"] == pytest.approx(tokens / r["step_time"], rel=1e-9)
+        assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"], rel=1e-9)  # one device
+        assert r["tflops_per_device"] == pytest.approx(3 * (matmuls + attention) * tokens / r["step_time"] / 1e12,
+                                                       rel=1e-9)
     # Step s of the warmup runs at lr * s / warmup_steps: the first step already moves the parameters.
     w = cfg.train.warmup_steps
     assert [r["lr"] for r in records[:w]] == pytest.approx([cfg.train.lr * s / w for s in range(1, w + 1)])
@@ -36,6 +46,7 @@ def test_default_config_learns_and_writes_its_outputs(tmp_path):
     assert summary["last_step"] == 40 and summary["steps_timed"] == 40
     assert summary["final_loss"] == result.losses[40] and summary["final_eval_loss"] == result.eval_losses[40]
     assert summary["step_seconds"]["p10"] <= summary["step_seconds"]["median"] <= summary["step_seconds"]["p90"]
+    assert summary["tokens_per_sec"] == pytest.approx(tokens / summary["step_seconds"]["median"], rel=1e-9)
 
 
 def test_default_logging_and_a_finished_run_left_untouched(tmp_path):
