@@ -208,6 +208,32 @@ def attribute(op: str, size_bytes: int, iters: int, bound_gbps: float, crosses_h
     return all(flag for _, flag, _ in mine), f"{op} between node {me} ({node_name()}) and its neighbours: {words}"
 
 
+RERUNS = 4
+
+
+def reproduce(mesh, axis: str, op: str, size_bytes: int, platform: str) -> str:
+    """Re-run a collective that returned wrong values ``RERUNS`` times before anything is blamed.
+
+    Wrong every time: a reproducible fault of the devices or link, attributed to a node like a slow link. Wrong
+    only sometimes: an intermittent fault, on CPU that of the collective library (gloo's reduce-scatter corrupts the
+    end of rank 0's chunk from ~4 MiB, jax-ml/jax#40830), reported as such and not pinned on the hardware.
+    """
+    wrong = sum(not measure_collective(mesh, axis, op, size_bytes, 1).correct for _ in range(RERUNS))
+    wrong = int(np.max(multihost_utils.process_allgather(np.array([wrong]))))
+    if wrong == RERUNS:
+        return f"reproducible: {op} over {axis} was wrong in {RERUNS} of {RERUNS} re-runs"
+    library = ("gloo, the CPU collective library (jax-ml/jax#40830)" if platform == "cpu"
+               else "the collective library or driver")
+    return (f"intermittent: {op} over {axis} was wrong in {wrong} of {RERUNS} re-runs: a fault of {library}, "
+            "not of a slow or broken link; the hardware is not blamed")
+
+
+def verdict(failures: list[str]) -> tuple[bool, int]:
+    """One verdict for the whole job: (passed, processes that failed), the same on every process."""
+    failed = int(np.sum(multihost_utils.process_allgather(np.array([bool(failures)]))))
+    return failed == 0, failed
+
+
 def _any_process(flag: bool) -> bool:
     """True if ``flag`` is true on any process: every process must take the same branch before a sub-check."""
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
@@ -269,9 +295,12 @@ def run(cfg: Config) -> list[str]:
                 m = measure_collective(mesh, axis, op, nbytes, c.iters)
                 say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.3g} | "
                     f"{m.busbw:.3g} | {'ok' if m.correct else 'WRONG'} |")
-                if not m.correct:
-                    wrong = True
-                    failures.append(f"axis {axis}: {op} of {m.size_bytes} bytes returned wrong values")
+                if _any_process(not m.correct):  # every process joins the re-runs
+                    verdict = reproduce(mesh, axis, op, nbytes, device.platform)
+                    say(f"check: {verdict}")
+                    if not m.correct:
+                        failures.append(f"axis {axis}: {op} of {m.size_bytes} bytes returned wrong values; {verdict}")
+                    wrong = wrong or verdict.startswith("reproducible")
             slow = bool(bound) and m.busbw < bound
             if slow:
                 failures.append(f"axis {axis}: {op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} "

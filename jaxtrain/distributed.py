@@ -25,8 +25,13 @@ local_device_ids (GPU ordinals as this process's CUDA numbers them, i.e. after `
      (``--ntasks-per-node=8 --gpus-per-node=8``: task i drives GPU i); tasks that Slurm bound to their own GPUs
      use all they see;
   4. none: every device the process sees.
-Even a single process initialises the runtime: JAX's preemption service, which makes every process stop at the
-same step on SIGTERM (``checkpoint.PreemptionWatch``), lives in it. CPU processes exchange data with gloo.
+A single process does not initialise ``jax.distributed`` at all: nothing listens on the network, and its CPU
+devices exchange data in-process. Once ``jax.distributed`` is initialised, XLA:CPU routes even one process's
+collectives through gloo, which is slower (see benchmarks/cpu_collectives.py) and whose large reduce-scatters
+intermittently return wrong values (jax-ml/jax#40830). Preemption of a single process is a local signal flag
+(``checkpoint.PreemptionWatch``); several processes use JAX's preemption service so that all stop at the same step.
+CPU processes of a multi-process job exchange data with gloo; process 0's coordination service binds the
+coordinator address itself (``dist.bind_address`` to name another interface), not every interface.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class Settings:
     process_id: int
     local_device_ids: tuple[int, ...] | None  # None: every device the process sees
     platform: str  # JAX_PLATFORMS, or what JAX picks from the installed plugins
-    bind_address: str | None  # None: JAX's default, all interfaces ([::]:port)
+    bind_address: str | None  # where process 0's coordination service listens (None: single process, no service)
     sources: dict = field(default_factory=dict)  # setting -> where it came from, in words
 
     @property
@@ -229,13 +234,17 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
 
     platform, sources["platform"] = _platform(environ)
     bind = getattr(dist, "bind_address", None)
-    if bind is not None:
+    if n == 1:
+        bind, sources["coordinator_bind_address"] = None, "single process: no coordination service is started"
+    elif bind is not None:
         sources["coordinator_bind_address"] = "config: dist.bind_address"
     elif environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
         bind = environ["JAX_COORDINATOR_BIND_ADDRESS"]
         sources["coordinator_bind_address"] = "environment: JAX_COORDINATOR_BIND_ADDRESS"
     else:
-        sources["coordinator_bind_address"] = "default: JAX binds every interface ([::]:port) on process 0"
+        # JAX would listen on every interface ([::]:port); the coordinator's own address is the one peers use.
+        bind = coordinator
+        sources["coordinator_bind_address"] = "default: the coordinator address itself"
     return Settings(coordinator, n, i, ids, platform, bind, sources)
 
 
@@ -266,6 +275,12 @@ def initialize(dist: DistConfig, settings: Settings) -> None:
     if jax.distributed.is_initialized():
         return
     multi = settings.num_processes > 1
+    if not multi:
+        # No process group: nothing listens, and CPU collectives stay in-process (not gloo; see the docstring).
+        if settings.local_device_ids is not None:
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, settings.local_device_ids)))
+        verify_devices(settings)
+        return
     if multi and settings.process_id:  # a worker: fail clearly if the coordinator never comes up
         _wait_for_coordinator(settings, dist.init_timeout_s)
     if multi:

@@ -7,7 +7,8 @@
 # lines are prefixed with "[i] ". SIGINT/SIGTERM are forwarded to every process (they stop at a step they agree on
 # and checkpoint it). If any process fails, the others are stopped and the launcher exits with the failing status.
 # PYTHON (default python3) picks the interpreter; GRACE_S (default 20) is how long stopped processes get before
-# SIGKILL.
+# SIGKILL. Gloo's "[Gloo] Rank i is connected to j peer ranks" lines (printed by the C++ library on every CPU job's
+# start, one per process and peer group) are dropped: they say nothing a user can act on.
 #
 # On a GPU host each process gets its own GPUs: the G GPUs this shell sees (CUDA_VISIBLE_DEVICES, else
 # `nvidia-smi -L`; JAXTRAIN_LOCAL_GPUS=G overrides) are split into N equal blocks, and process i gets
@@ -21,6 +22,11 @@ fi
 n=$1; shift
 python=${PYTHON:-python3}
 grace=${GRACE_S:-20}
+# Environment values are data, never code: bash would evaluate GRACE_S inside $(( )) below.
+if ! [[ "$grace" =~ ^[0-9]+$ ]]; then
+  echo "launch/local.sh: GRACE_S=$grace must be a whole number of seconds" >&2
+  exit 2
+fi
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
 if [ -n "${JAXTRAIN_LOCAL_GPUS:-}" ]; then
@@ -45,7 +51,7 @@ for ((i = 0; i < n; i++)); do
     ids=$(seq -s, $((i * per)) $((i * per + per - 1)))
   fi
   JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i JAX_LOCAL_DEVICE_IDS=$ids \
-    "$python" -u -m jaxtrain "$@" > >(sed -u "s/^/[$i] /") 2>&1 &
+    "$python" -u -m jaxtrain "$@" > >(sed -u -e '/^\[Gloo\] Rank [0-9]* is connected to/d' -e "s/^/[$i] /") 2>&1 &
   pids+=($!)
 done
 

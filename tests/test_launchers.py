@@ -130,3 +130,19 @@ def test_jobset_has_what_a_jax_job_on_rdma_nodes_needs():
     assert host == f"{js['metadata']['name']}-{rjob['name']}-0-0.{spec['network']['subdomain']}"
     assert int(port) == c["ports"][0]["containerPort"]
     assert c["command"][:4] == ["python", "-m", "jaxtrain", "train"]
+
+
+@pytest.mark.parametrize("script, env", [
+    ("local.sh", {"GRACE_S": "a[$(touch {marker})]"}),
+    ("slurm.sbatch", {"JAXTRAIN_METRICS_PORT": "a[$(touch {marker})]", "JAXTRAIN_CHECK": "0"}),
+])
+def test_launchers_treat_environment_values_as_data(tmp_path, script, env):
+    """A value that bash would evaluate in $(( )) is refused (exit 2, one line), never run."""
+    marker = tmp_path / "evaluated"
+    full = {**os.environ, **{k: v.format(marker=marker) for k, v in env.items()},
+            "JAXTRAIN_ENV_FILE": os.path.join(LAUNCH, "jaxtrain.env"), "PYTHON": "false"}
+    args = ["1", "train"] if script == "local.sh" else ["train"]
+    proc = subprocess.run(["bash", os.path.join(LAUNCH, script), *args], env=full, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and not marker.exists(), proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "must be" in proc.stderr

@@ -164,7 +164,8 @@ def test_health_check_with_two_processes():
                  "check.iters=2", "check.matmul_size=256")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[0] axis data: 2 devices (crosses hosts)" in proc.stdout
-    assert "[0] [process 0/2] check passed" in proc.stdout and "[1] [process 1/2] check passed" in proc.stdout
+    # One verdict for the job: process 0 says it, process 1 agrees silently (same exit status).
+    assert "[0] check passed" in proc.stdout and proc.stdout.count("check passed") == 1
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +204,7 @@ def test_real_slurm_runs_the_sbatch_script(slurm, tmp_path):
     assert submit.returncode == 0, submit.stderr + log[-3000:]
     state = job_state(slurm, job)
     assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
-    assert "[process 0/2] check passed" in log and "[process 1/2] check passed" in log  # the health check step
+    assert log.count("check passed") == 1  # the health check step: one verdict for the job, from process 0
     assert sorted(_losses(run_dir)) == [1, 2, 3, 4]
     assert "[process 1/2]" in log and "[process 0/2]" in log  # two processes really ran under srun
     assert sorted(os.listdir(run_dir / "logs")) == ["process_0.log", "process_1.log"]

@@ -18,12 +18,18 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = start(args)
+    import jax
+
     from jaxtrain import check, runtime
 
     failures = check.run(cfg)
     tag = runtime.process_tag()
     for failure in failures:
         print(f"check failed: {tag}{failure}", file=sys.stderr)
-    if not failures:
-        print(f"\n{tag}check passed")
-    return 1 if failures else 0
+    passed, failed = check.verdict(failures)  # every process agrees; process 0 says it
+    if jax.process_index() == 0:
+        if passed:
+            print("\ncheck passed")
+        else:
+            print(f"\ncheck FAILED on {failed} of {jax.process_count()} process(es) (their lines above)", flush=True)
+    return 0 if passed else 1
