@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -64,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {_tag()}{type(e).__name__}: {' '.join(str(e).split())[:500]}", file=sys.stderr)
             return 1
         print(f"error: {_tag()}{e}", file=sys.stderr)
+        if isinstance(e, CheckpointError):
+            # Orbax's write threads may still wait minutes for a peer's signal that a failed write never sends, and
+            # the interpreter would join them before exiting: stop now (earlier checkpoints are complete on disk).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -272,17 +273,11 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 
 def read_yaml_mapping(path: str, what: str) -> dict:
-    """The mapping at the top of a YAML file; ConfigError (naming ``what`` and the path) if absent or malformed."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what} {path!r} does not exist")
-    try:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path!r} is not valid YAML: {_one_line(e)}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{what} {path!r} must hold a mapping at the top level")
-    return loaded
+    """The mapping at the top of a YAML file; ConfigError (naming ``what`` and the path) if absent or malformed
+    (not UTF-8, a key repeated, a directory, not a mapping): see :func:`jaxtrain.inputs.load_yaml`."""
+    from jaxtrain.inputs import load_yaml
+
+    return load_yaml(path, what)
 
 
 def load_typed(path: str, cls: type, what: str) -> Any:
@@ -390,14 +385,15 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             return value
         raise ConfigError(f"{name}={value!r} must be an integer")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}={value!r} must be a number")
+        if number is not None and math.isfinite(number):  # .inf/.nan (and 1e999) would poison the run silently
+            return float(number)
+        raise ConfigError(f"{name}={value!r} must be a finite number")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -440,6 +436,8 @@ def _positive(name: str, value: float) -> None:
 
 def validate(cfg: Config) -> None:
     """Check ranges and cross-field constraints; raise :class:`ConfigError` naming the first bad value."""
+    from jaxtrain import inputs
+
     m, t, d = cfg.model, cfg.train, cfg.data
     _require(bool(cfg.run.dir), "run.dir must not be empty")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
@@ -491,18 +489,10 @@ def validate(cfg: Config) -> None:
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
     _require(d.threads >= 0, f"data.threads={d.threads} must be >= 0")
     _require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
-    if d.source not in ("embedded", "synthetic"):
-        _require(d.source.endswith((".bin", ".npy")),
-                 f"data.source={d.source!r} must be 'embedded', 'synthetic' or a .bin/.npy token file")
-        _require(os.path.isfile(d.source), f"data.source file {d.source!r} does not exist")
 
     c = cfg.checkpoint
     _require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0: only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
-    _require(c.resume in ("auto", "never") or c.resume.isdigit() or os.path.isdir(c.resume),
-             f"checkpoint.resume={c.resume!r} must be auto, never, a step number, or an existing checkpoint directory")
-    if c.init_from is not None:
-        _require(os.path.isdir(c.init_from), f"checkpoint.init_from directory {c.init_from!r} does not exist")
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
@@ -511,7 +501,7 @@ def validate(cfg: Config) -> None:
     _require(len(given) in (0, 3), f"dist.{', dist.'.join(given)} given without the others: set dist.coordinator, "
                                    "dist.num_processes and dist.process_id together, or none of them")
     if given:
-        _require(":" in dist.coordinator, f"dist.coordinator={dist.coordinator!r} must be host:port")
+        inputs.host_port(dist.coordinator, "dist.coordinator")
         _positive("dist.num_processes", dist.num_processes)
         _require(0 <= dist.process_id < dist.num_processes,
                  f"dist.process_id={dist.process_id} must be in [0, dist.num_processes={dist.num_processes})")
@@ -522,7 +512,7 @@ def validate(cfg: Config) -> None:
         _require(bool(ids) and all(isinstance(i, int) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
                  f"dist.local_device_ids={ids} must be a list of distinct GPU ordinals >= 0, e.g. [0,1,2,3]")
     if dist.bind_address is not None:
-        _require(":" in str(dist.bind_address), f"dist.bind_address={dist.bind_address!r} must be host:port")
+        inputs.host_port(dist.bind_address, "dist.bind_address")
     ck = cfg.check
     if ck.sizes_mb is not None:
         _require(bool(ck.sizes_mb) and all(isinstance(v, (int, float)) and v > 0 for v in ck.sizes_mb),
@@ -535,6 +525,7 @@ def validate(cfg: Config) -> None:
     _require(ck.min_busbw_gbps >= 0, f"check.min_busbw_gbps={ck.min_busbw_gbps} must be >= 0")
     _require(0 <= ck.min_matmul_fraction <= 1, f"check.min_matmul_fraction={ck.min_matmul_fraction} must be in [0, 1]")
     _validate_mesh(cfg)
+    inputs.check_paths(cfg)  # files and directories last: value mistakes are reported first
 
 
 def _validate_mesh(cfg: Config) -> None:
@@ -554,7 +545,7 @@ def _validate_mesh(cfg: Config) -> None:
     for logical, target in cfg.mesh.rules.items():
         targets = target if isinstance(target, list) else [target]
         for ax in targets:
-            _require(ax is None or ax in known,
+            _require(ax is None or (isinstance(ax, str) and ax in known),
                      f"mesh.rules.{logical}={target!r} names an unknown mesh axis; valid: {', '.join(MESH_AXES)} or null")
 
     # Divisibility by the fixed axis sizes now; the -1 axis is checked again once it is resolved (mesh.py).

@@ -50,11 +50,63 @@ def synthetic_tokens(vocab_size: int, n: int, seed: int = 1234) -> np.ndarray:
 
 
 def _read_sidecar(path: str) -> dict:
+    """The ``.json`` sidecar ``prepare`` writes next to a token file ({} if there is none)."""
     meta_path = path + ".json"
-    if not os.path.isfile(meta_path):
+    if not os.path.exists(meta_path):
         return {}
-    with open(meta_path) as f:
-        return json.load(f)
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(f"the sidecar {meta_path!r} of data.source is not valid JSON ({_short(e)}); fix or remove "
+                          "it (it holds the vocab_size and dtype prepare wrote)") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"the sidecar {meta_path!r} of data.source must hold a JSON object, got {type(meta).__name__}")
+    for key, kind in (("vocab_size", int), ("dtype", str)):
+        if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
+            raise ConfigError(f"the sidecar {meta_path!r} has {key}={meta[key]!r}; expected a {kind.__name__}")
+    return meta
+
+
+def _short(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def _open_stream(cfg: DataConfig, meta: dict) -> np.ndarray:
+    """The token file as a read-only array (memory-mapped); ConfigError for a file that is not one."""
+    path = cfg.source
+    if path.endswith(".npy"):
+        try:
+            stream = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ConfigError(f"data.source {path!r} is not a NumPy .npy array file ({_short(e)})") from None
+        if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
+            raise ConfigError(f"data.source {path!r} must hold a 1-D integer array, "
+                              f"got {stream.dtype} of shape {stream.shape}")
+        return stream
+    if "dtype" in meta and meta["dtype"] != cfg.token_dtype:
+        raise ConfigError(f"data.token_dtype={cfg.token_dtype} but {path}.json says the file is "
+                          f"{meta['dtype']}; set data.token_dtype={meta['dtype']}")
+    size, item = os.path.getsize(path), np.dtype(cfg.token_dtype).itemsize
+    if size == 0 or size % item:
+        size_text = "is empty" if size == 0 else f"has {size} bytes, not a multiple of {item}"
+        raise ConfigError(f"data.source {path!r} {size_text}: not a raw {cfg.token_dtype} token file "
+                          "(data.token_dtype)")
+    return np.memmap(path, dtype=cfg.token_dtype, mode="r")
+
+
+def check_token_ids(stream: np.ndarray, source: str, vocab_size: int) -> None:
+    """ConfigError naming the largest id when a token id lies outside [0, vocab_size): the embedding lookup would
+    silently clamp it (XLA gathers clamp out-of-range indices), training on the wrong token. One pass over the
+    file, in chunks (about 0.2 s per GB from the page cache; see README "Failure behaviour")."""
+    chunk = 1 << 26
+    hi = max(int(stream[i:i + chunk].max()) for i in range(0, len(stream), chunk))
+    lo = min(int(stream[i:i + chunk].min()) for i in range(0, len(stream), chunk)) if stream.dtype.kind == "i" else 0
+    if hi >= vocab_size:
+        raise ConfigError(f"data.source {source!r} holds token id {hi} (its largest), which model.vocab_size="
+                          f"{vocab_size} cannot represent; set model.vocab_size={hi + 1} or more")
+    if lo < 0:
+        raise ConfigError(f"data.source {source!r} holds the negative token id {lo}; token ids start at 0")
 
 
 def load_tokens(cfg: DataConfig, vocab_size: int) -> Tokens:
@@ -65,20 +117,13 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> Tokens:
         stream, needed = synthetic_tokens(vocab_size, 1 << 20), vocab_size
     else:
         meta = _read_sidecar(cfg.source)
-        if cfg.source.endswith(".npy"):
-            stream = np.load(cfg.source, mmap_mode="r")
-            if stream.ndim != 1 or not np.issubdtype(stream.dtype, np.integer):
-                raise ConfigError(f"data.source {cfg.source!r} must hold a 1-D integer array, "
-                                  f"got {stream.dtype} of shape {stream.shape}")
-        else:
-            if "dtype" in meta and meta["dtype"] != cfg.token_dtype:
-                raise ConfigError(f"data.token_dtype={cfg.token_dtype} but {cfg.source}.json says the file is "
-                                  f"{meta['dtype']}; set data.token_dtype={meta['dtype']}")
-            stream = np.memmap(cfg.source, dtype=cfg.token_dtype, mode="r")
+        stream = _open_stream(cfg, meta)
         needed = int(meta.get("vocab_size", 0))
     if needed > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the data's vocabulary ({needed} tokens); "
                           f"set model.vocab_size={needed} or more")
+    if cfg.source not in ("embedded", "synthetic"):
+        check_token_ids(stream, cfg.source, vocab_size)  # with or without a sidecar: nanoGPT's .bin have none
     n_eval = int(len(stream) * cfg.eval_fraction)
     min_len = 2 * (cfg.seq_len + 1)
     if n_eval < cfg.seq_len + 1 or len(stream) - n_eval < min_len:

@@ -153,6 +153,21 @@ def available_memory() -> tuple[int | None, str]:
     return host // len(devices), f"the host's available {host / 2**30:.1f} GiB shared by {len(devices)} CPU devices"
 
 
+def check_state_fits(ts) -> None:
+    """ConfigError when the parameters and optimizer state alone (their shards, from the abstract state's shardings)
+    exceed a device's memory: found in milliseconds, before the data is read or the step compiled."""
+    budget, where = available_memory()
+    if ts.cfg.runtime.ignore_memory_check or budget is None:
+        return
+    state = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                for x in jax.tree.leaves(ts.abstract_state))
+    if state > budget:
+        raise ConfigError(
+            f"the parameters and optimizer state alone need {state / 2**30:.2f} GiB per device on mesh "
+            f"{ts.shape.label}, but {budget / 2**30:.2f} GiB are available per device ({where}); shard them over more "
+            "devices (mesh.ici.fsdp), use a smaller model, or runtime.ignore_memory_check=true to start anyway")
+
+
 def check_memory_fit(ts, compiled_step) -> None:
     """ConfigError (exit 2) with the figures and what would fit when the compiled step needs more memory per device
     than there is; skipped with ``runtime.ignore_memory_check=true``."""

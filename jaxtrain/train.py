@@ -306,6 +306,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
 def _start(cfg: Config, devices: list | None) -> RunResult:
     ts = setup(cfg, devices)
     cfg = ts.cfg
+    guards.check_state_fits(ts)  # before reading data or compiling: a model that cannot fit at all stops at once
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     source = ckpt.choose_restore(cfg, ts.abstract_state)
     if source.kind == "resume" and source.step >= cfg.train.steps:
