@@ -45,7 +45,8 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
         f"{target.hw.name}")
     result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log)
     if as_json:
-        print(json.dumps(report.to_json(target.hw, target.n_devices, target.nodes, result), indent=1))
+        print(json.dumps(report.to_json(target.hw, target.n_devices, target.nodes, result, target.notes), indent=1))
     else:
-        print(report.format_report(target.cfg, target.hw, target.n_devices, target.nodes, result, wide=wide))
+        print(report.format_report(target.cfg, target.hw, target.n_devices, target.nodes, result, wide=wide,
+                                   notes=target.notes))
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+from collections.abc import Sequence
 
 from jaxtrain.config import Config
 from jaxtrain.hardware import Hardware
@@ -77,8 +78,10 @@ def _wrap(text: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, subsequent_indent="  ")
 
 
-def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result: dict, wide: bool = False) -> str:
-    """The ranked table printed by ``jaxtrain plan``: meshes that fit first, then by estimated step time."""
+def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result: dict, wide: bool = False,
+                  notes: Sequence[str] = ()) -> str:
+    """The ranked table printed by ``jaxtrain plan``: meshes that fit first, then by estimated step time.
+    ``notes``: where the plan differs from the run it plans (``target.Target.notes``)."""
     m = cfg.model
     tokens = cfg.train.global_batch * cfg.data.seq_len
     lines = _wrap(
@@ -92,6 +95,8 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
         "(per device, each way)"
         + (f"; {hw.collective_latency * 1e6:.0f} us per collective" if hw.collective_latency else ""))
+    for note in notes:
+        lines += _wrap(f"note: {note}")
     lines.append("")
     lines += _table(_header(wide), [_row(i, r, wide) for i, r in enumerate(result["candidates"], 1)]
                     + [_pruned_row(p, wide) for p in result["pruned"]])
@@ -117,6 +122,6 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     return "\n".join(lines)
 
 
-def to_json(hw: Hardware, n_devices: int, nodes: int, result: dict) -> dict:
+def to_json(hw: Hardware, n_devices: int, nodes: int, result: dict, notes: Sequence[str] = ()) -> dict:
     """The JSON the ``--json`` flag prints."""
-    return {"hardware": dataclasses.asdict(hw), "devices": n_devices, "nodes": nodes, **result}
+    return {"hardware": dataclasses.asdict(hw), "devices": n_devices, "nodes": nodes, "notes": list(notes), **result}

@@ -20,6 +20,7 @@ class Target:
     devices: list  # the devices that compile the step (emulated CPU devices stand in for the target's)
     nodes: int
     shapes: list[MeshShape]
+    notes: list[str] = dataclasses.field(default_factory=list)  # where the plan differs from the run it plans
 
     @property
     def n_devices(self) -> int:
@@ -67,6 +68,8 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
             raise ConfigError(f"--{name}={value} must be in (0, 1]")
     from jaxtrain.planner.search import enumerate_shapes, given_shape
 
+    notes: list[str] = []
+
     def shapes_for(c: Config, n: int, k: int) -> list[MeshShape]:
         return [given_shape(c, n, k)] if mesh_given(overrides) else enumerate_shapes(c, n, k)
 
@@ -77,7 +80,11 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
             raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} contradicts --hardware {hardware_name} "
                               f"--nodes {nodes} ({n_devices} devices); drop it")
         hw = dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
-        cfg = as_on_gpu(cfg)
+        on_gpu, cfg = resolve_auto(cfg, "gpu"), as_on_gpu(cfg)
+        if cfg.model.attention != on_gpu.model.attention:
+            notes.append(f"attention {on_gpu.model.attention} (the choice on GPUs) is planned with "
+                         f"{cfg.model.attention}: XLA:CPU cannot compile cuDNN; the collectives are the same, and "
+                         "the flash kernel's memory, like cuDNN's, grows linearly with the sequence")
         shapes = shapes_for(cfg, n_devices, nodes)
         # Nothing compiled here ever runs, so skip LLVM's optimisations of the CPU code: about a third of the compile
         # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Not for the devices
@@ -104,4 +111,4 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         hw = hardware_at_hand(devices, mem_fraction)
     if efficiency:
         hw = dataclasses.replace(hw, compute_efficiency=efficiency)
-    return Target(cfg, hw, devices, nodes, shapes)
+    return Target(cfg, hw, devices, nodes, shapes, notes)
