@@ -36,8 +36,10 @@ def test_windows_have_stride_seq_len_and_share_one_token():
         assert w[i].dtype == np.int32
     for i in range(len(w) - 1):
         assert set(w[i]) & set(w[i + 1]) == {(i + 1) * SEQ}  # only the shifted target token is shared
-    # The last window still has its full seq_len + 1 tokens: no short window at the end.
+    # The last window still has its full seq_len + 1 tokens: no short window at the end, also when the stream is a
+    # whole number of windows' strides long (96 tokens = 12 strides hold only 11 windows of 9).
     assert len(w[len(w) - 1]) == SEQ + 1 and (len(w)) * SEQ + 1 <= 100
+    assert len(data_lib.Windows(np.arange(96), SEQ)) == 11 and len(data_lib.Windows(np.arange(97), SEQ)) == 12
 
 
 @pytest.mark.parametrize("seed", [0, 3])

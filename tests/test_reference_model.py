@@ -162,10 +162,10 @@ def test_rotary_scores_depend_only_on_relative_position():
 # Whole model
 
 
-def _random_model(tmp_path, *overrides, seed=0):
+def _random_model(tmp_path, *overrides, seed=0, devices=1):
     """(TrainSetup, state with random weights, the weights as a float64 nested dict)."""
     cfg = load_config(None, [f"run.dir={tmp_path}", *SMALL, *overrides])
-    ts = train_lib.setup(cfg, jax.devices()[:1])
+    ts = train_lib.setup(cfg, jax.devices()[:devices])
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
