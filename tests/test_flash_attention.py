@@ -702,3 +702,24 @@ def test_bench_smoke_mode_runs_every_implementation_and_writes_reports(tmp_path,
     assert csv_text.count("\n") == len(rows) + 1
     assert md_text.count("\n| ") >= len(rows)
     assert "pallas" in printed and "xla" in printed
+
+
+@pytest.mark.slow
+def test_gpu_check_script_smoke_runs_every_section(tmp_path):
+    """benchmarks/gpu_check.sh --smoke on CPU: every section runs and succeeds (GPU-only parts skip or record
+    their reason), and the benchmark and training reports are written."""
+    proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_check.sh"), "--smoke", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for section in ("versions and devices", "kernel tests", "TFLOP/s", "training steps", "0 section(s) failed"):
+        assert section in proc.stdout
+    assert (tmp_path / "bench" / "flash_attention_bench.csv").is_file()
+    for impl in ("xla", "pallas"):
+        assert (tmp_path / f"train-{impl}" / "summary.json").is_file()
+    assert re.search(r"^pallas\s+ok\s", proc.stdout, re.M), proc.stdout[-2000:]
+
+
+def test_gpu_check_script_rejects_bad_arguments():
+    proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_check.sh"), "--fast"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown argument '--fast'" in proc.stderr
