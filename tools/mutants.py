@@ -1,0 +1,365 @@
+#!/usr/bin/env python3
+"""Mutation campaign: does the test suite notice a realistic bug?
+
+Each mutant is one plausible single-point bug, given as (file, exact original snippet, replacement). The campaign
+copies the working tree (tracked and untracked, non-ignored files) to a scratch directory once, then for each
+mutant alone: replaces the snippet there, runs the tests named for it (the fastest likely killer first, ``-x``),
+and restores the file. Nothing in the repository is touched.
+
+A mutant is *killed* when its tests fail, *survives* when they pass, and is *stale* when its original snippet is
+not in the file exactly as many times as expected (the code moved: fix the mutant, it does not count either way).
+The score is killed / (killed + survived).
+
+    python tools/mutants.py                    # the whole campaign (tens of minutes on 2 cores: run it niced)
+    python tools/mutants.py --list             # the mutants and their tests
+    python tools/mutants.py --check            # which mutants are stale, without running tests
+    python tools/mutants.py --only rotary-sign,clip-after-adamw
+    python tools/mutants.py --baseline         # first run every named test unmutated (must pass)
+
+Not part of CI: it is too slow. Its last report is in the README's testing section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    file: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]  # pytest arguments (node ids, files, -k expressions), likeliest fast killer first
+    why: str = ""  # what real bug this stands for
+    occurrences: int = 1  # how many times ``original`` is in the file (identical kernels share lines)
+    nth: int = 0  # which occurrence to replace
+
+
+REF = "tests/test_reference_"
+MODEL_LOGITS = REF + "model.py::test_logits_match_numpy_float64_forward"
+
+MUTANTS = [
+    # -- config --------------------------------------------------------------------------------------------------
+    Mutant("auto-cudnn-with-document-mask", "config", "jaxtrain/config.py",
+           'if dtype != "float32" and not cfg.data.document_mask:', 'if dtype != "float32":',
+           (REF + "config.py",), "auto picks cuDNN, which takes no segment ids, for a document-masked run"),
+    Mutant("auto-dtype-bf16-on-tpu-only", "config", "jaxtrain/config.py",
+           '("float32" if platform == "cpu" else "bfloat16")', '("float32" if platform != "tpu" else "bfloat16")',
+           (REF + "config.py",), "GPUs train in float32 under dtype=auto"),
+    Mutant("divisibility-ignores-microbatches", "config", "jaxtrain/config.py",
+           "micro = t.global_batch // t.microbatches", "micro = t.global_batch",
+           (REF + "config.py::test_each_microbatch_must_split_over_the_data_parallel_devices",),
+           "a microbatch that does not split over the data-parallel devices passes validation"),
+    Mutant("embed-not-fsdp-sharded", "config", "jaxtrain/config.py",
+           '"embed": "fsdp",', '"embed": None,',
+           ("tests/test_sharded_training.py::test_fsdp8_holds_an_eighth_of_the_embedding_per_device",),
+           "parameters silently replicated: fsdp saves no memory"),
+    # -- mesh ----------------------------------------------------------------------------------------------------
+    Mutant("mesh-ici-major", "mesh", "jaxtrain/mesh.py",
+           "grid = grid.transpose(0, 3, 1, 4, 2, 5)", "grid = grid.transpose(3, 0, 4, 1, 5, 2)",
+           ("tests/test_mesh.py",), "dcn axes laid inside nodes: cross-node traffic on the wrong axis"),
+    Mutant("node-coordinates-swapped", "mesh", "jaxtrain/mesh.py",
+           "np.stack([coords // ici, coords % ici], axis=-1)", "np.stack([coords % ici, coords // ici], axis=-1)",
+           ("tests/test_plan.py::test_node_coordinates_match_build_mesh",),
+           "the planner's idea of which device sits on which node differs from build_mesh"),
+    # -- model ---------------------------------------------------------------------------------------------------
+    Mutant("rotary-sign", "model", "jaxtrain/model.py",
+           "x2 * cos + x1 * sin", "x2 * cos - x1 * sin",
+           (REF + "model.py::test_rotary_matches_numpy_and_preserves_norms",), "rotation by the wrong sign"),
+    Mutant("rotary-frequency", "model", "jaxtrain/model.py",
+           "* 2 / dim)", "/ dim)", (REF + "model.py::test_rope_frequencies_match_the_llama_formula",),
+           "theta ** -(i / d) instead of -(2i / d): HF checkpoints load but attend wrongly"),
+    Mutant("llama3-scaling-inverted", "model", "jaxtrain/model.py",
+           "freqs = jnp.where(wavelen > rs.original_max_len / rs.low_freq_factor, freqs / rs.factor,",
+           "freqs = jnp.where(wavelen > rs.original_max_len / rs.low_freq_factor, freqs * rs.factor,",
+           (REF + "model.py::test_llama3_scaled_frequencies_match_transformers_formula",),
+           "long wavelengths compressed instead of stretched"),
+    Mutant("gqa-grouping", "model", "kernels/reference.py",
+           "qg = q.reshape(b, s, kv, h // kv, d)", "qg = q.reshape(b, s, h // kv, kv, d)",
+           (MODEL_LOGITS,), "query head h reads kv head h % kv instead of h // (heads / kv)"),
+    Mutant("causal-mask-leaks-next-token", "model", "kernels/reference.py",
+           "mask = jnp.tril(mask)", "mask = jnp.tril(mask, 1)", (MODEL_LOGITS,),
+           "each position sees the token it must predict"),
+    Mutant("norm-eps-ignored", "model", "jaxtrain/model.py",
+           "epsilon=cfg.norm_eps", "epsilon=1e-6", (MODEL_LOGITS,), "model.norm_eps (e.g. Llama's 1e-5) not used"),
+    Mutant("swiglu-gate-and-up-swapped", "model", "jaxtrain/model.py",
+           "h = nnx.silu(self.gate(x)) * self.up(x)", "h = nnx.silu(self.up(x)) * self.gate(x)", (MODEL_LOGITS,),
+           "imported weights put through the wrong nonlinearity"),
+    Mutant("mlp-uses-attention-norm", "model", "jaxtrain/model.py",
+           "x = x + self.mlp(self.mlp_norm(x))", "x = x + self.mlp(self.attn_norm(x))", (MODEL_LOGITS,),
+           "the MLP normalised with the attention's scale"),
+    Mutant("final-norm-dropped", "model", "jaxtrain/model.py",
+           "x = self.final_norm(x)", "x = x", (MODEL_LOGITS,), "no final RMSNorm before the output projection"),
+    # -- data ----------------------------------------------------------------------------------------------------
+    Mutant("overlapping-windows", "data", "jaxtrain/data.py",
+           "start = int(i) * self.seq_len", "start = int(i) * (self.seq_len // 2)",
+           (REF + "data.py::test_windows_have_stride_seq_len_and_share_one_token",),
+           "training windows overlap by half: each token seen twice per epoch"),
+    Mutant("window-count-off-by-one", "data", "jaxtrain/data.py",
+           "return (len(self.tokens) - 1) // self.seq_len", "return len(self.tokens) // self.seq_len",
+           (REF + "data.py::test_windows_have_stride_seq_len_and_share_one_token",),
+           "a short last window when the stream is a whole number of strides"),
+    Mutant("eos-in-next-document", "data", "jaxtrain/train.py",
+           "return jnp.cumsum(is_eos, axis=1) - is_eos", "return jnp.cumsum(is_eos, axis=1)",
+           (REF + "data.py", "-k", "document_segments"), "the eos token attends to the next document, not its own"),
+    Mutant("eval-on-training-windows", "data", "jaxtrain/data.py",
+           "grain.MapDataset.source(Windows(tokens.eval, cfg.seq_len)).repeat()",
+           "grain.MapDataset.source(Windows(tokens.train, cfg.seq_len)).repeat()",
+           (REF + "data.py::test_eval_batches_are_the_held_out_windows_in_order_wrapping_around",),
+           "held-out loss measured on training data"),
+    Mutant("process-rows-stride", "data", "jaxtrain/data.py",
+           "base = int(step) * global_batch", "base = int(step) * (hi - lo)",
+           (REF + "data.py::test_a_process_reads_exactly_its_rows_of_each_global_batch",),
+           "with several processes, each steps through the stream by its own row count: rows repeat"),
+    Mutant("shuffle-ignores-seed", "data", "jaxtrain/data.py",
+           ".shuffle(seed=seed)", ".shuffle(seed=0)",
+           (REF + "data.py::test_each_epoch_visits_every_window_once_in_a_seeded_order",), "train.seed ignored"),
+    # -- train step ----------------------------------------------------------------------------------------------
+    Mutant("decay-on-norm-scales", "train", "jaxtrain/train.py",
+           'lambda path, _: "scale" not in jax.tree_util.keystr(path)', "lambda path, _: True",
+           (REF + "optim.py::test_make_optimizer_is_clip_then_adamw_without_decay_on_norm_scales",),
+           "weight decay pulls RMSNorm scales towards 0"),
+    Mutant("clip-after-adamw", "train", "jaxtrain/train.py",
+           "optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw)",
+           "optax.chain(adamw, optax.clip_by_global_norm(t.grad_clip))",
+           (REF + "optim.py::test_make_optimizer_is_clip_then_adamw_without_decay_on_norm_scales",),
+           "the update, not the gradient, is clipped"),
+    Mutant("schedule-zero-based", "train", "jaxtrain/train.py",
+           "return base(count + 1)", "return base(count)",
+           (REF + "optim.py::test_schedule_values_at_given_steps",), "the first step runs at lr 0"),
+    Mutant("targets-not-shifted", "train", "jaxtrain/train.py",
+           "return cross_entropy(model(inputs, segments), tokens[:, 1:])",
+           "return cross_entropy(model(inputs, segments), tokens[:, :-1])",
+           (REF + "model.py::test_eval_loss_is_next_token_cross_entropy_of_the_reference_logits",),
+           "the model learns to copy its input"),
+    Mutant("document-mask-unused", "train", "jaxtrain/train.py",
+           "segments = document_segments(inputs, self.cfg.data.eos_id)", "segments = None",
+           (REF + "model.py::test_eval_loss_is_next_token_cross_entropy_of_the_reference_logits",),
+           "data.document_mask=true accepted but not applied"),
+    Mutant("microbatches-contiguous", "train", "jaxtrain/train.py",
+           "micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)", "micro = batch.reshape(k, b // k, -1)",
+           (REF + "flops.py::test_microbatch_split_moves_no_data_between_devices",),
+           "each microbatch is a contiguous block of rows: data moves between devices every microbatch"),
+    Mutant("unreduced-grads-not-averaged-over-groups", "train", "jaxtrain/train.py",
+           "(g.sum(0) / (k * dp))", "(g.sum(0) / k)",
+           (REF + "optim.py", "-k", "microbatches-unreduced"), "gradients dp times too large (clipping hides it)"),
+    Mutant("sharded-grads-not-averaged", "train", "jaxtrain/train.py",
+           "jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)",
+           "jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)",
+           (REF + "optim.py", "-k", "microbatches-sharded"), "gradients summed over microbatches, not averaged"),
+    # -- checkpoint ----------------------------------------------------------------------------------------------
+    Mutant("last-step-not-saved", "checkpoint", "jaxtrain/checkpoint.py",
+           "return step == self.cfg.train.steps or (every > 0 and step % every == 0)",
+           "return every > 0 and step % every == 0",
+           ("tests/test_checkpoint.py::test_save_schedule_and_retention",), "a run's final state is lost"),
+    Mutant("keeps-one-too-many", "checkpoint", "jaxtrain/checkpoint.py",
+           "LatestN(c.keep)", "LatestN(c.keep + 1)",
+           ("tests/test_checkpoint.py::test_save_schedule_and_retention",), "checkpoint.keep off by one"),
+    # -- distributed ---------------------------------------------------------------------------------------------
+    Mutant("slurm-process-id-from-localid", "distributed", "jaxtrain/distributed.py",
+           'n, i = int(slurm_tasks), _env_int(environ, "SLURM_PROCID")',
+           'n, i = int(slurm_tasks), _env_int(environ, "SLURM_LOCALID")',
+           (REF + "env.py",), "every node's task 0 claims process id 0"),
+    Mutant("slurm-job-task-count-first", "distributed", "jaxtrain/distributed.py",
+           'environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))',
+           'environ.get("SLURM_NTASKS", environ.get("SLURM_STEP_NUM_TASKS", "1"))',
+           (REF + "env.py",), "a step smaller than the job waits forever for processes that never come"),
+    Mutant("shared-gpus-by-local-id", "distributed", "jaxtrain/distributed.py",
+           "ids = tuple(range(local * per, (local + 1) * per))", "ids = tuple(range(local, local + per))",
+           (REF + "env.py",), "tasks sharing a node's GPUs overlap"),
+    # -- metrics / FLOPs -----------------------------------------------------------------------------------------
+    Mutant("flops-omit-attention", "metrics", "jaxtrain/model.py",
+           "return 3 * (2 * matmul_weights + attention)", "return 3 * 2 * matmul_weights",
+           (REF + "flops.py::test_train_flops_per_token_equals_the_hand_count",), "MFU without attention"),
+    Mutant("flops-attention-not-halved", "metrics", "jaxtrain/model.py",
+           "attention = l * 2 * 2 * seq_len * cfg.n_heads * hd / 2", "attention = l * 2 * 2 * seq_len * cfg.n_heads * hd",
+           (REF + "flops.py::test_train_flops_per_token_equals_the_hand_count",),
+           "causal attention counted in full: MFU inflated"),
+    Mutant("tflops-not-per-device", "metrics", "jaxtrain/train.py",
+           '"tflops_per_device": flops_per_step / step_time / n_devices / 1e12,',
+           '"tflops_per_device": flops_per_step / step_time / 1e12,',
+           ("tests/test_sharded_training.py::test_losses_match_single_device[fsdp=8]",),
+           "TFLOP/s per device reported for the whole job"),
+    Mutant("h200-sparse-peak", "metrics", "jaxtrain/configs/hardware/h200-8x.yaml",
+           "peak_flops: 989.4e+12", "peak_flops: 1979.0e+12",
+           (REF + "config.py::test_peak_flops_per_device_kind_are_the_dense_bf16_datasheet_numbers",),
+           "MFU against the 2:4-sparsity peak: halved"),
+    # -- planner -------------------------------------------------------------------------------------------------
+    Mutant("planner-all-reduce-bytes-halved", "planner", "jaxtrain/planner/cost.py",
+           "return 2 * size * (a - 1) / a, 2 * size / a * (b - 1) / b",
+           "return size * (a - 1) / a, size / a * (b - 1) / b",
+           ("tests/test_plan.py::test_group_span_and_hierarchical_link_bytes",),
+           "all-reduce priced as one all-gather"),
+    Mutant("planner-ignores-compute-efficiency", "planner", "jaxtrain/planner/cost.py",
+           "compute_s = flops / (hw.peak_flops * hw.compute_efficiency)", "compute_s = flops / hw.peak_flops",
+           ("tests/test_plan.py",), "predicted step times assume 100% of peak"),
+    Mutant("planner-remat-free", "planner", "jaxtrain/planner/cost.py",
+           "return 4 / 3  # forward + backward", "return 1.0  # forward + backward",
+           ("tests/test_plan.py",), "full rematerialisation predicted to cost nothing"),
+    # -- kernels -------------------------------------------------------------------------------------------------
+    Mutant("pallas-causal-off-by-one", "kernels", "kernels/flash_pallas.py",
+           "mask = _and(mask, q_(q_pos) >= k_(k_pos))", "mask = _and(mask, q_(q_pos) > k_(k_pos))",
+           ("tests/test_flash_attention.py::test_pallas_float32_values_and_grads",),
+           "a token does not attend to itself (first row all masked)"),
+    Mutant("pallas-diagonal-tile-unmasked", "kernels", "kernels/flash_pallas.py",
+           "full = jnp.minimum(lax.div(q_block * block_q + 1, block_k), end)", "full = end",
+           ("tests/test_flash_attention.py::test_pallas_float32_values_and_grads",),
+           "diagonal tiles treated as wholly visible: future keys leak"),
+    Mutant("triton-fwd-causal-off-by-one", "kernels", "kernels/flash_triton.py",
+           "valid = valid & (offs_m[:, None] >= offs_n[None, :])", "valid = valid & (offs_m[:, None] > offs_n[None, :])",
+           ("tests/test_flash_attention.py", "-k", "triton_kernels_in_triton_interpreter"),
+           "forward kernel's diagonal mask off by one", occurrences=2, nth=0),
+    Mutant("triton-dkdv-causal-off-by-one", "kernels", "kernels/flash_triton.py",
+           "valid = valid & (offs_m[None, :] >= offs_n[:, None])", "valid = valid & (offs_m[None, :] > offs_n[:, None])",
+           ("tests/test_flash_attention.py", "-k", "triton_kernels_in_triton_interpreter"),
+           "dk/dv kernel's diagonal mask off by one"),
+]
+
+
+def snapshot(dst: str) -> None:
+    """Copy the working tree's tracked and untracked (not ignored) files to ``dst``."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = os.path.join(REPO, rel)
+        if not os.path.isfile(src) or os.path.islink(src) and not os.path.exists(src):
+            continue  # deleted in the working tree, or a dangling link
+        target = os.path.join(dst, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), target)
+        else:
+            shutil.copy2(src, target)
+
+
+def check(m: Mutant, root: str) -> str | None:
+    """Why the mutant is stale, or None."""
+    path = os.path.join(root, m.file)
+    if not os.path.isfile(path):
+        return f"{m.file} does not exist"
+    count = open(path).read().count(m.original)
+    if count != m.occurrences:
+        return f"original found {count} times in {m.file}, expected {m.occurrences}"
+    return None
+
+
+def mutate(text: str, m: Mutant) -> str:
+    parts = text.split(m.original)
+    return m.original.join(parts[: m.nth + 1]) + m.replacement + m.original.join(parts[m.nth + 1:])
+
+
+def run_tests(root: str, args: tuple[str, ...], timeout: int) -> tuple[str, str, float]:
+    """(outcome, detail, seconds): outcome "passed", "failed" (detail: first failing test), "error" or "timeout"."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = root
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # -o addopts=: the project deselects slow tests by default; a mutant may name one on purpose.
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", "-o", "addopts=", *args]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", f"> {timeout} s", time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        return "passed", "", seconds
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    if proc.returncode == 1 and failed:
+        return "failed", failed[0], seconds
+    tail = " ".join(out.strip().splitlines()[-1:])[:120]
+    return "error", f"pytest exit {proc.returncode}: {failed[0] if failed else tail}", seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", help="comma-separated mutant names")
+    p.add_argument("--list", action="store_true", help="print the mutants and their tests, run nothing")
+    p.add_argument("--check", action="store_true", help="report stale mutants only, run no tests")
+    p.add_argument("--baseline", action="store_true", help="run every named test set unmutated first")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per mutant's test run (default 900)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    args = p.parse_args(argv)
+    mutants = MUTANTS
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = [w for w in wanted if w not in {m.name for m in MUTANTS}]
+        if unknown:
+            print(f"error: unknown mutant(s) {', '.join(unknown)}; --list shows them", file=sys.stderr)
+            return 2
+        mutants = [m for m in MUTANTS if m.name in wanted]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:42s} {m.area:11s} {m.file}: {' '.join(m.tests)}\n{'':42s} {m.why}")
+        return 0
+
+    root = tempfile.mkdtemp(prefix="jaxtrain-mutants-")
+    try:
+        snapshot(root)
+        stale = {m.name: why for m in mutants if (why := check(m, root))}
+        if args.check:
+            for m in mutants:
+                print(f"{m.name:42s} {'STALE: ' + stale[m.name] if m.name in stale else 'ok'}")
+            return 1 if stale else 0
+        probe = subprocess.run([sys.executable, "-c", "import jaxtrain, kernels; print(jaxtrain.__file__)"],
+                               cwd=root, env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True)
+        if not probe.stdout.startswith(root):
+            print(f"error: the scratch copy's jaxtrain is not the one imported ({probe.stdout.strip()}"
+                  f"{probe.stderr.strip()[-200:]})", file=sys.stderr)
+            return 2
+        if args.baseline:
+            for tests in dict.fromkeys(m.tests for m in mutants if m.name not in stale):
+                outcome, detail, sec = run_tests(root, tests, args.timeout)
+                print(f"baseline {' '.join(tests)}: {outcome} {detail} ({sec:.0f} s)", flush=True)
+                if outcome != "passed":
+                    print("error: a baseline test set does not pass unmutated; the campaign would be meaningless",
+                          file=sys.stderr)
+                    return 1
+        rows = []
+        header = f"{'mutant':42s} {'area':11s} {'result':9s} {'time':>6s}  caught by"
+        print(header + "\n" + "-" * len(header), flush=True)
+        for m in mutants:
+            if m.name in stale:
+                continue
+            path = os.path.join(root, m.file)
+            original = open(path).read()
+            with open(path, "w") as f:
+                f.write(mutate(original, m))
+            try:
+                outcome, detail, sec = run_tests(root, m.tests, args.timeout)
+            finally:
+                with open(path, "w") as f:
+                    f.write(original)
+            result = "SURVIVED" if outcome == "passed" else "killed"
+            rows.append((m, result, detail, sec))
+            print(f"{m.name:42s} {m.area:11s} {result:9s} {sec:5.0f}s  {detail or '-'}", flush=True)
+        killed = sum(r[1] == "killed" for r in rows)
+        print(f"\nscore: {killed}/{len(rows)} killed ({100 * killed / max(1, len(rows)):.0f}%), "
+              f"{len(stale)} stale, {sum(r[3] for r in rows):.0f} s of tests")
+        for m, result, _, _ in rows:
+            if result == "SURVIVED":
+                print(f"survivor {m.name}: {m.why}")
+        for name, why in stale.items():
+            print(f"stale {name}: {why}")
+        return 0
+    finally:
+        if args.keep:
+            print(f"scratch copy kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
