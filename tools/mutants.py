@@ -204,10 +204,10 @@ MUTANTS = [
            "all-reduce priced as one all-gather"),
     Mutant("planner-ignores-compute-efficiency", "planner", "jaxtrain/planner/cost.py",
            "compute_s = flops / (hw.peak_flops * hw.compute_efficiency)", "compute_s = flops / hw.peak_flops",
-           ("tests/test_plan.py",), "predicted step times assume 100% of peak"),
+           (REF + "planner.py", "tests/test_plan.py"), "predicted step times assume 100% of peak"),
     Mutant("planner-remat-free", "planner", "jaxtrain/planner/cost.py",
            "return 4 / 3  # forward + backward", "return 1.0  # forward + backward",
-           ("tests/test_plan.py",), "full rematerialisation predicted to cost nothing"),
+           (REF + "planner.py", "tests/test_plan.py"), "full rematerialisation predicted to cost nothing"),
     # -- kernels -------------------------------------------------------------------------------------------------
     Mutant("pallas-causal-off-by-one", "kernels", "kernels/flash_pallas.py",
            "mask = _and(mask, q_(q_pos) >= k_(k_pos))", "mask = _and(mask, q_(q_pos) > k_(k_pos))",
