@@ -93,7 +93,7 @@ class PrometheusMetrics:
             ("tokens_per_second", "Training tokens per second (all devices), last step"),
             ("mfu_ratio", "Model FLOPs utilisation of the last step (0-1; absent without a peak rate)"),
             ("step_host_seconds", "Host work of the last step: data wait, host-to-device, dispatch"),
-            ("step_device_seconds", "Rest of the last step's loop iteration: the host waiting for the devices"))}
+            ("step_device_seconds", "Time the host waited for the last step's results after its own work"))}
         self._bound: dict[str, Any] = {}
         self.step_seconds = hist("jaxtrain_step_seconds", "Wall time per training step")
         self.data_wait_seconds = hist("jaxtrain_data_wait_seconds", "Time each step waited for its batch")
@@ -154,11 +154,9 @@ class StragglerWatch:
     def dispatched(self, step: int, host_s: float, data_s: float) -> None:
         self.host[step], self.data[step] = host_s, data_s
 
-    def iteration(self, step: int, seconds: float) -> None:
-        """The loop's iteration for ``step`` took ``seconds`` in all: the part after its host work is the device
-        share (the host waiting for the devices, with the loop's own bookkeeping)."""
-        if step in self.host:
-            self.device[step] = max(0.0, seconds - self.host[step])
+    def waited(self, step: int, seconds: float) -> None:
+        """The host waited ``seconds`` for ``step``'s results once its own work (the next dispatch) was done."""
+        self.device[step] = max(0.0, seconds)
 
     def split(self, step: int) -> dict[str, float]:
         """This process's figures for a step, for metrics.jsonl: host work, data wait, device (when known)."""
@@ -394,7 +392,8 @@ class Observer:
         self._save_started: float | None = None
         self._checkpointer = None
         self._last_step = 0
-        self._iteration_start: float | None = None
+        self._last_dispatch: float | None = None
+        self._last_report = 0.0
 
     def _port_offset(self, how: str) -> int:
         if how == "process":
@@ -410,16 +409,13 @@ class Observer:
         """A step starts: goodput category, profile window. Returns the start time (perf_counter)."""
         self.goodput.step(step)
         self.profiler.begin(step)
-        now = time.perf_counter()
-        if self._iteration_start is not None:
-            self.stragglers.iteration(step - 1, now - self._iteration_start)
-        self._iteration_start = now
-        return now
+        return time.perf_counter()
 
     def step_dispatched(self, step: int, t_begin: float, t_batch: float) -> None:
         """The step was dispatched: its host work took from ``t_begin`` to now, ``t_batch - t_begin`` of it
         waiting for the batch."""
-        self.stragglers.dispatched(step, time.perf_counter() - t_begin, t_batch - t_begin)
+        self._last_dispatch = time.perf_counter()
+        self.stragglers.dispatched(step, self._last_dispatch - t_begin, t_batch - t_begin)
         if self.metrics:
             self.metrics.data_wait_seconds.observe(t_batch - t_begin)
 
@@ -449,7 +445,13 @@ class Observer:
             self._save_started = None
 
     def report(self, step: int, values: dict, step_time: float, logged: bool) -> None:
-        """A step's metrics arrived (every step; ``logged``: a step the writer logs)."""
+        """A step's metrics arrived (every step; ``logged``: a step the writer logs). Its device share is the time
+        the host then had waited for them since its last dispatch (the next step's, usually): what the devices, and
+        the collectives with the other processes, took beyond this host's own work."""
+        now = time.perf_counter()
+        if self._last_dispatch is not None:  # since its own work, or the previous report when several come at once
+            self.stragglers.waited(step, now - max(self._last_dispatch, self._last_report))
+        self._last_report = now
         m = self.metrics
         if m is None:
             return
