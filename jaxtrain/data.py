@@ -184,25 +184,39 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> dict:
     Byte-level by default (vocabulary 256, documents separated by NUL); with ``tokenizer`` a local Hugging Face
     ``tokenizer.json`` (needs the ``tokenizers`` package), documents separated by its end-of-text token if it has one.
     """
+    from jaxtrain.inputs import existing_file
+
     for path in inputs:
-        if not os.path.isfile(path):
-            raise ConfigError(f"input file {path!r} does not exist")
+        existing_file(path, "input file")
     if not out.endswith((".bin", ".npy")):
         raise ConfigError(f"--out {out!r} must end in .bin or .npy")
     if os.path.exists(out):
         raise ConfigError(f"--out {out!r} already exists; choose a new path (existing data is never overwritten)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        why = "is not writable" if os.path.isdir(parent) else "is not an existing directory"
+        raise ConfigError(f"--out {out!r}: its directory {parent!r} {why}")
     if tokenizer is None:
         docs = [np.frombuffer(open(p, "rb").read(), dtype=np.uint8).astype(np.uint32) for p in inputs]
         vocab, sep, name = 256, EOS, "bytes"
     else:
-        if not os.path.isfile(tokenizer):
-            raise ConfigError(f"--tokenizer {tokenizer!r} does not exist")
+        existing_file(tokenizer, "--tokenizer")
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise ConfigError("--tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
-        tok = Tokenizer.from_file(tokenizer)
-        docs = [np.asarray(tok.encode(open(p, encoding="utf-8").read()).ids, dtype=np.uint32) for p in inputs]
+        try:
+            tok = Tokenizer.from_file(tokenizer)
+        except Exception as e:  # the Rust side raises a plain Exception for any malformed file
+            raise ConfigError(f"--tokenizer {tokenizer!r} is not a Hugging Face tokenizer.json ({_short(e)})") from None
+        docs = []
+        for p in inputs:
+            try:
+                with open(p, encoding="utf-8") as f:
+                    docs.append(np.asarray(tok.encode(f.read()).ids, dtype=np.uint32))
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"input file {p!r} is not UTF-8 text (byte {e.start}), which --tokenizer needs; "
+                                  "without --tokenizer any bytes are taken") from None
         vocab = tok.get_vocab_size()
         sep = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None), None)
         name = os.path.abspath(tokenizer)
