@@ -169,9 +169,10 @@ class StragglerWatch:
 
     def maybe_exchange(self, step: int) -> None:
         if not (self.every and jax.process_count() > 1 and _kv_client() is not None):
-            for d in (self.host, self.data, self.device):  # nothing to exchange: keep only what report() needs
-                for old in [k for k in d if k < step - 1]:
-                    del d[old]
+            if len(self.host) > 64:  # nothing to exchange: keep only what report() still needs
+                for d in (self.host, self.data, self.device):
+                    for old in [k for k in d if k < step - 1]:
+                        del d[old]
             return
         if step % self.every:
             return
