@@ -48,6 +48,12 @@ def test_windows_are_next_token_aligned_text():
     batch = _batches(cfg, tokens, (0, 16), steps=1)[0]
     text = bytes(batch.astype(np.uint8).ravel()).decode("utf-8", errors="replace")
     assert sum(ch.isalpha() for ch in text) > len(text) // 3  # real English documentation, not noise
+    # What the name promises: each row is seq_len + 1 consecutive tokens of the stream, starting on a window
+    # boundary (input i's target is token i + 1 of the text).
+    corpus = tokens.train.tobytes()
+    for row in batch:
+        start = corpus.find(bytes(row.astype(np.uint8)))
+        assert start >= 0 and start % cfg.data.seq_len == 0
     assert " the " in text
     assert len(tokens.train) > 400_000 and len(tokens.eval) > 20_000
 
