@@ -181,6 +181,13 @@ def restore_params(directory: str, step: int, abstract, only: tuple[str, ...] | 
 # Import
 
 
+def _discard(out: str, existed: bool) -> None:
+    """After a failed write: remove what was written into ``out`` (leaving it as the empty directory it was)."""
+    shutil.rmtree(out, ignore_errors=True)
+    if existed:
+        os.makedirs(out, exist_ok=True)
+
+
 def hf_import_config(src: str, out: str, overrides: list[str]):
     """(config, Hugging Face config.json, tensors) for importing ``src`` into ``out``, with every check that needs
     no device done: the directory, the architecture, the tensor names and shapes, and that ``out`` is new."""
@@ -228,7 +235,7 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, read)
 
     t0 = time.perf_counter()
-    created = not os.path.exists(out)
+    existed = os.path.isdir(out)  # and empty: checked before
     try:
         os.makedirs(out, exist_ok=True)
         params = jax.tree_util.tree_map_with_path(build, abstract)
@@ -256,8 +263,7 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
 
             f.write(yaml.safe_dump(yaml_cfg, sort_keys=False))
     except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
+        _discard(out, existed)
         raise
     n_params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(abstract))
     return {"params": n_params, "seconds": time.perf_counter() - t0, "tokenizer": tokenizer}
@@ -291,7 +297,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     origin = hf_origin(meta)
     eos = origin.get("eos_token_id") or [cfg.data.eos_id]
     t0 = time.perf_counter()
-    created = not os.path.exists(out)
+    existed = os.path.isdir(out)  # and empty: checked before
     try:
         os.makedirs(out, exist_ok=True)
         cache: dict = {}  # the one parameter currently restored (stacked layers), reused across its layers
@@ -328,8 +334,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
             shutil.copyfile(tokenizer, os.path.join(out, "tokenizer.json"))
             copied.append("tokenizer.json")
     except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
+        _discard(out, existed)
         raise
     return {"files": files, "bytes": sum(sizes.values()), "seconds": time.perf_counter() - t0, "tokenizer": copied}
 

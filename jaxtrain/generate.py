@@ -10,7 +10,7 @@ same logical-axis rules as training's activations (batch over data/fsdp, kv head
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,6 @@ class Result:
     decode_tokens: int
     decode_seconds: float
     compile_seconds: float
-    extra: dict = field(default_factory=dict)
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -90,12 +89,12 @@ def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: in
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         logits, cache = m(tokens, positions=positions, cache=m.init_cache(tokens.shape[0], max_len))
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return sample(last, key, temperature, top_p), cache
+        return sample(last, jax.random.fold_in(key, 0), temperature, top_p), cache
 
-    def step(params, cache, tok, pos, key):
+    def step(params, cache, tok, pos, key, i):
         m = nnx.merge(graphdef, params)
         logits, cache = m(tok[:, None], positions=pos[:, None], cache=cache)
-        return sample(logits[:, 0], key, temperature, top_p), cache
+        return sample(logits[:, 0], jax.random.fold_in(key, i), temperature, top_p), cache
 
     key = jax.random.key(seed)
     t0 = time.perf_counter()
@@ -109,11 +108,11 @@ def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: in
                           for k, s in cache_sharding.items()}
         row_abstract = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row_sharding)
         step_c = jax.jit(step, out_shardings=(row_sharding, cache_sharding), donate_argnums=1).lower(
-            params, cache_abstract, row_abstract, row_abstract, key).compile()
+            params, cache_abstract, row_abstract, row_abstract, key, 0).compile()
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    nxt, cache = prefill_c(params, tokens_d, lengths_d, jax.random.fold_in(key, 0))
+    nxt, cache = prefill_c(params, tokens_d, lengths_d, key)
     nxt = np.asarray(nxt)
     prefill_s = time.perf_counter() - t0
 
@@ -130,7 +129,7 @@ def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: in
         if done.all() or i == max_new_tokens - 1:
             break
         nxt, cache = step_c(params, cache, jax.device_put(nxt, row_sharding), jax.device_put(pos, row_sharding),
-                            jax.random.fold_in(key, i + 1))
+                            key, i + 1)
         nxt = np.asarray(nxt)  # the host needs the ids to stop at eos; this also times the step honestly
         decode_tokens += int((~done).sum())
         pos += 1
