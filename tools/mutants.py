@@ -7,7 +7,8 @@ mutant alone: replaces the snippet there, runs the tests named for it (the faste
 and restores the file. Nothing in the repository is touched.
 
 A mutant is *killed* when its tests fail, *survives* when they pass, and is *stale* when its original snippet is
-not in the file exactly as many times as expected (the code moved: fix the mutant, it does not count either way).
+not in the file exactly as many times as expected (the code moved: fix the mutant, it does not count either way);
+a test selection that pytest cannot collect (a renamed test) is reported apart the same way.
 The score is killed / (killed + survived).
 
     python tools/mutants.py                    # the whole campaign (tens of minutes on 2 cores: run it niced)
@@ -49,6 +50,11 @@ class Mutant:
 
 REF = "tests/test_reference_"
 MODEL_LOGITS = REF + "model.py::test_logits_match_numpy_float64_forward"
+# One causal case each (the kernels run interpreted on CPU: slow); the Triton interpreter runs every case in one
+# subprocess (a module fixture) whichever case is named.
+PALLAS_CAUSAL = "tests/test_flash_attention.py::test_pallas_float32_values_and_grads[b1-s64-h4-kv4-d32-causalTrue-None]"
+TRITON_CAUSAL = ("tests/test_flash_attention.py::test_triton_kernels_in_triton_interpreter"
+                 "[float32-b2-s50-h4-kv2-d64-causalTrue-packed]")
 
 MUTANTS = [
     # -- config --------------------------------------------------------------------------------------------------
@@ -173,10 +179,12 @@ MUTANTS = [
     Mutant("last-step-not-saved", "checkpoint", "jaxtrain/checkpoint.py",
            "return step == self.cfg.train.steps or (every > 0 and step % every == 0)",
            "return every > 0 and step % every == 0",
-           ("tests/test_checkpoint.py::test_save_schedule_and_retention",), "a run's final state is lost"),
+           ("tests/test_checkpoint.py::test_save_schedule_and_retention[0-3-expected0]",),
+           "a run's final state is lost"),
     Mutant("keeps-one-too-many", "checkpoint", "jaxtrain/checkpoint.py",
            "LatestN(c.keep)", "LatestN(c.keep + 1)",
-           ("tests/test_checkpoint.py::test_save_schedule_and_retention",), "checkpoint.keep off by one"),
+           ("tests/test_checkpoint.py::test_save_schedule_and_retention[2-2-expected1]",),
+           "checkpoint.keep off by one"),
     # -- distributed ---------------------------------------------------------------------------------------------
     Mutant("slurm-process-id-from-localid", "distributed", "jaxtrain/distributed.py",
            'n, i = int(slurm_tasks), _env_int(environ, "SLURM_PROCID")',
@@ -194,7 +202,8 @@ MUTANTS = [
            "return 3 * (2 * matmul_weights + attention)", "return 3 * 2 * matmul_weights",
            (REF + "flops.py::test_train_flops_per_token_equals_the_hand_count",), "MFU without attention"),
     Mutant("flops-attention-not-halved", "metrics", "jaxtrain/model.py",
-           "attention = l * 2 * 2 * seq_len * cfg.n_heads * hd / 2", "attention = l * 2 * 2 * seq_len * cfg.n_heads * hd",
+           "attention = l * 2 * 2 * seq_len * cfg.n_heads * hd / 2",
+           "attention = l * 2 * 2 * seq_len * cfg.n_heads * hd",
            (REF + "flops.py::test_train_flops_per_token_equals_the_hand_count",),
            "causal attention counted in full: MFU inflated"),
     Mutant("tflops-not-per-device", "metrics", "jaxtrain/train.py",
@@ -221,20 +230,18 @@ MUTANTS = [
     # -- kernels -------------------------------------------------------------------------------------------------
     Mutant("pallas-causal-off-by-one", "kernels", "kernels/flash_pallas.py",
            "mask = _and(mask, q_(q_pos) >= k_(k_pos))", "mask = _and(mask, q_(q_pos) > k_(k_pos))",
-           ("tests/test_flash_attention.py::test_pallas_float32_values_and_grads",),
-           "a token does not attend to itself (first row all masked)"),
+           (PALLAS_CAUSAL,), "a token does not attend to itself (first row all masked)"),
     Mutant("pallas-diagonal-tile-unmasked", "kernels", "kernels/flash_pallas.py",
            "full = jnp.minimum(lax.div(q_block * block_q + 1, block_k), end)", "full = end",
-           ("tests/test_flash_attention.py::test_pallas_float32_values_and_grads",),
-           "diagonal tiles treated as wholly visible: future keys leak"),
+           (PALLAS_CAUSAL,), "diagonal tiles treated as wholly visible: future keys leak"),
     Mutant("triton-fwd-causal-off-by-one", "kernels", "kernels/flash_triton.py",
-           "valid = valid & (offs_m[:, None] >= offs_n[None, :])", "valid = valid & (offs_m[:, None] > offs_n[None, :])",
-           ("tests/test_flash_attention.py", "-k", "triton_kernels_in_triton_interpreter"),
-           "forward kernel's diagonal mask off by one", occurrences=2, nth=0),
+           "valid = valid & (offs_m[:, None] >= offs_n[None, :])",
+           "valid = valid & (offs_m[:, None] > offs_n[None, :])",
+           (TRITON_CAUSAL,), "forward kernel's diagonal mask off by one", occurrences=2, nth=0),
     Mutant("triton-dkdv-causal-off-by-one", "kernels", "kernels/flash_triton.py",
-           "valid = valid & (offs_m[None, :] >= offs_n[:, None])", "valid = valid & (offs_m[None, :] > offs_n[:, None])",
-           ("tests/test_flash_attention.py", "-k", "triton_kernels_in_triton_interpreter"),
-           "dk/dv kernel's diagonal mask off by one"),
+           "valid = valid & (offs_m[None, :] >= offs_n[:, None])",
+           "valid = valid & (offs_m[None, :] > offs_n[:, None])",
+           (TRITON_CAUSAL,), "dk/dv kernel's diagonal mask off by one"),
 ]
 
 
@@ -289,6 +296,8 @@ def run_tests(root: str, args: tuple[str, ...], timeout: int) -> tuple[str, str,
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
     if proc.returncode == 1 and failed:
         return "failed", failed[0], seconds
+    if proc.returncode in (4, 5):  # usage error (a named test that does not exist) or nothing collected
+        return "broken", " ".join(out.strip().splitlines()[-1:])[:160], seconds
     tail = " ".join(out.strip().splitlines()[-1:])[:120]
     return "error", f"pytest exit {proc.returncode}: {failed[0] if failed else tail}", seconds
 
@@ -337,7 +346,7 @@ def main(argv=None) -> int:
                     print("error: a baseline test set does not pass unmutated; the campaign would be meaningless",
                           file=sys.stderr)
                     return 1
-        rows = []
+        rows, broken = [], {}
         header = f"{'mutant':42s} {'area':11s} {'result':9s} {'time':>6s}  caught by"
         print(header + "\n" + "-" * len(header), flush=True)
         for m in mutants:
@@ -352,17 +361,24 @@ def main(argv=None) -> int:
             finally:
                 with open(path, "w") as f:
                     f.write(original)
+            if outcome == "broken":  # the test selection is wrong, not the code right: counts neither way
+                broken[m.name] = detail
+                print(f"{m.name:42s} {m.area:11s} {'BROKEN':9s} {sec:5.0f}s  {detail}", flush=True)
+                continue
             result = "SURVIVED" if outcome == "passed" else "killed"
             rows.append((m, result, detail, sec))
             print(f"{m.name:42s} {m.area:11s} {result:9s} {sec:5.0f}s  {detail or '-'}", flush=True)
         killed = sum(r[1] == "killed" for r in rows)
         print(f"\nscore: {killed}/{len(rows)} killed ({100 * killed / max(1, len(rows)):.0f}%), "
-              f"{len(stale)} stale, {sum(r[3] for r in rows):.0f} s of tests")
+              f"{len(stale)} stale, {len(broken)} with a broken test selection, "
+              f"{sum(r[3] for r in rows):.0f} s of tests")
         for m, result, _, _ in rows:
             if result == "SURVIVED":
                 print(f"survivor {m.name}: {m.why}")
         for name, why in stale.items():
             print(f"stale {name}: {why}")
+        for name, why in broken.items():
+            print(f"broken test selection {name}: {why}")
         return 0
     finally:
         if args.keep:
