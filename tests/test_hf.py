@@ -114,6 +114,25 @@ def test_no_rotary_permutation_needed(tmp_path):
     assert np.abs(jax_logits(cfg, tmp_path / "jt", toks) - hf_logits(hf_model, toks)).max() > 1e-2
 
 
+def test_bfloat16_weights_round_trip_bit_exact(tmp_path):
+    """bfloat16 weights (as Llama releases ship) stay bfloat16 parameters and come back bit for bit."""
+    import ml_dtypes  # noqa: F401  (numpy's bfloat16 for safetensors' numpy API)
+    from safetensors.numpy import load_file
+
+    make_hf_model(tmp_path / "f32").to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
+    assert cfg.model.param_dtype == "bfloat16"
+    directory, step = convert.resolve_checkpoint(str(tmp_path / "jt"))
+    convert.export_hf(cfg, directory, step, convert.read_meta(directory, step), str(tmp_path / "out"))
+    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert after[name].dtype == before[name].dtype and after[name].shape == before[name].shape, name
+        assert np.array_equal(after[name].view(np.uint16), before[name].view(np.uint16)), name
+    assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
+
+
 def test_sharded_input_and_output_with_index(tmp_path):
     """Sharded safetensors in (index + several files, as save_pretrained writes them) and out (max shard size)."""
     hf_model = make_hf_model(tmp_path / "hf")
