@@ -213,18 +213,21 @@ class TrainSetup:
         model_def, params = nnx.split(ts.model, nnx.Param)
         return self._loss(params, model_def, batch)
 
-    def compile(self, state):
-        """Ahead-of-time compiled (train_step, eval_step) for this state and batch layout, and the compile seconds."""
+    def compile(self, state, *, with_eval: bool = True):
+        """Ahead-of-time compiled (train_step, eval_step or None) for this state (arrays, or ShapeDtypeStructs with
+        shardings: nothing is allocated) and batch layout, and the compile seconds."""
         batch = jax.ShapeDtypeStruct((self.cfg.train.global_batch, self.cfg.data.seq_len + 1), jnp.int32,
                                      sharding=self.batch_sharding)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         t0 = time.perf_counter()
+        evaluate = None
         with self.scope():
             train = jax.jit(self.train_step, in_shardings=(self.state_sharding, self.batch_sharding),
                             out_shardings=(self.state_sharding, replicated), donate_argnums=0)
             train = train.lower(state, batch).compile()
-            evaluate = jax.jit(self.eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                               out_shardings=replicated).lower(state, batch).compile()
+            if with_eval:
+                evaluate = jax.jit(self.eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
+                                   out_shardings=replicated).lower(state, batch).compile()
         return train, evaluate, time.perf_counter() - t0
 
 
