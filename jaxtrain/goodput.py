@@ -23,6 +23,7 @@ import os
 import time
 
 CATEGORIES = ("startup", "compilation", "productive", "restarts", "checkpoint", "evaluation", "other")
+_previous_end: float | None = None  # Unix time an earlier run in this process ended (library callers train twice)
 
 
 def process_start_time() -> float:
@@ -64,7 +65,8 @@ class Goodput:
         highest step an earlier invocation of this run completed (steps up to it count as ``restarts``)."""
         self.previous_last_step = previous_last_step
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
-        self.seconds["startup"] = max(0.0, time.time() - (start_time or process_start_time()))
+        start = start_time or max(process_start_time(), _previous_end or 0.0)
+        self.seconds["startup"] = max(0.0, time.time() - start)
         self.recomputed_steps = 0
         self._current, self._since = "startup", time.perf_counter()
 
@@ -110,6 +112,13 @@ class Goodput:
         totals = self.totals()
         wall = sum(totals.values())
         return {k: (v / wall if wall > 0 else 0.0) for k, v in totals.items()}
+
+    def finish(self) -> None:
+        """The loop is over: what follows (the summary) is ``other``, and a later run in this process (a library
+        caller training twice) counts its start-up from here, not from the process's start."""
+        global _previous_end
+        self.switch("other")
+        _previous_end = time.time()
 
     def summary(self) -> dict:
         """``summary.json``'s ``goodput``: category -> fraction of wall time (``fractions``)."""

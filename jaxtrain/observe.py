@@ -519,7 +519,7 @@ class Observer:
         """End of the run (or of an error): stop a trace in progress, record the last save, stop serving."""
         self.profiler.close(self._last_step)
         self._poll_save(force=True)
-        self.goodput.switch("other")
+        self.goodput.finish()
         if self.metrics:
             for category, fraction in self.goodput.fractions().items():
                 self.metrics.goodput.labels(**self.metrics.base, category=category).set(fraction)
