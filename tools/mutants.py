@@ -26,6 +26,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -324,6 +325,10 @@ def main(argv=None) -> int:
             print(f"{m.name:42s} {m.area:11s} {m.file}: {' '.join(m.tests)}\n{'':42s} {m.why}")
         return 0
 
+    def stop(signum, frame):  # SIGTERM: end the running tests (subprocess.run kills them) and remove the copy
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     root = tempfile.mkdtemp(prefix="jaxtrain-mutants-")
     try:
         snapshot(root)
