@@ -83,7 +83,7 @@ def launch_plan(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segme
     num_stages}} (block_m: query tile, block_n: key tile), for q_shape [batch, seq, heads, head_dim]."""
     if impl == "pallas":
         cfg = flash_pallas.plan(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
-                                block_sizes=block_sizes)
+                                block_sizes=block_sizes, kv_heads=kv_heads)
         launches = {kind: getattr(cfg, kind) for kind in ("fwd", "dq", "dkdv")}
     elif impl == "triton":
         p = flash_triton.make_plan(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
@@ -111,7 +111,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale:
       backend: GPU lowering of the Pallas kernels; "triton" is the one implemented.
       **block_sizes: overrides of the per-kernel tiles and launch parameters (defaults by dtype and head_dim in
         ``kernels.tiling``). impl="pallas": block_q, block_k (forward), block_q_bwd, block_k_bwd (both backward
-        kernels), block_q_dq, block_k_dq, block_q_dkdv, block_k_dkdv, num_warps, num_stages. impl="triton":
+        kernels), block_q_dq, block_k_dq, block_q_dkdv, block_k_dkdv, num_warps, num_stages, dkdv_splits.
+        impl="triton":
         block_m, block_n, block_m_bwd, block_n_bwd, block_m_dq, block_n_dq, block_m_dkdv, block_n_dkdv,
         num_warps, num_stages, dkdv_splits. Tiles are powers of two >= 16 and are clamped to the sequence.
 

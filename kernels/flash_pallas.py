@@ -31,20 +31,12 @@ Algorithm (FlashAttention-2):
     every real query row has at least one visible key (itself), which wipes out the contributions of fully
     masked tiles seen before it through the running-max correction; no NaN can arise.
 
-GPU lowering choice: the kernels are written in the ``pl.pallas_call`` + BlockSpec dialect (ref indexing,
-``jnp``/``lax`` ops, ``fori_loop``) and lowered through **Pallas' Triton backend**, selected explicitly with
-``jax.experimental.pallas.triton.CompilerParams``. Why:
-  * jax 0.10.2 (the dev/CI machines) defaults ``pl.pallas_call`` on GPU to Mosaic GPU, while jax 0.11.2 (the
-    GPU machine) removed Mosaic GPU from ``pl.pallas_call`` entirely (Mosaic GPU kernels must be written with
-    ``plgpu.kernel``, warpgroup-level WGMMA, TMA and barriers: a different program, not different flags). The
-    Triton compiler params are the one setting that means the same thing on both versions.
-  * the Triton backend handles this blocked, masked, data-dependent-loop style of kernel well, and lowering it
-    needs no GPU: ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` builds the Triton IR on a CPU
-    machine with jax 0.10.2, which the tests use to check the GPU lowering.
-  * its cost: jax 0.11 warns that the Pallas Triton backend is deprecated. The other roads stay open: the
-    ``backend=`` keyword is the switch (only ``"triton"`` is implemented here; ``"mosaic_gpu"`` is refused
-    with the reason), and ``impl="triton"`` in ``kernels.flash_triton`` is the road JAX's deprecation note
-    recommends (official Triton language + jax-triton), with the same contract.
+GPU lowering: Pallas' Triton backend, selected with ``jax.experimental.pallas.triton.CompilerParams``: the one
+``pl.pallas_call`` lowering that jax 0.10.2 (CI) and 0.11.2 (the GPU machine, which removed Mosaic GPU from
+``pl.pallas_call``) both accept, and one that lowers without a GPU (``lowering_platforms=("cuda",)``; see
+``kernels.compile_check``). jax 0.11 deprecates it (0.12 still has it); ``backend=`` is the switch for another
+lowering ("mosaic_gpu" is refused with the reason) and ``impl="triton"`` (official Triton + jax-triton, the road
+JAX's note recommends) keeps the same contract.
 """
 
 from __future__ import annotations
@@ -60,7 +52,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels.tiling import Launch, checked_block_sizes, resolve_launches, segment_tile_ranges
+from kernels.tiling import Launch, checked_block_sizes, choose_splits, resolve_launches, segment_tile_ranges
 
 # Finite, so that fully masked tiles give exp2(MASK - MASK) = 1 rather than NaN; see the module docstring.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -85,7 +77,8 @@ class BlockSizes:
     """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
 
     block_q/block_k: forward; block_q_bwd/block_k_bwd: both backward kernels; block_*_dq / block_*_dkdv: one of
-    them. num_warps / num_stages apply to all three kernels.
+    them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA group in dk/dv (None:
+    as many as needed to fill the GPU; must divide heads // kv_heads).
     """
 
     block_q: int | None = None
@@ -98,6 +91,7 @@ class BlockSizes:
     block_k_dkdv: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    dkdv_splits: int | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
@@ -115,6 +109,7 @@ class _Config:
     fwd: Launch
     dq: Launch
     dkdv: Launch
+    splits: int  # dk/dv programs per GQA group (float32 partial sums added by XLA when > 1)
     has_segments: bool
     interpret: bool
     backend: str
@@ -154,18 +149,10 @@ def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None, kv_m
     q_pos [bq], k_pos [bk]: absolute positions; q_seg [bq] / k_seg [bk]: segment ids or None;
     seq_len: mask keys at or past it (sequence padding), or None when there is no padding.
     """
-    if kv_major:
-        def q_(x):
-            return x[None, :]
-
-        def k_(x):
-            return x[:, None]
+    if kv_major:  # rows are keys
+        q_, k_ = (lambda x: x[None, :]), (lambda x: x[:, None])  # noqa: E731
     else:
-        def q_(x):
-            return x[:, None]
-
-        def k_(x):
-            return x[None, :]
+        q_, k_ = (lambda x: x[:, None]), (lambda x: x[None, :])  # noqa: E731
     mask = None
 
     def _and(m, new):
@@ -471,39 +458,47 @@ def _backward(cfg: _Config, res, do):
         name="flash_attention_bwd_dq",
     )(*seg_args, q, k, v, do, lse, delta)
 
-    # The query-side operands of kv head j are the `group` consecutive query heads [j*group, (j+1)*group):
-    # a block of `group` along the head axis with block index j.
-    bk = cfg.dkdv.block_n
+    # Program (kv tile, batch, x) with x = kv head * splits + split takes the `per` = group // splits consecutive
+    # query heads [x*per, (x+1)*per) of kv head x // splits: a block of `per` along the head axis, block index x.
+    bk, splits = cfg.dkdv.block_n, cfg.splits
+    per = group // splits
     dkdv_specs = [
-        pl.BlockSpec((None, sp, group, d), lambda kj, bi, ki: (bi, 0, ki, 0)),  # q
-        pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0)),  # k
-        pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0)),  # v
-        pl.BlockSpec((None, sp, group, d), lambda kj, bi, ki: (bi, 0, ki, 0)),  # do
-        pl.BlockSpec((None, group, sp), lambda kj, bi, ki: (bi, ki, 0)),  # lse
-        pl.BlockSpec((None, group, sp), lambda kj, bi, ki: (bi, ki, 0)),  # delta
+        pl.BlockSpec((None, sp, per, d), lambda kj, bi, x: (bi, 0, x, 0)),  # q
+        pl.BlockSpec((None, bk, None, d), lambda kj, bi, x: (bi, kj, x // splits, 0)),  # k
+        pl.BlockSpec((None, bk, None, d), lambda kj, bi, x: (bi, kj, x // splits, 0)),  # v
+        pl.BlockSpec((None, sp, per, d), lambda kj, bi, x: (bi, 0, x, 0)),  # do
+        pl.BlockSpec((None, per, sp), lambda kj, bi, x: (bi, x, 0)),  # lse
+        pl.BlockSpec((None, per, sp), lambda kj, bi, x: (bi, x, 0)),  # delta
     ]
     seg_args = []
     if cfg.has_segments:
         dkdv_specs = [
-            pl.BlockSpec((None, None, 2), lambda kj, bi, ki: (bi, kj, 0)),
-            pl.BlockSpec((None, sp), lambda kj, bi, ki: (bi, 0)),
-            pl.BlockSpec((None, bk), lambda kj, bi, ki: (bi, kj)),
+            pl.BlockSpec((None, None, 2), lambda kj, bi, x: (bi, kj, 0)),
+            pl.BlockSpec((None, sp), lambda kj, bi, x: (bi, 0)),
+            pl.BlockSpec((None, bk), lambda kj, bi, x: (bi, kj)),
         ] + dkdv_specs
         seg_args = [_tile_ranges(seg, cfg, cfg.dkdv, True), seg, seg]
-    kv_block = pl.BlockSpec((None, bk, None, d), lambda kj, bi, ki: (bi, kj, ki, 0))
+    if splits == 1:
+        out_block = pl.BlockSpec((None, bk, None, d), lambda kj, bi, x: (bi, kj, x, 0))
+        out_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    else:  # float32 partial sums [splits, B, Sp, KVH, D]
+        out_block = pl.BlockSpec((None, None, bk, None, d), lambda kj, bi, x: (x % splits, bi, kj, x // splits, 0))
+        out_shape = jax.ShapeDtypeStruct((splits, *k.shape), jnp.float32)
     grads = {}
     for want in [("dk", "dv")] if dkdv_passes(d) == 1 else [("dv",), ("dk",)]:
         outs = pl.pallas_call(
-            functools.partial(_dkdv_kernel, cfg=cfg, group=group, want=want),
-            grid=(sp // bk, b, kvh),
+            functools.partial(_dkdv_kernel, cfg=cfg, group=per, want=want),
+            grid=(sp // bk, b, kvh * splits),
             in_specs=dkdv_specs,
-            out_specs=[kv_block] * len(want),
-            out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * len(want),
+            out_specs=[out_block] * len(want),
+            out_shape=[out_shape] * len(want),
             compiler_params=_compiler_params(cfg, cfg.dkdv),
             interpret=cfg.interpret,
             name="flash_attention_bwd_" + "".join(want),
         )(*seg_args, q, k, v, do, lse, delta)
         grads.update(zip(want, outs))
+    if splits > 1:
+        grads = {name: g.sum(0).astype(k.dtype) for name, g in grads.items()}
     return dq, grads["dk"], grads["dv"], None
 
 
@@ -530,13 +525,21 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def make_config(seq_len: int, head_dim: int, dtype, *, causal: bool, sm_scale: float, has_segments: bool,
+def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float, has_segments: bool,
                 interpret: bool, backend: str, sizes: BlockSizes) -> _Config:
-    """Per-kernel launches (defaults by dtype and head_dim, user overrides, tiles clamped to the sequence) and the
-    padded length (a multiple of every tile: all are powers of two, so the largest is their lcm)."""
+    """Per-kernel launches (defaults by dtype and head_dim, user overrides, tiles clamped to the sequence), the
+    padded length (a multiple of every tile: all are powers of two, so the largest is their lcm) and the dk/dv
+    split of a GQA group."""
+    batch, seq_len, heads, head_dim = q_shape
     launches = resolve_launches(sizes, _OVERRIDES, dtype, head_dim, seq_len)
     padded_len = _round_up(seq_len, max(max(x.block_m, x.block_n) for x in launches.values()))
-    return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len,
+    group = heads // kv_heads
+    splits = sizes.dkdv_splits
+    if splits is None:
+        splits = choose_splits(batch, seq_len, kv_heads, group, launches["dkdv"].block_n)
+    elif not isinstance(splits, int) or splits < 1 or group % splits:
+        raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
+    return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len, splits=splits,
                    has_segments=has_segments, interpret=interpret, backend=backend, **launches)
 
 
@@ -571,20 +574,21 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm
     if backend not in BACKENDS:
         raise ValueError(_backend_error(backend))
     cfg = plan(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
-               interpret=interpret, backend=backend, block_sizes=block_sizes)
+               interpret=interpret, backend=backend, block_sizes=block_sizes, kv_heads=k.shape[2])
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids, jnp.int32)
     return _flash_attention(q, k, v, segment_ids, cfg)
 
 
 def plan(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
-         backend: str = "triton", block_sizes: dict | None = None) -> _Config:
-    """The static configuration of a call (launch of every kernel); raises ValueError on bad block sizes."""
+         backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None) -> _Config:
+    """The static configuration of a call (launch of every kernel); raises ValueError on bad block sizes.
+    q_shape [batch, seq, heads, head_dim]; kv_heads defaults to heads."""
     sizes = BlockSizes.from_kwargs(block_sizes or {})
     d = q_shape[-1]
     scale = d**-0.5 if sm_scale is None else sm_scale
-    return make_config(q_shape[1], d, dtype, causal=causal, sm_scale=scale, has_segments=has_segments,
-                       interpret=interpret, backend=backend, sizes=sizes)
+    return make_config(tuple(q_shape), kv_heads or q_shape[2], dtype, causal=causal, sm_scale=scale,
+                       has_segments=has_segments, interpret=interpret, backend=backend, sizes=sizes)
 
 
 def _backend_error(backend) -> str:

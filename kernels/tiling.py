@@ -57,6 +57,18 @@ def clamp_tile(block: int, seq: int) -> int:
     return min(block, max(MIN_BLOCK, 1 << (max(seq, 1) - 1).bit_length()))
 
 
+TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs
+
+
+def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_n: int) -> int:
+    """Smallest divisor of ``group`` giving at least TARGET_PROGRAMS dk/dv programs (or ``group`` itself)."""
+    programs = -(-seq // block_n) * batch * kv_heads
+    for splits in range(1, group + 1):
+        if group % splits == 0 and programs * splits >= TARGET_PROGRAMS:
+            return splits
+    return group
+
+
 def checked_block_sizes(cls, kwargs: dict, tiles: tuple[str, ...], impl: str):
     """``cls(**kwargs)`` after checking names and values; ValueError naming the first bad one.
 

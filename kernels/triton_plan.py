@@ -8,11 +8,10 @@ import math
 
 import numpy as np
 
-from kernels.tiling import Launch, checked_block_sizes, resolve_launches, segment_tile_ranges
+from kernels.tiling import Launch, checked_block_sizes, choose_splits, resolve_launches, segment_tile_ranges
 
 LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
-TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs
 
 _TILE_FIELDS = ("block_m", "block_n", "block_m_bwd", "block_n_bwd", "block_m_dq", "block_n_dq", "block_m_dkdv",
                 "block_n_dkdv")
@@ -113,15 +112,6 @@ def dkdv_passes(head_dim: int) -> int:
     """2 at head_dim 256: dk and dv accumulators of a wgmma-sized kv tile ([64, 256] float32 each) do not fit the
     registers together (ptxas spills), so one launch computes dv and a second dk, recomputing S and P."""
     return 2 if head_dim >= 256 else 1
-
-
-def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_n: int) -> int:
-    """Smallest divisor of ``group`` giving at least TARGET_PROGRAMS dk/dv programs (or ``group`` itself)."""
-    programs = _cdiv(seq, block_n) * batch * kv_heads
-    for splits in range(1, group + 1):
-        if group % splits == 0 and programs * splits >= TARGET_PROGRAMS:
-            return splits
-    return group
 
 
 def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
