@@ -115,3 +115,38 @@ def test_generate_command_from_train_run_and_import(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and phrase in r.stderr, (args, r.stderr)
     r = run_cli("generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1")
     assert r.returncode == 2 and "holds no complete checkpoint" in r.stderr
+
+
+def test_tokenizer_json_run_generates_text_and_exports_its_tokenizer(tmp_path):
+    """A run prepared with `prepare --tokenizer`: generate takes text through that tokenizer.json, a --prompts file
+    decodes as one batch, and to-hf copies the tokenizer next to the weights."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = "\n".join(topics[k] for k in sorted(topics)[:40])
+    (tmp_path / "corpus.txt").write_text(text)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(tmp_path / "corpus.txt")], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>",
+                                                                                                 "[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    r = run_cli("prepare", str(tmp_path / "corpus.txt"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+                "--out", str(tmp_path / "data.bin"))
+    assert r.returncode == 0, r.stderr
+    vocab = json.load(open(tmp_path / "data.bin.json"))["vocab_size"]
+    r = run_cli("train", f"run.dir={tmp_path / 'run'}", f"data.source={tmp_path / 'data.bin'}",
+                f"model.vocab_size={vocab}", "train.steps=2", "data.seq_len=32", "train.global_batch=4",
+                "train.eval_batches=1", "data.threads=0")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "prompts.txt").write_text("The with statement\nA class\n")
+    r = run_cli("generate", "--checkpoint", str(tmp_path / "run"), "--prompts", str(tmp_path / "prompts.txt"),
+                "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert [row["prompt_ids"] for row in rows] == [tok.encode("The with statement").ids, tok.encode("A class").ids]
+    for row in rows:
+        assert row["text"] == tok.decode(row["new_ids"], skip_special_tokens=True) and 1 <= len(row["new_ids"]) <= 5
+    r = run_cli("convert", "to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.vocab_size == vocab
