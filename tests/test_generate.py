@@ -117,6 +117,7 @@ def test_generate_command_from_train_run_and_import(tmp_path):
     assert r.returncode == 2 and "holds no complete checkpoint" in r.stderr
 
 
+@pytest.mark.slow  # four CLI runs, two of them training (.ci/run runs the slow tests)
 def test_tokenizer_json_run_generates_text_and_exports_its_tokenizer(tmp_path):
     """A run prepared with `prepare --tokenizer`: generate takes text through that tokenizer.json, a --prompts file
     decodes as one batch, and to-hf copies the tokenizer next to the weights."""
