@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain import hardware
 from jaxtrain.check import Measurement, node_name
