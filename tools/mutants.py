@@ -93,9 +93,11 @@ MUTANTS = [
            "freqs = jnp.where(wavelen > rs.original_max_len / rs.low_freq_factor, freqs * rs.factor,",
            (REF + "model.py::test_llama3_scaled_frequencies_match_transformers_formula",),
            "long wavelengths compressed instead of stretched"),
-    Mutant("gqa-grouping", "model", "kernels/reference.py",
-           "qg = q.reshape(b, s, kv, h // kv, d)", "qg = q.reshape(b, s, h // kv, kv, d)",
-           (MODEL_LOGITS,), "query head h reads kv head h % kv instead of h // (heads / kv)"),
+    # (An earlier form, reshape(b, s, h // kv, kv, d), is an equivalent mutant: the same reshape when
+    # h // kv == kv, a shape error otherwise.)
+    Mutant("gqa-interleaved-grouping", "model", "kernels/reference.py",
+           "qg = q.reshape(b, s, kv, h // kv, d)", "qg = q.reshape(b, s, h // kv, kv, d).swapaxes(2, 3)",
+           (MODEL_LOGITS,), "query head h reads kv head h % kv (tiled) instead of h // (heads / kv)"),
     Mutant("causal-mask-leaks-next-token", "model", "kernels/reference.py",
            "mask = jnp.tril(mask)", "mask = jnp.tril(mask, 1)", (MODEL_LOGITS,),
            "each position sees the token it must predict"),
