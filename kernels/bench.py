@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -263,6 +264,7 @@ def main(argv=None) -> list[dict]:
                          f"{jax.default_backend()}); the sweep is meant for a GPU. Use --smoke to exercise the "
                          "code path on CPU with tiny sizes in interpret mode.")
     interpret = not gpu
+    defaults: dict[str, Any]
     if args.smoke:
         defaults = dict(seq_lens="64", head_dims="64", tokens=128, model_dim=128, iters=1)
     else:

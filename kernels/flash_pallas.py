@@ -484,7 +484,7 @@ def _backward(cfg: _Config, res, do):
     else:  # float32 partial sums [splits, B, Sp, KVH, D]
         out_block = pl.BlockSpec((None, None, bk, None, d), lambda kj, bi, x: (x % splits, bi, kj, x // splits, 0))
         out_shape = jax.ShapeDtypeStruct((splits, *k.shape), jnp.float32)
-    grads = {}
+    grads: dict[str, jax.Array] = {}
     for want in [("dk", "dv")] if dkdv_passes(d) == 1 else [("dv",), ("dk",)]:
         outs = pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, group=per, want=want),
