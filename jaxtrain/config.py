@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import os
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
 
-from jaxtrain.observe_config import ObserveConfig  # the observe section, in its own module
-
-
-class ConfigError(ValueError):
-    """A user mistake in the config or command line; reported as one line, exit status 2."""
-
+from jaxtrain import inputs
+from jaxtrain.schema import ConfigError, coerce, find_yaml, load_yaml, one_line, shipped  # noqa: F401 (re-exported)
 
 DTYPES = ("float32", "bfloat16", "float16")
 FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels.flash_pallas checks the same)
@@ -218,6 +211,31 @@ class CheckConfig:
 
 
 @dataclass
+class ObserveConfig:
+    # Prometheus /metrics: None = off; 0 = any free port (logged). Each process serves port + offset: "process"
+    # (its process index: several processes on one machine), "local" (its index among the processes of its host:
+    # the same port on every node with one process per node), "none".
+    prometheus_port: int | None = None
+    prometheus_address: str = "127.0.0.1"  # loopback; 0.0.0.0 lets a cluster's Prometheus scrape it
+    prometheus_port_offset: Literal["process", "local", "none"] = "process"
+    # Every N steps the processes swap their host-time figures (through the coordination service, not the devices)
+    # and process 0 warns about a process whose host time exceeds straggler_ratio x the median. 0: off.
+    straggler_every: int = 100
+    straggler_ratio: float = 1.5
+    # Every N steps a small all-reduce per mesh axis measures its bus bandwidth against the link's expected rate
+    # (from `hardware`, else the shipped hardware file of these devices); below min_bandwidth_fraction it warns.
+    collective_probe_every: int = 0  # 0: off
+    probe_mb: float | None = None  # message per device; None: 1 MiB on CPU, 256 MiB on GPUs
+    min_bandwidth_fraction: float = 0.7
+    hardware: str | None = None  # hardware file (name or path) with the link rates; None: matched by device kind
+    # A jax.profiler trace of steps [START, END] into run.dir/profile/process_<i>, on the processes listed in
+    # profile_processes (None: all). SIGUSR1 to a process traces its next signal_profile_steps steps.
+    profile_steps: list | None = None
+    profile_processes: list | None = None
+    signal_profile_steps: int = 5
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -235,29 +253,10 @@ class Config:
 # Loading
 
 
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # package data
-
-
-def shipped(kind: str = "") -> dict[str, str]:
-    """Shipped YAML files by name: model configs (``kind=""``), ``"hardware"`` or ``"experiments"``."""
-    folder = os.path.join(SHIPPED_DIR, kind)
-    return {f[:-5]: os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".yaml")}
-
-
-def find_yaml(name: str, kind: str, what: str) -> str:
-    """A path as given, or the shipped file of that name (``7b``, ``h100-8x``); ConfigError listing the names."""
-    if os.path.exists(name) or name.endswith((".yaml", ".yml")) or os.sep in name:
-        return name
-    known = shipped(kind)
-    if name in known:
-        return known[name]
-    raise ConfigError(f"{what} {name!r} is neither a file nor a shipped name; shipped: {', '.join(known)}")
-
-
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the YAML file at ``path`` (if any; a shipped name such as ``7b`` also works), then
     ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
-    tree = read_yaml_mapping(find_yaml(path, "", "config"), "config file") if path is not None else {}
+    tree = load_yaml(find_yaml(path, "", "config"), "config file") if path is not None else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -270,35 +269,6 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     cfg = _build(Config(), tree, "")
     validate(cfg)
     return cfg
-
-
-def read_yaml_mapping(path: str, what: str) -> dict:
-    """The mapping at the top of a YAML file; ConfigError (naming ``what`` and the path) if absent or malformed
-    (not UTF-8, a key repeated, a directory, not a mapping): see :func:`jaxtrain.inputs.load_yaml`."""
-    from jaxtrain.inputs import load_yaml
-
-    return load_yaml(path, what)
-
-
-def load_typed(path: str, cls: type, what: str) -> Any:
-    """A dataclass ``cls`` from the YAML mapping at ``path``, each value checked against the field's type: the one
-    loader for config-shaped files (hardware descriptions, experiments). Fields without defaults are required."""
-    raw = read_yaml_mapping(path, what)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"{what} {path!r} has unknown keys: {', '.join(map(str, unknown))}; "
-                          f"valid: {', '.join(fields)}")
-    missing = [n for n, f in fields.items() if n not in raw and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{what} {path!r} lacks: {', '.join(missing)}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _coerce(hints[k], v, f"{what} {path!r}: {k}") for k, v in raw.items()})
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -357,60 +327,10 @@ def _build(default: Any, tree: Any, prefix: str):
             changes[name] = _build(current, value, dotted + ".")
         elif typing.get_origin(tp) is dict:
             # Mappings merge into the defaults, so that one rule can be overridden alone.
-            changes[name] = {**current, **_coerce(tp, value, dotted)}
+            changes[name] = {**current, **coerce(tp, value, dotted)}
         else:
-            changes[name] = _coerce(tp, value, dotted)
+            changes[name] = coerce(tp, value, dotted)
     return dataclasses.replace(default, **changes)
-
-
-def _coerce(tp: Any, value: Any, name: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:  # free-form: the file's owner checks it (an experiment's runs: a list of mappings or "all")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, name)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(map(str, args))}")
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}={value!r} must be true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}={value!r} must be an integer")
-    if tp is float:
-        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None and math.isfinite(number):  # .inf/.nan (and 1e999) would poison the run silently
-            return float(number)
-        raise ConfigError(f"{name}={value!r} must be a finite number")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{name}={value!r} must be a string")
-    if origin is list and args == (str,):
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name}={value!r} must be a list of strings")
-        return list(value)
-    if origin is list or tp is list:
-        if not isinstance(value, list) or not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-            raise ConfigError(f"{name}={value!r} must be a non-empty list of numbers, e.g. [1, 4, 16]")
-        return list(value)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{name} must be a mapping, got {value!r}")
-        return dict(value)
-    raise TypeError(f"unsupported config type {tp} for {name}")  # a bug in this module, not a user error
 
 
 def to_dict(cfg: Config) -> dict:
@@ -436,7 +356,6 @@ def _positive(name: str, value: float) -> None:
 
 def validate(cfg: Config) -> None:
     """Check ranges and cross-field constraints; raise :class:`ConfigError` naming the first bad value."""
-    from jaxtrain import inputs
 
     m, t, d = cfg.model, cfg.train, cfg.data
     _require(bool(cfg.run.dir), "run.dir must not be empty")
@@ -524,8 +443,31 @@ def validate(cfg: Config) -> None:
     _require(0 <= ck.min_link_fraction <= 1, f"check.min_link_fraction={ck.min_link_fraction} must be in [0, 1]")
     _require(ck.min_busbw_gbps >= 0, f"check.min_busbw_gbps={ck.min_busbw_gbps} must be >= 0")
     _require(0 <= ck.min_matmul_fraction <= 1, f"check.min_matmul_fraction={ck.min_matmul_fraction} must be in [0, 1]")
+    _validate_observe(cfg.observe)
     _validate_mesh(cfg)
     inputs.check_paths(cfg)  # files and directories last: value mistakes are reported first
+
+
+def _validate_observe(o: ObserveConfig) -> None:
+    if o.prometheus_port is not None:
+        _require(0 <= o.prometheus_port <= 65535, f"observe.prometheus_port={o.prometheus_port} must be a "
+                "TCP port in [0, 65535] (0: any free port)")
+    _require(bool(o.prometheus_address), "observe.prometheus_address must not be empty (127.0.0.1 or 0.0.0.0)")
+    _require(o.straggler_every >= 0, f"observe.straggler_every={o.straggler_every} must be >= 0 (0: off)")
+    _require(o.straggler_ratio > 1, f"observe.straggler_ratio={o.straggler_ratio} must be > 1 (e.g. 1.5)")
+    _require(o.collective_probe_every >= 0,
+            f"observe.collective_probe_every={o.collective_probe_every} must be >= 0 (0: off)")
+    _require(o.probe_mb is None or o.probe_mb > 0, f"observe.probe_mb={o.probe_mb} must be > 0")
+    _require(0 <= o.min_bandwidth_fraction <= 1,
+            f"observe.min_bandwidth_fraction={o.min_bandwidth_fraction} must be in [0, 1]")
+    ps = o.profile_steps
+    _require(ps is None or (len(ps) == 2 and all(isinstance(v, int) for v in ps) and 1 <= ps[0] <= ps[1]),
+            f"observe.profile_steps={ps} must be [START, END] with 1 <= START <= END, e.g. [10, 12]")
+    pp = o.profile_processes
+    _require(pp is None or all(isinstance(v, int) and v >= 0 for v in pp),
+            f"observe.profile_processes={pp} must be a list of process indices >= 0, e.g. [0]")
+    _require(o.signal_profile_steps > 0,
+            f"observe.signal_profile_steps={o.signal_profile_steps} must be > 0")
 
 
 def _validate_mesh(cfg: Config) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from jaxtrain.config import ConfigError, find_yaml, load_typed, shipped
+from jaxtrain.schema import ConfigError, find_yaml, load_typed, shipped
 
 # JAX's GPU allocator takes this fraction of HBM unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: a step must
 # fit in that pool, not in the whole HBM.

@@ -9,60 +9,9 @@ from __future__ import annotations
 import ipaddress
 import os
 
-import yaml
-
-from jaxtrain.config import ConfigError
+from jaxtrain.schema import ConfigError, existing_file, load_yaml  # noqa: F401 (load_yaml re-exported)
 
 MAX_CPU_DEVICES = 512  # emulated devices are host threads; beyond this JAX start-up alone takes minutes
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key repeated in one mapping is an error, not a silent overwrite."""
-
-
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:  # an unhashable key: PyYAML's own error message follows
-            break
-        if duplicate:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def existing_file(path: str, what: str) -> None:
-    """ConfigError unless ``path`` is a regular file (a directory is named as one, not as missing)."""
-    if os.path.isdir(path):
-        raise ConfigError(f"{what} {path!r} is a directory, not a file")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what} {path!r} does not exist")
-
-
-def load_yaml(path: str, what: str) -> dict:
-    """The mapping at the top of a UTF-8 YAML file whose keys are unique in every mapping."""
-    existing_file(path, what)
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-        loaded = yaml.load(text, Loader=_UniqueKeyLoader)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
-    except OSError as e:
-        raise ConfigError(f"{what} {path!r} cannot be read: {e.strerror}") from None
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{what} {path!r} must hold a mapping at the top level, got a {type(loaded).__name__}")
-    return loaded
 
 
 def host_port(value: str, name: str) -> tuple[str, int]:

@@ -6,7 +6,7 @@ config, out of memory, a crash in XLA) is recorded with its error and the sweep 
 runs; the planner (``jaxtrain.planner``) compiles the same step in this process for the prediction, with the CPU's
 measured rates as the hardware.
 
-An experiment file (YAML, read by ``config.load_typed`` into :class:`ExperimentFile`)::
+An experiment file (YAML, read by ``schema.load_typed`` into :class:`ExperimentFile`)::
 
     name: cpu8-tiny
     config: null                  # base config file for every run (default: the built-in tiny config)
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from jaxtrain.config import ConfigError, find_yaml, load_config, load_typed
+from jaxtrain.config import load_config
+from jaxtrain.schema import ConfigError, find_yaml, load_typed
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
