@@ -301,6 +301,7 @@ def run(cfg: Config) -> list[str]:
                     if not m.correct:
                         failures.append(f"axis {axis}: {op} of {m.size_bytes} bytes returned wrong values; {verdict}")
                     wrong = wrong or verdict.startswith("reproducible")
+            assert m is not None  # sizes is never empty
             slow = bool(bound) and m.busbw < bound
             if slow:
                 failures.append(f"axis {axis}: {op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} "

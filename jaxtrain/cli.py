@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxtrain.checkpoint import CheckpointError
         from jaxtrain.distributed import DistributedError
 
-        expected = (CheckpointError, DistributedError)
+        expected: tuple[type[BaseException], ...] = (CheckpointError, DistributedError)
         if "jaxtrain.train" in sys.modules:  # a run that cannot make progress (non-finite steps): one line, exit 1
             expected += (sys.modules["jaxtrain.train"].NonFiniteError,)
         if not isinstance(e, expected):

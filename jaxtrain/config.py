@@ -253,7 +253,7 @@ class Config:
 # Loading
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Defaults, then the YAML file at ``path`` (if any; a shipped name such as ``7b`` also works), then
     ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
     tree = load_yaml(find_yaml(path, "", "config"), "config file") if path is not None else {}
@@ -282,7 +282,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+def all_keys(cls: Any = Config, prefix: str = "") -> list[str]:
     """Every dotted key of the config tree, e.g. ``["run.dir", ...]`` (dict-valued options end at their name)."""
     keys = []
     hints = typing.get_type_hints(cls)
@@ -419,7 +419,7 @@ def validate(cfg: Config) -> None:
     given = [n for n in ("coordinator", "num_processes", "process_id") if getattr(dist, n) is not None]
     _require(len(given) in (0, 3), f"dist.{', dist.'.join(given)} given without the others: set dist.coordinator, "
                                    "dist.num_processes and dist.process_id together, or none of them")
-    if given:
+    if dist.coordinator is not None and dist.num_processes is not None and dist.process_id is not None:
         inputs.host_port(dist.coordinator, "dist.coordinator")
         _positive("dist.num_processes", dist.num_processes)
         _require(0 <= dist.process_id < dist.num_processes,

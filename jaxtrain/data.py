@@ -198,6 +198,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> dict:
         raise ConfigError(f"--out {out!r}: its directory {parent!r} {why}")
     if tokenizer is None:
         docs = [np.frombuffer(open(p, "rb").read(), dtype=np.uint8).astype(np.uint32) for p in inputs]
+        sep: int | None
         vocab, sep, name = 256, EOS, "bytes"
     else:
         existing_file(tokenizer, "--tokenizer")

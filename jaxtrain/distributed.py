@@ -103,6 +103,7 @@ def _id_list(text: str, what: str) -> tuple[int, ...]:
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a Slurm node list ('n[001-004,9],m2' -> 'n001'), as JAX's slurm_cluster.py parses it."""
     m = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", nodelist)
+    assert m is not None  # the pattern matches any string, if only with empty groups
     return m.group(1) + (m.group(2) or "")
 
 
@@ -187,7 +188,7 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
     present = [n for n in names if n in environ]
     slurm_tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", "1"))
     in_slurm_step = "SLURM_STEP_NODELIST" in environ
-    if dist.coordinator is not None:
+    if dist.coordinator is not None and dist.num_processes is not None and dist.process_id is not None:
         coordinator, n, i = dist.coordinator, dist.num_processes, dist.process_id
         for key in ("coordinator", "num_processes", "process_id"):
             sources[key] = f"config: dist.{key}"
@@ -221,6 +222,7 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
                        process_id="single process")
 
     config_ids = getattr(dist, "local_device_ids", None)  # a key of DistConfig once config.py has it
+    ids: tuple[int, ...] | None
     if config_ids is not None:
         ids = _id_list(",".join(map(str, config_ids)), "dist.local_device_ids")
         sources["local_device_ids"] = "config: dist.local_device_ids"

@@ -50,9 +50,16 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) 
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _spec(names: tuple, rules) -> PartitionSpec:
+    """The mesh PartitionSpec of logical axis ``names`` under ``rules``."""
+    spec = nn_partitioning.logical_to_mesh_axes(names, rules)
+    assert spec is not None  # rules are given, so the names always map
+    return spec
+
+
 def _batch_multiple(mesh, rules) -> int:
     """The data-parallel size the batch dimension is split over (the batch is padded to a multiple of it)."""
-    spec = nn_partitioning.logical_to_mesh_axes(("batch",), rules)[0]
+    spec = _spec(("batch",), rules)[0]
     axes = spec if isinstance(spec, tuple) else (spec,)
     return int(np.prod([mesh.shape[a] for a in axes if a is not None]))
 
@@ -79,9 +86,9 @@ def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: in
         tokens[i, : len(p)], lengths[i] = p, len(p)
 
     graphdef, params = nnx.split(model)
-    cache_spec = nn_partitioning.logical_to_mesh_axes((None, *CACHE_AXES), rules)
+    cache_spec = _spec((None, *CACHE_AXES), rules)
     cache_sharding = {"k": NamedSharding(mesh, cache_spec), "v": NamedSharding(mesh, cache_spec)}
-    row_sharding = NamedSharding(mesh, PartitionSpec(nn_partitioning.logical_to_mesh_axes(("batch",), rules)[0]))
+    row_sharding = NamedSharding(mesh, PartitionSpec(_spec(("batch",), rules)[0]))
     tok_sharding = NamedSharding(mesh, PartitionSpec(row_sharding.spec[0], None))
 
     def prefill(params, tokens, lengths, key):

@@ -58,6 +58,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     """(theta, scaling parameters or None), from transformers 5's ``rope_parameters`` or 4.x's
     ``rope_theta`` + ``rope_scaling``."""
     params = hf.get("rope_parameters")
+    scaling: dict | None
     if isinstance(params, dict) and "rope_theta" in params:
         theta, scaling = params["rope_theta"], params
     else:
@@ -65,7 +66,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return float(theta), None
-    if kind != "llama3":
+    if kind != "llama3" or scaling is None:
         raise ConfigError(f"unsupported rope scaling {kind!r} in config.json (supported: llama3, or none)")
     return float(theta), {k: scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                                   "original_max_position_embeddings")}
@@ -336,7 +337,9 @@ def copy_tokenizer(src_dir: str, out: str) -> list[str]:
 
 def shard_plan(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Consecutive tensors grouped into files of at most ``max_bytes`` (a larger tensor gets a file to itself)."""
-    shards, current, used = [], [], 0
+    shards: list[list[str]] = []
+    current: list[str] = []
+    used = 0
     for name, n in sizes:
         if current and used + n > max_bytes:
             shards.append(current)

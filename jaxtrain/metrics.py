@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 
 class MetricsWriter:
@@ -19,7 +20,8 @@ class MetricsWriter:
     def __init__(self, run_dir: str, *, enabled: bool, total_steps: int, start_step: int = 0):
         """``start_step``: the step a resumed run restored; records after it (from the interrupted run) are dropped."""
         self.enabled, self.total_steps = enabled, total_steps
-        self._jsonl = self._tb = None
+        self._jsonl: Any = None
+        self._tb: Any = None
         if enabled:
             path = os.path.join(run_dir, "metrics.jsonl")
             _truncate_jsonl(path, start_step)
@@ -30,7 +32,7 @@ class MetricsWriter:
 
     def write(self, record: dict, *, elapsed: float | None = None, eta: float | None = None) -> None:
         """Log one step's record; ``elapsed`` (since the loop started) and ``eta`` seconds go to the progress line."""
-        if not self.enabled:
+        if self._jsonl is None or self._tb is None:  # not process 0
             return
         self._jsonl.write(json.dumps(record) + "\n")
         step = record["step"]

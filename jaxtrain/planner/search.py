@@ -48,7 +48,8 @@ def enumerate_shapes(cfg: Config, n_devices: int, nodes: int) -> list[MeshShape]
     would otherwise cross the network. Raises ConfigError saying why when nothing is valid.
     """
     per_node = devices_per_node(n_devices, nodes)
-    shapes, reasons = [], {}
+    shapes: list[MeshShape] = []
+    reasons: dict[str, MeshShape] = {}
     for ici in _factorizations(per_node, 3):
         for dcn_df in _factorizations(nodes, 2):
             shape = MeshShape(ici=ici, dcn=(*dcn_df, 1))
@@ -112,7 +113,7 @@ def param_axes(ts) -> frozenset[str]:
     """The mesh axes that some parameter is sharded over (from the abstract state's shardings)."""
     import jax
 
-    axes = set()
+    axes: set[str] = set()
     for leaf in jax.tree.leaves(ts.abstract_state["model"]):
         for entry in leaf.sharding.spec:
             axes.update(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
