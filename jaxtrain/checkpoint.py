@@ -281,9 +281,10 @@ def _everyone_ok(ok: bool) -> bool:
 def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
     """After a resume=auto restore of ``restored_step``: rename every newer step (each one found damaged) to
     ``<step>.damaged`` so that a later save of that step number cannot meet or mix with its files, and nothing is
-    deleted (Orbax ignores such names). Process 0 only. Returns the new names."""
+    deleted (Orbax ignores such names). Called by every process: process 0 renames, then all meet, so that no
+    process lists the old names afterwards. Returns the new names (on process 0)."""
     moved = []
-    for step in _existing_steps(directory):
+    for step in _existing_steps(directory) if jax.process_index() == 0 else []:
         if step > restored_step:
             new, n = os.path.join(directory, f"{step}.damaged"), 1
             while os.path.exists(new):
@@ -291,6 +292,10 @@ def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
                 new = os.path.join(directory, f"{step}.damaged-{n}")
             os.rename(os.path.join(directory, str(step)), new)
             moved.append(new)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxtrain: damaged checkpoints set aside")
     return moved
 
 

@@ -13,6 +13,7 @@ before any array of the state exists.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import math
@@ -43,7 +44,12 @@ class RunLock:
         self._created: list[str] = []  # directories made for the lock, innermost first
 
     def __enter__(self) -> RunLock:
-        error = self._acquire() if jax.process_index() == 0 else None
+        error = None
+        if jax.process_index() == 0:
+            try:
+                error = self._acquire()
+            except ConfigError as e:  # reported after the others have heard of it, so that none of them waits
+                error = e
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -168,27 +174,42 @@ def check_state_fits(ts) -> None:
             "devices (mesh.ici.fsdp), use a smaller model, or runtime.ignore_memory_check=true to start anyway")
 
 
-def check_memory_fit(ts, compiled_step) -> None:
-    """ConfigError (exit 2) with the figures and what would fit when the compiled step needs more memory per device
-    than there is; skipped with ``runtime.ignore_memory_check=true``."""
+def _need(compiled_step) -> tuple[int, int, int]:
+    """(bytes per device, of which state and batch, of which temporaries) of a compiled step."""
     mem = compiled_step.memory_analysis()
+    state, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    return state + temp + mem.output_size_in_bytes - mem.alias_size_in_bytes, state, temp  # donated outputs reuse
+
+
+def check_memory_fit(ts, compiled_step, max_trials: int = 2) -> None:
+    """ConfigError (exit 2) with the figures and what would fit when the compiled step needs more memory per device
+    than there is; skipped with ``runtime.ignore_memory_check=true``.
+
+    The suggestion is checked, not guessed: temporaries do not shrink in proportion to the microbatch (gathered
+    parameters and gradient accumulators stay), so up to ``max_trials`` microbatch counts, from the proportional
+    estimate upwards, are compiled (from abstract shapes: seconds to a minute each) and the first that fits is named.
+    """
     budget, where = available_memory()
-    if ts.cfg.runtime.ignore_memory_check or mem is None or budget is None:
+    if ts.cfg.runtime.ignore_memory_check or compiled_step.memory_analysis() is None or budget is None:
         return
-    state = mem.argument_size_in_bytes  # the train state's shard and the batch's rows
-    temp = mem.temp_size_in_bytes
-    need = state + temp + mem.output_size_in_bytes - mem.alias_size_in_bytes  # donated outputs reuse the inputs
+    need, state, temp = _need(compiled_step)
     if need <= budget:
         return
-    gib = 2**30
+    gib, cfg = 2**30, ts.cfg
     hints = []
-    cfg = ts.cfg
     rows = cfg.train.global_batch // cfg.train.microbatches // max(1, _data_parallel(ts))
-    if temp > 0 and state < budget:
-        k = math.ceil(temp / max(1, budget - (need - temp)))  # temporaries scale with the rows per microbatch
-        k = next((m for m in range(k, rows + 1) if rows % m == 0), None)
-        if k and k > 1:
-            hints.append(f"train.microbatches={cfg.train.microbatches * k} (temporaries about / {k})")
+    k = math.ceil(temp / max(1, budget - (need - temp))) if state < budget else rows + 1
+    tried = []
+    for m in [m for m in range(max(k, 2), rows + 1) if rows % m == 0][:max_trials]:
+        micro = cfg.train.microbatches * m
+        tried.append((micro, _need(_compiled_with(ts, train=dataclasses.replace(cfg.train, microbatches=micro)))[0]))
+        if tried[-1][1] <= budget:
+            break
+    if tried:
+        figures = ", ".join(f"{n / gib:.2f} GiB with {micro}" for micro, n in tried)
+        fits = tried[-1][1] <= budget
+        hints.append(f"train.microbatches={tried[-1][0]} (compiled per device: {figures})" if fits else
+                     f"more train.microbatches than {tried[-1][0]} (compiled per device: {figures}: not enough)")
     if cfg.model.remat == "none":
         hints.append("model.remat=full (keeps about one layer's activations)")
     if ts.shape.num_devices > 1 and jax.local_devices()[0].platform == "cpu":
@@ -198,8 +219,15 @@ def check_memory_fit(ts, compiled_step) -> None:
     raise ConfigError(
         f"the compiled train step needs {need / gib:.2f} GiB per device (state and batch {state / gib:.2f} GiB, "
         f"temporaries {temp / gib:.2f} GiB) on mesh {ts.shape.label}, but {budget / gib:.2f} GiB are available per "
-        f"device ({where}); try {'; or '.join(hints) or 'a smaller model or batch'}; or runtime.ignore_memory_check=true "
-        "to start anyway")
+        f"device ({where}); try {'; '.join(hints) or 'a smaller model or batch'}; or "
+        "runtime.ignore_memory_check=true to start anyway")
+
+
+def _compiled_with(ts, **changes):
+    from jaxtrain import train as train_lib
+
+    trial = train_lib.setup(dataclasses.replace(ts.cfg, **changes), list(ts.mesh.devices.flat))
+    return trial.compile(trial.abstract_state)[0]
 
 
 def _data_parallel(ts) -> int:

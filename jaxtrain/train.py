@@ -322,7 +322,7 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
     # config.yaml and metrics.jsonl as they were.
     restored = ckpt.restore(source, ts.abstract_state, ts.init_state)
-    if source.kind == "resume" and jax.process_index() == 0 and source.directory == ckpt.checkpoint_dir(cfg):
+    if source.kind == "resume" and source.directory == ckpt.checkpoint_dir(cfg):
         for moved in ckpt.set_aside_damaged(source.directory, restored[1]):
             log_info(f"moved the damaged checkpoint aside to {moved} (not deleted)")
     effective = effective_config(ts)

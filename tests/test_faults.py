@@ -230,6 +230,7 @@ def test_a_second_job_on_a_run_dir_exits_2_and_a_killed_holder_releases_it(tmp_p
     assert not (run / guards.LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_a_step_that_cannot_fit_exits_2_before_anything_is_allocated(tmp_path):
     # Tiny parameters, huge activations: 2048 sequences of 2048 tokens (scores alone 256 GiB).
     cfg = _cfg(tmp_path / "run", "train.global_batch=2048", "data.seq_len=2048")
