@@ -13,6 +13,7 @@ Metric names follow Prometheus' conventions (prefix ``jaxtrain_``, base units, `
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -247,7 +248,7 @@ class CollectiveProbe:
                 continue
             count = max(n, size // 4 // n * n)
             x = jax.make_array_from_callback((mesh.devices.size * count,), sharding,
-                                             lambda idx, c=count: np.ones(c, np.float32))
+                                             functools.partial(_ones, count))
             f = jax.jit(jax.shard_map(lambda v, a=axis: jax.lax.psum(v, a), mesh=mesh, in_specs=spec,
                                       out_specs=spec, check_vma=False)).lower(x).compile()
             crosses = shape.dcn[i] > 1
@@ -327,14 +328,15 @@ class Profiler:
             self.active = True
 
     def end(self, step: int, in_flight) -> None:
-        if self.active and step >= self.window[1]:
+        if self.active and self.window is not None and step >= self.window[1]:
             jax.block_until_ready(in_flight)  # the window's last step belongs in the trace
             self._stop(f"steps {self.window[0]}-{step}")
 
     def _stop(self, what: str) -> None:
         jax.profiler.stop_trace()
         self.active = False
-        self.window = self.configured if self.configured and self.configured[0] > self.window[1] else None
+        done = self.window[1] if self.window is not None else 0
+        self.window = self.configured if self.configured and self.configured[0] > done else None
         self.written.append(self.dir)
         log_info(f"profile of {what} written to {self.dir}; view: tensorboard --logdir {os.path.dirname(self.dir)}"
                  f" (profile tab), xprof --logdir {os.path.dirname(self.dir)}, or perfetto_trace.json.gz in "
@@ -342,7 +344,8 @@ class Profiler:
 
     def close(self, last_step: int) -> None:
         if self.active:
-            self._stop(f"steps {self.window[0]}-{last_step} (the run ended inside the window)")
+            first = self.window[0] if self.window is not None else last_step
+            self._stop(f"steps {first}-{last_step} (the run ended inside the window)")
         if self._old is not None:
             signal.signal(signal.SIGUSR1, self._old)
 
@@ -534,3 +537,8 @@ def summary_fields(obs: Observer) -> dict[str, Any]:
     """What the observer adds to ``summary.json``: ``goodput`` (category -> fraction of wall time)."""
     return {"goodput": obs.goodput.summary(), "goodput_wall_seconds": sum(obs.goodput.totals().values()),
             "recomputed_steps": obs.goodput.recomputed_steps}
+
+
+def _ones(count: int, index) -> np.ndarray:
+    """A probe's per-device buffer (``make_array_from_callback`` passes each shard's index)."""
+    return np.ones(count, np.float32)
