@@ -536,7 +536,8 @@ def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float,
     group = heads // kv_heads
     splits = sizes.dkdv_splits
     if splits is None:
-        splits = choose_splits(batch, seq_len, kv_heads, group, launches["dkdv"].block_n)
+        # Not in interpret mode (CPU): more programs gain nothing there and partial sums cost memory.
+        splits = 1 if interpret else choose_splits(batch, seq_len, kv_heads, group, launches["dkdv"].block_n)
     elif not isinstance(splits, int) or splits < 1 or group % splits:
         raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
     return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len, splits=splits,
@@ -582,8 +583,7 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm
 
 def plan(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
          backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None) -> _Config:
-    """The static configuration of a call (launch of every kernel); raises ValueError on bad block sizes.
-    q_shape [batch, seq, heads, head_dim]; kv_heads defaults to heads."""
+    """The static configuration of a call; ValueError on bad block sizes. q_shape [batch, seq, heads, head_dim]."""
     sizes = BlockSizes.from_kwargs(block_sizes or {})
     d = q_shape[-1]
     scale = d**-0.5 if sm_scale is None else sm_scale
