@@ -101,14 +101,16 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
         if step is None and steps:
             step = steps[-1]
         if step not in steps:
-            raise ConfigError(f"checkpoint.resume={c.resume!r} holds no complete checkpoint; steps there: {steps or 'none'}")
+            raise ConfigError(f"checkpoint.resume={c.resume!r} holds no complete checkpoint; steps there: "
+                              f"{steps or 'none'}")
         source = RestoreSource("resume", directory, step)
     if source.kind == "fresh" and c.init_from:
         directory, step = _step_dir(c.init_from)
         steps = _existing_steps(directory)
         step = steps[-1] if step is None and steps else step
         if step not in steps:
-            raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: {steps or 'none'}")
+            raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: "
+                              f"{steps or 'none'}")
         source = RestoreSource("params", directory, step)
     if source.kind != "fresh":
         source = _first_readable(source, _target(source, abstract_state))
@@ -224,7 +226,8 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
             out, error = None, e
         if _everyone_ok(error is None):
             return out
-        _damaged(source, step, "its arrays do not restore: " + (_reason(error) if error else "on another process"), tried)
+        why = _reason(error) if error else "on another process"
+        _damaged(source, step, f"its arrays do not restore: {why}", tried)
     raise _none_readable(source, tried)
 
 
@@ -401,9 +404,12 @@ def _fingerprint(state: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
 
     finite, sums = [], {}
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            finite.append(jnp.isfinite(x).all())
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            # One pass over the bits for both answers: a value is finite unless its exponent bits are all ones.
+            info = jnp.finfo(x.dtype)
+            exponent = ((1 << info.nexp) - 1) << info.nmant
             x = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+            finite.append(jnp.all((x & exponent) != exponent))
         sums[_leaf_name(path)] = jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
     return (jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)), sums
 
@@ -432,7 +438,8 @@ class PreemptionWatch:
     def __init__(self, checkpointer: Checkpointer):
         self._manager, self._flag, self._old = checkpointer._manager, False, {}
         self._service = jax.distributed.is_initialized()
-        handlers = {signal.SIGINT: self._forward} if self._service else {signal.SIGINT: self._set, signal.SIGTERM: self._set}
+        handlers = ({signal.SIGINT: self._forward} if self._service
+                    else {signal.SIGINT: self._set, signal.SIGTERM: self._set})
         for sig, handler in handlers.items():
             self._old[sig] = signal.signal(sig, handler)
 

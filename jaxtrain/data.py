@@ -61,7 +61,8 @@ def _read_sidecar(path: str) -> dict:
         raise ConfigError(f"the sidecar {meta_path!r} of data.source is not valid JSON ({_short(e)}); fix or remove "
                           "it (it holds the vocab_size and dtype prepare wrote)") from None
     if not isinstance(meta, dict):
-        raise ConfigError(f"the sidecar {meta_path!r} of data.source must hold a JSON object, got {type(meta).__name__}")
+        raise ConfigError(f"the sidecar {meta_path!r} of data.source must hold a JSON object, "
+                          f"got {type(meta).__name__}")
     for key, kind in (("vocab_size", int), ("dtype", str)):
         if key in meta and (not isinstance(meta[key], kind) or isinstance(meta[key], bool)):
             raise ConfigError(f"the sidecar {meta_path!r} has {key}={meta[key]!r}; expected a {kind.__name__}")
@@ -219,7 +220,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> dict:
                 raise ConfigError(f"input file {p!r} is not UTF-8 text (byte {e.start}), which --tokenizer needs; "
                                   "without --tokenizer any bytes are taken") from None
         vocab = tok.get_vocab_size()
-        sep = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None), None)
+        sep = next((tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>") if tok.token_to_id(t) is not None),
+                   None)
         name = os.path.abspath(tokenizer)
     pieces = []
     for i, doc in enumerate(docs):

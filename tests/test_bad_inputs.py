@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+
 from helpers import run_cli
 
 RUN = "run"  # the run directory inside the workspace: it already holds a previous run's files
@@ -130,7 +131,7 @@ AFTER_JAX = {
     "negative token id": ([*T, "data.source=negative.npy"], "holds the negative token id -200"),
     "token id >= vocab_size, no sidecar": ([*T, "data.source=out_of_range.bin"],
                                            "holds token id 300 (its largest), which model.vocab_size=256 cannot"),
-    "sidecar not JSON": ([*T, "data.source=bad_json.bin"], "the sidecar 'bad_json.bin.json' of data.source is not valid"),
+    "sidecar not JSON": ([*T, "data.source=bad_json.bin"], "the sidecar 'bad_json.bin.json' of data.source is not"),
     "sidecar not an object": ([*T, "data.source=list_json.bin"], "must hold a JSON object, got list"),
     "sidecar vocab_size a string": ([*T, "data.source=str_vocab.bin"], "has vocab_size='many'; expected a int"),
     "sidecar not UTF-8": ([*T, "data.source=latin1_json.bin"], "is not valid JSON"),

@@ -10,11 +10,10 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import REPO, run_cli
 
 from jaxtrain import train as train_lib
 from jaxtrain.config import ConfigError
-
-from conftest import REPO, run_cli
 
 # Small and float32 so that runs are quick and comparisons exact.
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
@@ -151,7 +150,8 @@ def test_bad_resume_inputs_exit_2_and_leave_checkpoints_alone(tmp_path):
 
     before = snapshot()
     cases = {
-        "model.d_ff=256": "does not fit this model: model.blocks.mlp.down.kernel has shape (4, 384, 128) there but (4, 256, 128) here",
+        "model.d_ff=256": "does not fit this model: model.blocks.mlp.down.kernel has shape (4, 384, 128) there but "
+                          "(4, 256, 128) here",
         "checkpoint.resume=7": "checkpoint.resume=7: no such step",
         "checkpoint.resume=never": "checkpoint.resume=never but",
         "train.steps=8": "beyond train.steps=8",
@@ -216,7 +216,8 @@ def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
     fresh = trainer.init_state()
     mu = [x for x in jax.tree.leaves(state["opt"]["opt_state"]) if x.ndim > 1]
     assert all(not np.any(np.asarray(x)) for x in mu)  # zero moments
-    assert not np.array_equal(np.asarray(jax.tree.leaves(fresh["model"])[0]), np.asarray(jax.tree.leaves(state["model"])[0]))
+    first = (np.asarray(jax.tree.leaves(tree["model"])[0]) for tree in (fresh, state))
+    assert not np.array_equal(*first)
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         ckpt.choose_restore(load_config(None, [f"run.dir={tmp_path / 'x'}", *base,
                                              f"checkpoint.init_from={tmp_path}"]), trainer.abstract_state)

@@ -15,8 +15,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, run_cli
 
+from helpers import REPO, run_cli
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import guards
 from jaxtrain import train as train_lib
@@ -139,7 +139,6 @@ def test_a_non_finite_step_changes_nothing(tmp_path):
     clean = ts.init_state()
     clean, first = step(clean, batch)  # one good step: non-zero moments and counts to protect
     assert float(first["nonfinite_steps"]) == 0
-    before = jax.tree.map(np.asarray, clean)
     poisoned = jax.tree.map(lambda x: x, clean)
     table = poisoned["model"]["embed"]["embedding"]
     table[...] = table[...].at[3, 0].set(np.inf)  # one inf weight: the loss and every gradient become NaN
@@ -219,14 +218,14 @@ def test_a_second_job_on_a_run_dir_exits_2_and_a_killed_holder_releases_it(tmp_p
         second = run_cli("train", f"run.dir={run}", *SMALL, "train.steps=3")
         assert second.returncode == 2, second.stderr[-2000:]
         line = second.stderr.strip().splitlines()[-1]
-        assert f"is in use by another job (host " in line and f"pid {first.pid}, since " in line, line
+        assert "is in use by another job (host " in line and f"pid {first.pid}, since " in line, line
         assert time.time() - t0 < 60  # before compiling anything
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     third = run_cli("train", f"run.dir={run}", *SMALL, "train.steps=2")
     assert third.returncode == 0, third.stderr[-2000:]
-    assert f"took over the lock of a job that ended without releasing it (host" in third.stderr
+    assert "took over the lock of a job that ended without releasing it (host" in third.stderr
     assert not (run / guards.LOCK_NAME).exists()
 
 
@@ -289,3 +288,20 @@ def test_a_state_with_non_finite_values_is_never_saved(tmp_path):
         saver.save(2, state, {"next_index": 2})
     saver.close()
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_checkpoint_fingerprint_matches_numpy_on_any_mesh(dtype):
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(64, 48)).astype(np.float32)
+    x = jax.numpy.asarray(values, dtype=dtype)
+    bits = np.asarray(x).view({"float32": np.uint32, "bfloat16": np.uint16, "float16": np.uint16}[dtype])
+    expected = int(bits.astype(np.uint64).sum() % 2**32)  # NumPy reference: the wrapping sum of the bit patterns
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    for layout in (None, ("a", "b"), ("b", None)):
+        spec = jax.sharding.PartitionSpec(*layout) if layout else None
+        y = x if layout is None else jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+        finite, sums = ckpt.fingerprint({"w": y, "step": jax.numpy.int32(7)})
+        assert finite and sums == {"w": expected, "step": 7}
+    finite, _ = ckpt.fingerprint({"w": x.at[5, 5].set(np.nan)})
+    assert not finite
