@@ -115,3 +115,22 @@ def test_prepare_with_a_local_tokenizer_json(tmp_path):
     eot = tok.token_to_id("<|endoftext|>")
     assert meta["vocab_size"] == tok.get_vocab_size() and (ids == eot).sum() == 2
     assert list(ids[: 10]) == tok.encode(corpus[0]).ids[:10]
+
+
+@pytest.mark.parametrize("dtype, where", [("uint16", 0), ("uint16", -1), ("uint32", 12345), ("int64", 777)])
+def test_token_id_range_is_checked_over_the_whole_file(tmp_path, dtype, where):
+    """An id past model.vocab_size anywhere (first, last, middle) is named, with or without a sidecar; the largest
+    id is found as NumPy's max finds it."""
+    ids = (np.arange(20000) % 250).astype(dtype)
+    ids[where] = 40000
+    path = tmp_path / ("t.npy" if dtype == "int64" else "t.bin")
+    np.save(path, ids) if dtype == "int64" else ids.tofile(path)
+    cfg = load_config(None, [f"data.source={path}", f"data.token_dtype={dtype if dtype != 'int64' else 'uint16'}",
+                             "data.seq_len=16"])
+    with pytest.raises(ConfigError, match=f"holds token id {int(ids.max())} \\(its largest\\), which "
+                                          "model.vocab_size=256 cannot represent; set model.vocab_size=40001"):
+        _tokens(cfg)
+    ids[where] = 255  # all in range again: loads
+    np.save(path, ids) if dtype == "int64" else ids.tofile(path)
+    tokens = _tokens(cfg)
+    assert max(tokens.train.max(), tokens.eval.max()) == 255
