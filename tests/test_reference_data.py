@@ -7,8 +7,8 @@ s * global_batch + r. Evaluation windows are the same cut of the held-out tail, 
 The token stream here is 0, 1, 2, ... so that every window names its own start.
 """
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxtrain import data as data_lib

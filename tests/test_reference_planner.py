@@ -3,13 +3,12 @@ test_reference_flops.py) per device over peak x efficiency, with rematerialisati
 optimizer update is memory-bound (gradients, parameters and both moments read, parameters and moments written)."""
 
 import pytest
+from test_reference_flops import hand_forward_flops_per_token
 
 from jaxtrain.config import load_config
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 from jaxtrain.planner import cost
-
-from test_reference_flops import hand_forward_flops_per_token
 
 HW = Hardware(peak_flops=1e15, hbm_bytes=8e10, hbm_bandwidth=2e12, devices_per_node=8, intra_node_bandwidth=4e11,
               inter_node_bandwidth=5e10, compute_efficiency=0.4)

@@ -5,9 +5,9 @@ import json
 import jax
 import numpy as np
 import pytest
+from test_reference_flops import hand_forward_flops_per_token
 
 from jaxtrain import train as train_lib
-from test_reference_flops import hand_forward_flops_per_token
 
 MESHES = {
     "data=8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
@@ -28,9 +28,9 @@ def _losses(make_config, overrides, n_devices):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from jaxtrain.config import load_config
-
     from conftest import FAST
+
+    from jaxtrain.config import load_config
 
     cfg = load_config(None, [f"run.dir={tmp_path_factory.mktemp('ref')}", *FAST, *STEPS, "mesh.ici.fsdp=1"])
     result = train_lib.train(cfg, devices=jax.devices()[:1])

@@ -4,10 +4,10 @@ import json
 
 import jax
 import pytest
+from test_reference_flops import hand_forward_flops_per_token
 
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
-from test_reference_flops import hand_forward_flops_per_token
 
 
 def test_default_config_learns_and_writes_its_outputs(tmp_path):
