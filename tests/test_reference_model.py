@@ -233,3 +233,28 @@ def test_eval_loss_is_next_token_cross_entropy_of_the_reference_logits(tmp_path,
     with ts.scope():
         got = float(jax.jit(ts.eval_step)(state, jnp.asarray(batch, jnp.int32)))
     assert got == pytest.approx(expected, rel=2e-5)
+
+
+def test_initial_parameters_follow_the_documented_init(tmp_path):
+    """Normal(0, init_std) for embeddings and input projections; the residual branches' output projections (o, down)
+    scaled by 1 / sqrt(2 * n_layers) (GPT-2); norm scales 1. Measured on the tiny config's fresh state."""
+    cfg = load_config(None, [f"run.dir={tmp_path}", "model.dtype=float32", "mesh.ici.fsdp=1",
+                             "model.tie_embeddings=false"])
+    ts = train_lib.setup(cfg, jax.devices()[:1])
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(ts.init_state()["model"]))
+    std, layers = cfg.model.init_std, cfg.model.n_layers
+    blk = params["blocks"]
+    expected = {"embedding": (params["embed"]["embedding"], std), "unembed": (params["unembed"]["kernel"], std),
+                "q": (blk["attn"]["q"]["kernel"], std), "k": (blk["attn"]["k"]["kernel"], std),
+                "v": (blk["attn"]["v"]["kernel"], std), "gate": (blk["mlp"]["gate"]["kernel"], std),
+                "up": (blk["mlp"]["up"]["kernel"], std),
+                "o": (blk["attn"]["o"]["kernel"], std / (2 * layers) ** 0.5),
+                "down": (blk["mlp"]["down"]["kernel"], std / (2 * layers) ** 0.5)}
+    for name, (w, s) in expected.items():
+        # >= 16k samples each: the sample std is within ~1% of the true one; 5% separates 0.02 from 0.0071.
+        assert w.size >= 16_000 and abs(w.mean()) < 0.05 * s, name
+        assert w.std() == pytest.approx(s, rel=0.05), name
+    for layer in range(layers):  # layers are initialised independently, not copies of one another
+        assert not np.array_equal(blk["mlp"]["up"]["kernel"][layer], blk["mlp"]["up"]["kernel"][0]) or layer == 0
+    for scale in (blk["attn_norm"]["scale"], blk["mlp_norm"]["scale"], params["final_norm"]["scale"]):
+        np.testing.assert_array_equal(scale, 1.0)

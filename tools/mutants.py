@@ -114,6 +114,10 @@ MUTANTS = [
            "visible = jnp.arange(k_cache.shape[1])[None, None, :] < q_positions[:, :, None]",
            ("tests/test_generate.py::test_greedy_matches_transformers_batched_prompts_of_different_lengths",),
            "decoding: a new token does not attend to its own key"),
+    Mutant("residual-output-init-unscaled", "model", "jaxtrain/model.py",
+           "out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5", "out_std = cfg.init_std",
+           (REF + "model.py::test_initial_parameters_follow_the_documented_init",),
+           "attention output projections not scaled down with depth (GPT-2 init)", occurrences=2, nth=0),
     Mutant("final-norm-dropped", "model", "jaxtrain/model.py",
            "x = self.final_norm(x)", "x = x", (MODEL_LOGITS,), "no final RMSNorm before the output projection"),
     # -- data ----------------------------------------------------------------------------------------------------
