@@ -9,6 +9,7 @@ Nothing in this module imports JAX: it must be usable before the runtime is conf
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import difflib
 import typing
 from dataclasses import dataclass, field
@@ -531,5 +532,8 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
             if dtype != "float32" and not cfg.data.document_mask:
                 attention = "cudnn"
             elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
-                attention = "pallas"
+                # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
+                # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
+                # tiles and wgmma counts for sm_90a (README "Attention kernels").
+                attention = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
     return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention))

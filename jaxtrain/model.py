@@ -19,11 +19,17 @@ from flax.linen import with_logical_constraint
 
 from jaxtrain.config import ModelConfig
 from kernels import flash_attention, mha_reference
+from kernels.flash_pallas import CHECKPOINT_NAMES
 
+# The flash kernels name their forward results (output and log-sum-exp, CHECKPOINT_NAMES): saving them costs
+# [batch, seq, heads, head_dim] + [batch, heads, seq] per layer and spares re-running the forward kernel in the
+# backward pass. With the XLA reference there are no such names and nothing extra is saved.
+_SAVE_ATTENTION = jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES)
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "full": _SAVE_ATTENTION,
     # Keep the outputs of weight matmuls, recompute the cheap elementwise work and attention probabilities.
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ATTENTION),
 }
 
 

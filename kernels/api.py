@@ -77,7 +77,7 @@ def validate(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl="pal
         raise ValueError(f"backend={backend!r} applies to impl='pallas' only")
 
 
-def launch_plan(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segments: bool = False,
+def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segments: bool = False,
                 impl: str = "pallas", **block_sizes) -> dict:
     """How each kernel of a call would be launched: {"fwd" | "dq" | "dkdv": {block_m, block_n, num_warps,
     num_stages}} (block_m: query tile, block_n: key tile), for q_shape [batch, seq, heads, head_dim]."""

@@ -260,7 +260,7 @@ def _planned_launch(case: Case) -> dict:
     try:
         from kernels import api
 
-        return api.launch_plan((BATCH, SEQ, HEADS, case.head_dim), KV_HEADS, case.dtype, causal=case.causal,
+        return api.launch_settings((BATCH, SEQ, HEADS, case.head_dim), KV_HEADS, case.dtype, causal=case.causal,
                                has_segments=case.segments, impl=case.impl, **dict(case.block_sizes))
     except (ImportError, AttributeError):
         return {}

@@ -40,7 +40,7 @@ import types
 
 import numpy as np
 
-from kernels.triton_plan import (  # noqa: F401 - the plan's names are part of this module's interface
+from kernels.triton_launch import (  # noqa: F401 - the launch settings are part of this module's interface
     SUPPORTED_HEAD_DIMS, BlockSizes, Plan, choose_splits, dkdv_passes, make_plan)
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
