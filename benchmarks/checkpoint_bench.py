@@ -51,7 +51,7 @@ def main(argv):
             rows.append((async_save, statistics.median(blocked), statistics.median(total)))
 
         runs = {}
-        for label, n in (("every %d" % every, every), ("end only", 0)):
+        for label, n in ((f"every {every}", every), ("end only", 0)):
             c = load_config("configs/125m.yaml", [f"run.dir={tmp}/run-{n}", *overrides, f"train.steps={steps}",
                                                   f"checkpoint.every={n}"])
             result = train.train(c)
@@ -59,7 +59,7 @@ def main(argv):
 
     print(f"\nmachine: {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "
           f"train state {nbytes / 1e9:.2f} GB (125M parameters + AdamW moments, float32)")
-    print("| save | loop blocked (median of %d) | save complete |" % REPEATS)
+    print(f"| save | loop blocked (median of {REPEATS}) | save complete |")
     print("| --- | --- | --- |")
     for async_save, blocked, total in rows:
         print(f"| {'async' if async_save else 'sync'} | {blocked:.3f} s | {total:.3f} s |")

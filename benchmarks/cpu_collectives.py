@@ -38,7 +38,10 @@ batch = ts.to_device(rng.integers(0, 256, (16, 257)).astype(np.int32))
 state, m = step(state, batch); jax.block_until_ready(m)
 times = []
 for _ in range(steps):
-    t0 = time.perf_counter(); state, m = step(state, batch); jax.block_until_ready(m); times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
 print(json.dumps({"median": statistics.median(times), "min": min(times)}))
 """
 

@@ -9,8 +9,8 @@ Nothing in this module imports JAX: it must be usable before the runtime is conf
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import difflib
+import importlib.util
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -395,7 +395,8 @@ def validate(cfg: Config) -> None:
     _positive("train.lr", t.lr)
     _require(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     _require(t.decay_steps > t.warmup_steps,
-             f"train.decay_steps={t.decay_steps} must be > train.warmup_steps={t.warmup_steps} (it includes the warmup)")
+             f"train.decay_steps={t.decay_steps} must be > train.warmup_steps={t.warmup_steps} "
+             "(it includes the warmup)")
     _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _require(0 <= t.b1 < 1, f"train.b1={t.b1} must be in [0, 1)")
@@ -489,7 +490,8 @@ def _validate_mesh(cfg: Config) -> None:
         targets = target if isinstance(target, list) else [target]
         for ax in targets:
             _require(ax is None or (isinstance(ax, str) and ax in known),
-                     f"mesh.rules.{logical}={target!r} names an unknown mesh axis; valid: {', '.join(MESH_AXES)} or null")
+                     f"mesh.rules.{logical}={target!r} names an unknown mesh axis; valid: "
+                     f"{', '.join(MESH_AXES)} or null")
 
     # Divisibility by the fixed axis sizes now; the -1 axis is checked again once it is resolved (mesh.py).
     check_divisibility(cfg, cfg.mesh.fixed_axis_sizes())

@@ -19,7 +19,6 @@ import numpy as np
 from jaxtrain import hf
 from jaxtrain.config import ConfigError
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Checkpoints: where they are, what they say
 

@@ -291,7 +291,7 @@ class SafetensorsDir:
             except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
                 raise ConfigError(f"{path} is not a readable safetensors file: {' '.join(str(e).split())}") from None
 
-    def read(self, tm: "TensorMap", layer: int | None, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+    def read(self, tm: TensorMap, layer: int | None, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
         """:func:`read_block` of ``tm``'s tensor for ``layer``. The file is mapped only while it is read, so its
         pages leave this process's resident memory once the block is copied out."""
         name = tm.name(layer)

@@ -120,12 +120,16 @@ class Attention(nnx.Module):
         self.cfg, self.interpret = cfg, interpret
         d, hd = cfg.d_model, cfg.resolved_head_dim
         common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = nnx.LinearGeneral(d, (cfg.n_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "heads", "head_dim")), **common)
-        self.k = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
-        self.v = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd), kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+        self.q = nnx.LinearGeneral(d, (cfg.n_heads, hd),
+                                   kernel_init=_init(cfg.init_std, ("embed", "heads", "head_dim")), **common)
+        self.k = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd),
+                                   kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+        self.v = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd),
+                                   kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
         # Scaled init of residual-branch outputs (GPT-2): keeps the residual stream's variance independent of depth.
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1), kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
+        self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1),
+                                   kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
                  cache: tuple[jax.Array, jax.Array] | None = None):

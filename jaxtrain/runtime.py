@@ -14,7 +14,8 @@ from jaxtrain.mesh import cpu_devices_per_process
 
 
 def configure(cfg: Config) -> distributed.Settings:
-    """Emulated CPU devices (``runtime.cpu_devices`` per process; no effect on GPU devices), then ``jax.distributed``."""
+    """Emulated CPU devices (``runtime.cpu_devices`` per process; no effect on GPU devices), then
+    ``jax.distributed``."""
     settings = distributed.resolve(cfg.dist)
     jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg, settings.expected_processes))
     distributed.initialize(cfg.dist, settings)

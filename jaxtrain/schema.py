@@ -149,7 +149,9 @@ def coerce(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name}={value!r} must be a list of strings")
         return list(value)
     if origin is list or tp is list:
-        if not isinstance(value, list) or not value or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        numbers = isinstance(value, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        if not value or not numbers:
             raise ConfigError(f"{name}={value!r} must be a non-empty list of numbers, e.g. [1, 4, 16]")
         return list(value)
     if origin is dict:

@@ -26,9 +26,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from jaxtrain.config import load_config
 from jaxtrain.schema import ConfigError, find_yaml, load_typed

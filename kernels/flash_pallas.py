@@ -94,7 +94,7 @@ class BlockSizes:
     dkdv_splits: int | None = None
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict) -> "BlockSizes":
+    def from_kwargs(cls, kwargs: dict) -> BlockSizes:
         return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "pallas")
 
 

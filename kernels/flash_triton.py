@@ -40,8 +40,10 @@ import types
 
 import numpy as np
 
-from kernels.triton_launch import (  # noqa: F401 - the launch settings are part of this module's interface
-    SUPPORTED_HEAD_DIMS, BlockSizes, Plan, choose_splits, dkdv_passes, make_plan)
+# The launch settings are part of this module's interface (re-exported for callers and tests).
+from kernels.triton_launch import SUPPORTED_HEAD_DIMS as SUPPORTED_HEAD_DIMS
+from kernels.triton_launch import BlockSizes as BlockSizes
+from kernels.triton_launch import Plan, make_plan
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 

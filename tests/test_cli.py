@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from conftest import run_cli
 
 BAD = {
@@ -15,10 +14,12 @@ BAD = {
     "heads vs tensor": (["runtime.cpu_devices=8", "mesh.ici.tensor=3"], "not divisible by the tensor axis size 3"),
     "mesh vs devices": (["runtime.cpu_devices=4", "mesh.ici.fsdp=8"], "has 8 devices but 4 are available"),
     "-1 cannot fill": (["runtime.cpu_devices=6", "mesh.ici.data=4"], "cannot fill 6 devices"),
-    "batch vs data parallel": (["mesh.ici.data=3", "train.global_batch=16"], "not divisible by the data-parallel size 3"),
+    "batch vs data parallel": (["mesh.ici.data=3", "train.global_batch=16"],
+                               "not divisible by the data-parallel size 3"),
     "missing data file": (["data.source=missing.bin"], "data.source file 'missing.bin' does not exist"),
     "not key=value": (["train.steps"], "is not of the form key=value"),
-    "vocab too small for data": (["model.vocab_size=128"], "model.vocab_size=128 is smaller than the data's vocabulary"),
+    "vocab too small for data": (["model.vocab_size=128"],
+                                 "model.vocab_size=128 is smaller than the data's vocabulary"),
     "two fill axes": (["mesh.ici.data=-1"], "only one mesh axis may be -1"),
 }
 

@@ -11,8 +11,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import FAST, REPO, run_cli
 
+from helpers import FAST, REPO, run_cli
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
 

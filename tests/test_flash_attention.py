@@ -669,8 +669,8 @@ GPU_CASES = [
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "{}-{}-s{}-kv{}-d{}-causal{}".format(
-    c[0], jnp.dtype(c[1]).name, c[3], c[5], c[6], c[7]))
+@pytest.mark.parametrize("case", GPU_CASES,
+                         ids=lambda c: f"{c[0]}-{jnp.dtype(c[1]).name}-s{c[3]}-kv{c[5]}-d{c[6]}-causal{c[7]}")
 def test_gpu_values_and_grads(case):
     impl, dtype, b, s, h, kvh, d, causal, segments, tol = case
     if impl == "triton" and flash_triton.availability_error():

@@ -12,8 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import run_cli  # noqa: E402
-from jaxtrain import convert, generate  # noqa: E402
 from test_hf import BASE, import_dir, make_hf_model  # noqa: E402
+
+from jaxtrain import convert, generate  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -122,6 +123,7 @@ def test_tokenizer_json_run_generates_text_and_exports_its_tokenizer(tmp_path):
     """A run prepared with `prepare --tokenizer`: generate takes text through that tokenizer.json, a --prompts file
     decodes as one batch, and to-hf copies the tokenizer next to the weights."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     text = "\n".join(topics[k] for k in sorted(topics)[:40])

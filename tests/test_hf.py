@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import run_cli  # noqa: E402
+
 from jaxtrain import convert  # noqa: E402
 from jaxtrain.config import ConfigError  # noqa: E402
 

@@ -7,7 +7,6 @@ import sys
 import time
 
 from helpers import REPO
-
 from jaxtrain import distributed
 from jaxtrain.config import load_config
 

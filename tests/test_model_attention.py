@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxtrain import train as train_lib
-from jaxtrain.config import ConfigError, FLASH_HEAD_DIMS, load_config
+from jaxtrain.config import FLASH_HEAD_DIMS, ConfigError, load_config
 from kernels import flash_pallas
 
 BASE = ["model.dtype=float32", "model.param_dtype=float32", "train.steps=5", "train.eval_every=0",

@@ -123,7 +123,7 @@ def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_p
     last = proc.stderr.strip().splitlines()[-1]
     assert "process 1 of 2 could not reach the coordinator 127.0.0.1:1 within dist.init_timeout_s=3 s" in last
     # A coordinator whose peer never arrives: JAX ends it at the deadline (it aborts; jaxtrain said what it awaited).
-    env = _env() | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:%d" % _free_port(), "JAX_NUM_PROCESSES": "2",
+    env = _env() | {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": "0"}
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'b'}",

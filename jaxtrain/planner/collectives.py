@@ -15,8 +15,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtrain.planner.hlo import (ARRAY_RE, HloModule, Instr, UnknownLoop, array_bytes, balanced, element_shape,
-                                  multiplicities, op_name)
+from jaxtrain.planner.hlo import (
+    ARRAY_RE,
+    HloModule,
+    Instr,
+    UnknownLoop,
+    array_bytes,
+    balanced,
+    element_shape,
+    multiplicities,
+    op_name,
+)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

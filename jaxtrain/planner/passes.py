@@ -18,14 +18,23 @@ device sends is applied here, one function per pass, named after it:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from jaxtrain.config import MESH_AXES
 from jaxtrain.planner.collectives import AllReduceElement, Collective, replica_groups, stated_collectives
-from jaxtrain.planner.hlo import (HloModule, Instr, UnknownLoop, array_bytes, elements, fused_computation, op_name,
-                                  parse_hlo)
+from jaxtrain.planner.hlo import (
+    HloModule,
+    Instr,
+    UnknownLoop,
+    array_bytes,
+    elements,
+    fused_computation,
+    op_name,
+    parse_hlo,
+)
 
 # Ops that only move or re-type a value: an all-reduce seen through them is still that all-reduce.
 _PASS = {"bitcast", "copy", "reshape", "transpose", "convert"}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -196,7 +196,7 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
     for s in shapes:
         by_sizes.setdefault(tuple(s.axis_sizes.values()), []).append(s)
     results, pruned = [], []
-    for i, (sizes, group) in enumerate(by_sizes.items(), 1):
+    for i, group in enumerate(by_sizes.values(), 1):
         ts = _setup(cfg, group[0], devices)
         params, opt = state_bytes(ts)
         if params + opt > hw.usable_bytes:
