@@ -155,7 +155,7 @@ def test_bad_resume_inputs_exit_2_and_leave_checkpoints_alone(tmp_path):
         "checkpoint.resume=7": "checkpoint.resume=7: no such step",
         "checkpoint.resume=never": "checkpoint.resume=never but",
         "train.steps=8": "beyond train.steps=8",
-        f"checkpoint.dir={tmp_path / 'a_file' / 'ckpt'}": "is not writable",
+        f"checkpoint.dir={tmp_path / 'a_file' / 'ckpt'}": "cannot be created",
     }
     (tmp_path / "a_file").write_text("not a directory")
     for override, message in cases.items():
