@@ -2,7 +2,7 @@
 disk created or changed (checksums of the whole workspace, run directory included, before and after).
 
 Cases in FAST fail before JAX starts (about half a second each); cases in AFTER_JAX are found once JAX and the mesh
-exist (data files, checkpoints, memory), about 8 s each on 2 cores, so most of them are marked slow.
+exist (data files, checkpoints, memory), 2-8 s each on 2 shared cores, so most of them are marked slow.
 """
 
 import hashlib
@@ -159,7 +159,7 @@ def test_bad_input_before_jax_starts(workspace, name):
     _check(workspace, *FAST[name])
 
 
-# JAX's start-up makes each of these cost ~8 s on 2 cores: three stay in the default suite, all run under -m slow.
+# JAX's start-up makes each of these cost 2-8 s on 2 cores: three stay in the default suite, all run under -m slow.
 DEFAULT_AFTER_JAX = {"token id >= vocab_size, no sidecar", "sidecar not JSON", "state larger than memory"}
 
 
