@@ -33,8 +33,8 @@ class RestoreSource:
     """Where training starts: nothing (fresh), a full train state, or parameters only (``init_from``)."""
 
     kind: str  # "fresh" | "resume" | "params"
-    directory: str | None = None
-    step: int | None = None
+    directory: str = ""  # unused when fresh
+    step: int = 0  # unused when fresh
     # checkpoint.resume=auto: the older steps, newest first, to fall back on if ``step`` turns out damaged when read.
     older: tuple[int, ...] = ()
 
@@ -96,22 +96,22 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
             raise ConfigError(f"checkpoint.resume={step}: no such step in {own}; steps there: {own_steps or 'none'}")
         source = RestoreSource("resume", own, step)
     else:
-        directory, step = _step_dir(c.resume)
+        directory, named = _step_dir(c.resume)
         steps = _existing_steps(directory)
-        if step is None and steps:
-            step = steps[-1]
-        if step not in steps:
+        if named is None and steps:
+            named = steps[-1]
+        if named is None or named not in steps:
             raise ConfigError(f"checkpoint.resume={c.resume!r} holds no complete checkpoint; steps there: "
                               f"{steps or 'none'}")
-        source = RestoreSource("resume", directory, step)
+        source = RestoreSource("resume", directory, named)
     if source.kind == "fresh" and c.init_from:
-        directory, step = _step_dir(c.init_from)
+        directory, named = _step_dir(c.init_from)
         steps = _existing_steps(directory)
-        step = steps[-1] if step is None and steps else step
-        if step not in steps:
+        named = steps[-1] if named is None and steps else named
+        if named is None or named not in steps:
             raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: "
                               f"{steps or 'none'}")
-        source = RestoreSource("params", directory, step)
+        source = RestoreSource("params", directory, named)
     if source.kind != "fresh":
         source = _first_readable(source, _target(source, abstract_state))
     if source.kind == "resume" and source.step > cfg.train.steps:
@@ -421,8 +421,11 @@ def fingerprint(state: Any) -> tuple[bool, dict[str, int]]:
 
 
 def _reason(e: BaseException) -> str:
-    while e.__cause__ is not None or e.__context__ is not None:
-        e = e.__cause__ or e.__context__
+    while True:
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            break
+        e = inner
     text = " ".join(f"{type(e).__name__}: {e}".split()).split(" [tensorstore_spec=")[0]
     return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
 

@@ -147,8 +147,7 @@ def available_memory() -> tuple[int | None, str]:
     smallest device; CPU: the host's available memory divided among this process's emulated devices."""
     devices = jax.local_devices()
     if devices[0].platform != "cpu":
-        limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-        limits = [x for x in limits if x]
+        limits = [int(x) for d in devices if (x := (d.memory_stats() or {}).get("bytes_limit"))]
         return (min(limits), f"{devices[0].device_kind} memory limit") if limits else (None, "")
     try:
         with open("/proc/meminfo") as f:

@@ -14,8 +14,9 @@ import os
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,7 @@ class TrainSetup:
         shape = (self.cfg.train.global_batch, self.cfg.data.seq_len + 1)
         starts, stops = set(), set()
         for idx in self.batch_sharding.addressable_devices_indices_map(shape).values():
+            assert idx is not None  # every addressable device holds a block of the batch
             rows = idx[0]
             starts.add(rows.start or 0)
             stops.add(shape[0] if rows.stop is None else rows.stop)
@@ -127,8 +129,8 @@ class TrainSetup:
 
     def _batch_axes(self) -> tuple[str, ...]:
         axes = dict(self.rules)["batch"]
-        axes = axes if isinstance(axes, tuple) else (axes,)
-        return tuple(a for a in axes if a is not None)
+        names = axes if isinstance(axes, tuple) else (axes,)
+        return tuple(a for a in names if a is not None)
 
     def _accumulated_grads(self, params, model_def, batch):
         """(mean loss, mean gradients) over ``train.microbatches`` sequential microbatches of ``batch``.
@@ -186,7 +188,8 @@ class TrainSetup:
 
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((dp,), jnp.float32), zeros), micro)
         grads = jax.tree.map(lambda g, p: (g.sum(0) / (k * dp)).astype(p.dtype), grads, params)
-        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(self.mesh, s)), grads, specs)
+        grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(self.mesh, s)),
+                             grads, specs)
         return loss.sum() / (k * dp), grads
 
     def train_step(self, state, batch):
@@ -223,8 +226,8 @@ class TrainSetup:
         evaluate = None
         with self.scope():
             train = jax.jit(self.train_step, in_shardings=(self.state_sharding, self.batch_sharding),
-                            out_shardings=(self.state_sharding, replicated), donate_argnums=0)
-            train = train.lower(state, batch).compile()
+                            out_shardings=(self.state_sharding, replicated), donate_argnums=0
+                            ).lower(state, batch).compile()
             if with_eval:
                 evaluate = jax.jit(self.eval_step, in_shardings=(self.state_sharding, self.batch_sharding),
                                    out_shardings=replicated).lower(state, batch).compile()
@@ -420,7 +423,7 @@ def _train(ts: TrainSetup, tokens, source, checkpointer, restored, compiled) -> 
             nonfinite["first"] = step - bad + 1  # consecutive: also right after a resume in the middle of a run
             log_info(f"warning: step {step}: loss or gradients not finite (loss {m['loss']}); update skipped, "
                      f"{bad} such step(s) in a row")
-        logged = bad or not (step % t.log_every and step not in (start + 1, t.steps) and eval_state is None)
+        logged = bool(bad) or not (step % t.log_every and step not in (start + 1, t.steps) and eval_state is None)
         obs.report(step, m, step_time, logged)
         if not logged:
             return
@@ -441,7 +444,7 @@ def _train(ts: TrainSetup, tokens, source, checkpointer, restored, compiled) -> 
                 f"so the state is that of step {nonfinite['first'] - 1} (checkpoints in {checkpointer.directory}). "
                 "Look at the data of those steps, lower train.lr, or use float32 (model.dtype)")
 
-    nonfinite = {"first": None}
+    nonfinite = {"first": 0}  # the first step of the current run of non-finite steps
 
     watch = ckpt.PreemptionWatch(checkpointer)
     pending = PendingMetrics(report)

@@ -1,10 +1,9 @@
 import numpy as np
 import pytest
+from test_sharded_training import MESHES
 
 from jaxtrain import data as data_lib
 from jaxtrain.config import ConfigError, check_divisibility, load_config
-
-from test_sharded_training import MESHES
 
 
 def _tokens(cfg):
@@ -12,7 +11,8 @@ def _tokens(cfg):
 
 
 def _batches(cfg, tokens, rows, steps=3, seed=0):
-    it = data_lib.train_batches(tokens, cfg.data, seed=seed, global_batch=cfg.train.global_batch, steps=steps, rows=rows)
+    it = data_lib.train_batches(tokens, cfg.data, seed=seed, global_batch=cfg.train.global_batch, steps=steps,
+                                rows=rows)
     return list(it)
 
 
