@@ -49,6 +49,7 @@ def start_and_wait_for_step(args, step, timeout=120):
     raise AssertionError("step never logged:\n" + "".join(lines))
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(tmp_path):
     common = [*SMALL, "runtime.cpu_devices=2", "mesh.ici.fsdp=2", "train.steps=24", "checkpoint.every=5"]
     ref = run_cli("train", f"run.dir={tmp_path / 'ref'}", *common)
@@ -69,6 +70,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
     assert {s: got[s] for s in range(restored + 1, 25)} == {s: expected[s] for s in range(restored + 1, 25)}
 
 
+@pytest.mark.slow
 def test_elastic_resume(tmp_path):
     from jaxtrain.config import load_config
 
@@ -85,6 +87,7 @@ def test_elastic_resume(tmp_path):
                                rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_the_current_step_and_exits_0(tmp_path, sig):
     run_dir = tmp_path / "run"
@@ -105,6 +108,7 @@ def test_signal_saves_the_current_step_and_exits_0(tmp_path, sig):
     assert int(again.stdout.split("step ")[1].split("/")[0]) == stopped + 1
 
 
+@pytest.mark.slow
 def test_an_interrupted_save_is_never_restored(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"run.dir={run_dir}", *SMALL, "checkpoint.every=5"]
@@ -166,6 +170,7 @@ def test_bad_resume_inputs_exit_2_and_leave_checkpoints_alone(tmp_path):
     assert snapshot() == before
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_save_stops_at_once_and_keeps_earlier_checkpoints(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"run.dir={run_dir}", *SMALL, "checkpoint.every=5", "model.d_model=256", "model.d_ff=768"]

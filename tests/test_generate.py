@@ -87,6 +87,7 @@ def test_sample_top_p_against_numpy():
     assert draws == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_generate_command_from_train_run_and_import(tmp_path):
     """The command on a checkpoint `train` wrote (byte-level text, no --config) and on a convert from-hf output
     (--prompt-ids, --json); bad inputs exit 2 with one line."""

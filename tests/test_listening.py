@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from helpers import REPO
 from jaxtrain import distributed
 from jaxtrain.config import load_config
@@ -31,6 +33,7 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
+@pytest.mark.slow
 def test_a_single_process_train_listens_nowhere(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "XLA_FLAGS"))}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

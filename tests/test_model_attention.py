@@ -19,6 +19,7 @@ def _losses(tmp_path, name, devices, *overrides):
     return np.array([result.losses[s] for s in range(1, 6)])
 
 
+@pytest.mark.slow
 def test_pallas_matches_xla_with_document_masking_sharded_and_not(tmp_path):
     xla = _losses(tmp_path, "xla", 1, "model.attention=xla", "data.document_mask=true", "mesh.ici.fsdp=1")
     # The kernel runs under shard_map: batch over data, heads over tensor.

@@ -219,6 +219,7 @@ def test_scrape_config_targets_match_the_launchers_ports():
     assert default_port == "9478"
 
 
+@pytest.mark.slow
 def test_goodput_adds_up_and_counts_steps_recomputed_after_sigkill(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"run.dir={run_dir}", *SMALL, "train.steps=40", "train.log_every=1", "train.eval_every=0",
@@ -266,6 +267,7 @@ def _xspace_events(profile_dir):
     return paths[0], json.loads(data)["traceEvents"]
 
 
+@pytest.mark.slow
 def test_profile_window_and_sigusr1_write_traces_xprof_reads(tmp_path):
     run_dir = tmp_path / "run"
     job = Job(f"run.dir={run_dir}", *SMALL, "train.steps=2000", "train.log_every=1", "train.eval_every=0",

@@ -194,6 +194,7 @@ def test_hybrid_sharding_within_nodes_crosses_nodes_less(compiled):
 # -- the command line ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_json_two_devices():
     proc = run_cli("plan", "runtime.cpu_devices=2", *FAST, "--json")
     assert proc.returncode == 0, proc.stderr

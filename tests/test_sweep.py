@@ -62,6 +62,7 @@ def test_measurements_from_summary(tmp_path):
     assert sweep.last_error_line("Traceback (most recent call last):\n  x\nValueError: boom\n") == "ValueError: boom"
 
 
+@pytest.mark.slow
 def test_sweep_runs_isolated_and_records_a_failure(tmp_path):
     """Two real runs on 2 emulated devices: one trains, one has an impossible mesh; the sweep finishes both."""
     exp = write(tmp_path, {
