@@ -128,7 +128,7 @@ def test_kill_during_a_large_async_save_falls_back_to_the_previous_checkpoint(tm
     # ~50M parameters: with AdamW a 600 MB state whose write takes seconds.
     big = ["model.d_model=1024", "model.d_ff=4096", "model.n_layers=4", "model.vocab_size=256",
            "train.global_batch=2", "data.seq_len=16", "model.dtype=float32", "train.eval_every=0",
-           "train.eval_batches=1", "checkpoint.every=2", "train.steps=100", f"run.dir={run_dir}"]
+           "train.eval_batches=1", "checkpoint.every=2", "train.log_every=1", "train.steps=100", f"run.dir={run_dir}"]
     proc, _ = start_and_wait_for_step(big, 3)  # step 2's save is written in the background now or soon
     ckpts = run_dir / "checkpoints"
     deadline = time.time() + 60
@@ -231,7 +231,7 @@ def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
 @pytest.mark.slow
 def test_acceptance_sigkill_after_step_45_of_120_on_fsdp8(tmp_path):
     common = ["model.dtype=float32", "model.param_dtype=float32", "runtime.cpu_devices=8", "mesh.ici.fsdp=8",
-              "train.steps=120", "checkpoint.every=10"]
+              "train.steps=120", "checkpoint.every=10", "train.log_every=1"]
     ref = run_cli("train", f"run.dir={tmp_path / 'ref'}", *common, timeout=900)
     assert ref.returncode == 0, ref.stderr
     run_dir = tmp_path / "killed"
