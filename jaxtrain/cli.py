@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(COMMANDS[args.command][0]).run(args)
     except ConfigError as e:
         print(f"error: {_tag()}{e}", file=sys.stderr)
+        if "orbax.checkpoint" in sys.modules:
+            # A mistake found after Orbax started (e.g. a damaged checkpoint named by checkpoint.resume): its
+            # background threads would print asyncio tracebacks while the interpreter shuts down. Nothing of this run
+            # was written, so there is nothing to finish: leave with the one line.
+            _exit_now(2)
         return 2
     except Exception as e:
         from jaxtrain.checkpoint import CheckpointError
@@ -68,10 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, CheckpointError):
             # Orbax's write threads may still wait minutes for a peer's signal that a failed write never sends, and
             # the interpreter would join them before exiting: stop now (earlier checkpoints are complete on disk).
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+            _exit_now(1)
         return 1
+
+
+def _exit_now(code: int) -> None:
+    """Exit without joining background threads or running exit handlers (output flushed first)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _tag() -> str:
