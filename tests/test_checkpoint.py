@@ -143,6 +143,7 @@ def test_kill_during_a_large_async_save_falls_back_to_the_previous_checkpoint(tm
     assert f"resumed from {ckpts}/2" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_bad_resume_inputs_exit_2_and_leave_checkpoints_alone(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"run.dir={run_dir}", *SMALL, "checkpoint.every=5", "train.steps=10"]
@@ -199,6 +200,7 @@ def test_disk_full_during_a_save_stops_at_once_and_keeps_earlier_checkpoints(tmp
     assert resumed.returncode == 0 and f"resumed from {run_dir / 'checkpoints'}/5" in resumed.stderr
 
 
+@pytest.mark.slow
 def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
     from jaxtrain.config import load_config
 

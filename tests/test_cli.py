@@ -56,6 +56,7 @@ def test_help_lists_subcommands():
     assert "train" in proc.stdout and "prepare" in proc.stdout
 
 
+@pytest.mark.slow
 def test_prepare_then_train_on_the_token_file(tmp_path):
     text = tmp_path / "doc.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
