@@ -43,9 +43,6 @@ class AxisSizes:
     fsdp: int = 1
     tensor: int = 1
 
-    def as_tuple(self) -> tuple[int, int, int]:
-        return (self.data, self.fsdp, self.tensor)
-
 
 def _default_rules() -> dict[str, Any]:
     # Parameters are sharded over fsdp (ZeRO-3 style) and tensor (Megatron style); activations' batch dimension

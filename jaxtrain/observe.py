@@ -494,11 +494,6 @@ class Observer:
         if self.metrics:
             self.metrics.set("eval_loss", eval_loss)
 
-    def nonfinite_step(self) -> None:
-        """A step whose loss or gradient norm was not finite (counted for jaxtrain_nonfinite_steps_total)."""
-        if self.metrics:
-            self.metrics.nonfinite_steps.inc()
-
     def out_of_memory(self, e: BaseException, compiled_step=None) -> str | None:
         """On an out-of-memory error: write the device memory profile next to this process's log, say where, with
         the per-device split of parameters / optimizer state (from the sharded state) and temporaries (XLA's
