@@ -22,7 +22,8 @@ from jaxtrain.schema import ConfigError, coerce, find_yaml, load_yaml, one_line,
 
 DTYPES = ("float32", "bfloat16", "float16")
 FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels.flash_pallas checks the same)
-MESH_AXES = ("data", "fsdp", "tensor")
+# Mesh axes, outermost first: devices adjacent in a node differ in tensor first, then fsdp, stage, data.
+MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RuntimeConfig:
 @dataclass
 class AxisSizes:
     data: int = 1
+    stage: int = 1  # pipeline stages: the layer stack is split into this many consecutive groups of devices
     fsdp: int = 1
     tensor: int = 1
 
@@ -56,7 +58,10 @@ def _default_rules() -> dict[str, Any]:
         "heads": "tensor",
         "kv_heads": "tensor",
         "head_dim": None,
-        "layers": None,
+        # The stacked layers' leading axis: split over pipeline stages (nothing to split with one stage).
+        "layers": "stage",
+        # The pipeline's per-stage activation buffers [stage, microbatch, seq, embed] (jaxtrain/pipeline.py).
+        "stage": "stage",
         "norm": None,
         "act_seq": None,
         "act_embed": None,
@@ -70,13 +75,13 @@ def _default_rules() -> dict[str, Any]:
 @dataclass
 class MeshConfig:
     # Intra-node (NVLink) and inter-node (InfiniBand) parts of each axis; the axis size is ici * dcn.
-    # One of the six may be -1: it takes whatever the device count leaves.
-    ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, fsdp=-1, tensor=1))
+    # One of the eight may be -1: it takes whatever the device count leaves.
+    ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=_default_rules)
 
     def sizes(self) -> dict[tuple[str, str], int]:
-        """``{("ici", "data"): 1, ...}``: the six configured sizes, ``-1`` included."""
+        """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
         return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
 
     def fixed_axis_sizes(self) -> dict[str, int]:
@@ -150,6 +155,11 @@ class TrainConfig:
     # accumulator of their size); "sharded" keeps them reduced and sharded inside the loop (the memory of a step
     # without accumulation; the collectives once per microbatch).
     accumulate: Literal["unreduced", "sharded"] = "unreduced"
+    # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
+    # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,
+    # (stages - 1) / (microbatches * virtual_stages + stages - 1), at the price of moving the stage's layer weights
+    # between stages once per step (README "Pipeline parallelism"). Does nothing with one stage.
+    virtual_stages: int = 1
     lr: float = 3e-3
     warmup_steps: int = 30  # linear warmup from 0 to lr
     # The cosine's horizon is its own option, not train.steps, so that extending or resuming a run with more steps
@@ -386,7 +396,8 @@ def validate(cfg: Config) -> None:
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
 
-    for name in ("steps", "global_batch", "microbatches", "eval_batches", "log_every", "max_nonfinite_steps"):
+    for name in ("steps", "global_batch", "microbatches", "virtual_stages", "eval_batches", "log_every",
+                 "max_nonfinite_steps"):
         _positive(f"train.{name}", getattr(t, name))
     _require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     _positive("train.lr", t.lr)
@@ -490,6 +501,10 @@ def _validate_mesh(cfg: Config) -> None:
                      f"mesh.rules.{logical}={target!r} names an unknown mesh axis; valid: "
                      f"{', '.join(MESH_AXES)} or null")
 
+    # Tensor parallelism exchanges activations inside every layer: across nodes it would ride InfiniBand.
+    _require(cfg.mesh.dcn.tensor == 1, f"mesh.dcn.tensor={cfg.mesh.dcn.tensor} would split tensor parallelism "
+             "across nodes; keep it inside a node (mesh.dcn.tensor=1, mesh.ici.tensor up to the GPUs per node) and "
+             "use mesh.dcn.stage, mesh.dcn.fsdp or mesh.dcn.data across nodes")
     # Divisibility by the fixed axis sizes now; the -1 axis is checked again once it is resolved (mesh.py).
     check_divisibility(cfg, cfg.mesh.fixed_axis_sizes())
 
@@ -511,6 +526,19 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
     _require(micro % dp == 0,
              f"train.global_batch={t.global_batch} (/{t.microbatches} microbatches = {micro}) is not divisible by the "
              f"data-parallel size {dp} ({' x '.join(a for a in batch_axes if a)})")
+    stages = axis_sizes["stage"]
+    if stages > 1:
+        chunks = stages * t.virtual_stages
+        _require(m.n_layers % chunks == 0,
+                 f"model.n_layers={m.n_layers} does not split into {stages} stages x train.virtual_stages="
+                 f"{t.virtual_stages}; make n_layers a multiple of {chunks}")
+        _require(t.microbatches >= stages and t.microbatches % stages == 0,
+                 f"train.microbatches={t.microbatches} must be a multiple of the {stages} pipeline stages (each stage "
+                 "needs a microbatch in flight; the loss is split over stages by microbatch)")
+        for logical in ("layers", "stage"):
+            _require(cfg.mesh.rules.get(logical) == "stage",
+                     f"mesh.rules.{logical}={cfg.mesh.rules.get(logical)!r} must be 'stage' with {stages} pipeline "
+                     "stages (the layer stack and the pipeline's buffers are split over the stage axis)")
 
 
 def resolve_auto(cfg: Config, platform: str) -> Config:

@@ -1,5 +1,5 @@
-"""The mesh: its shape (axes data, fsdp, tensor, each an intra-node ici part times an inter-node dcn part) and the
-device mesh built from it.
+"""The mesh: its shape (axes data, stage, fsdp, tensor, each an intra-node ici part times an inter-node dcn part)
+and the device mesh built from it.
 
 :class:`MeshShape` owns every fact about a shape: resolving the config's ``-1`` axis, the axis sizes, its label and
 JSON form, the ``key=value`` overrides that reproduce it, the config with it pinned, the divisibility rules, and
@@ -53,7 +53,7 @@ class MeshShape:
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        """Total size of each mesh axis, e.g. ``{"data": 2, "fsdp": 4, "tensor": 1}``."""
+        """Total size of each mesh axis, e.g. ``{"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}``."""
         return {ax: i * d for ax, i, d in zip(MESH_AXES, self.ici, self.dcn)}
 
     @property
@@ -87,7 +87,7 @@ class MeshShape:
         return {**self.axis_sizes, "ici": dict(zip(MESH_AXES, self.ici)), "dcn": dict(zip(MESH_AXES, self.dcn))}
 
     def overrides(self) -> list[str]:
-        """The command-line overrides that select exactly this shape (all six sizes)."""
+        """The command-line overrides that select exactly this shape (all eight sizes)."""
         return [f"mesh.{part}.{ax}={s}" for part, sizes in (("ici", self.ici), ("dcn", self.dcn))
                 for ax, s in zip(MESH_AXES, sizes)]
 
@@ -100,8 +100,8 @@ class MeshShape:
     # -- device layout -------------------------------------------------------------------------------------------
 
     def coordinates(self, ids: np.ndarray) -> np.ndarray:
-        """Logical device ids (positions in the row-major (data, fsdp, tensor) mesh) -> [..., 2 * axes] coordinates
-        ``(dcn_data, ici_data, dcn_fsdp, ici_fsdp, dcn_tensor, ici_tensor)``.
+        """Logical device ids (positions in the row-major (data, stage, fsdp, tensor) mesh) -> [..., 2 * axes]
+        coordinates ``(dcn_data, ici_data, dcn_stage, ici_stage, dcn_fsdp, ici_fsdp, dcn_tensor, ici_tensor)``.
 
         Within each axis the dcn index is the major part (dcn = coord // ici, ici = coord % ici): the layout
         :func:`build_mesh` gives the devices, so the dcn coordinates name the node a device sits on.
@@ -122,8 +122,9 @@ class MeshShape:
         per_node = self.devices_per_node
         groups = [mesh_utils.create_device_mesh(self.ici, devices[g * per_node:(g + 1) * per_node],
                                                 allow_split_physical_axes=True) for g in range(self.num_nodes)]
-        grid = np.stack(groups).reshape(*self.dcn, *self.ici)  # [dcn_d, dcn_f, dcn_t, ici_d, ici_f, ici_t]
-        grid = grid.transpose(0, 3, 1, 4, 2, 5)  # the dcn index is the major part of each axis
+        n = len(MESH_AXES)
+        grid = np.stack(groups).reshape(*self.dcn, *self.ici)  # [dcn of each axis..., ici of each axis...]
+        grid = grid.transpose([k for ax in range(n) for k in (ax, n + ax)])  # the dcn index is the major part
         return grid.reshape(tuple(self.axis_sizes.values()))
 
 

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from flax.linen import with_logical_constraint
+from jax.sharding import PartitionSpec
 
+from jaxtrain import pipeline
 from jaxtrain.config import ModelConfig
 from kernels import flash_attention, mha_reference
 from kernels.flash_pallas import CHECKPOINT_NAMES
@@ -225,34 +227,82 @@ class Transformer(nnx.Module):
         Decoding (prefill and each step) passes ``positions`` int [batch, seq] and ``cache`` (from
         :meth:`init_cache`: "k" and "v", [layers, batch, max_len, kv_heads, head_dim]) and gets (logits, cache).
         """
+        x = self.embed_tokens(tokens)
+        if cache is None:
+            return self.head(self.layers(x, segment_ids))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def decode_body(h, layer):
+            layer_state, k, v = layer
+            h, (k, v) = nnx.merge(graphdef, layer_state)(h, None, positions, (k, v))
+            return h, (k, v)
+
+        x, (k, v) = jax.lax.scan(decode_body, x, (stacked, cache["k"], cache["v"]))
+        return self.head(x), {"k": k, "v": v}
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int [..., batch, seq] -> embeddings [..., batch, seq, embed] in the compute dtype."""
         # Gather the (vocab, fsdp)-sharded table before the lookup: XLA cannot partition a gather from a
         # vocab-sharded table into a batch-sharded result without replicating it anyway (and warns).
         table = with_logical_constraint(self.embed.embedding[...], (None, "act_embed"))
         x = jnp.take(table, tokens, axis=0).astype(self.embed.dtype)
-        x = with_logical_constraint(x, ("batch", "act_seq", "act_embed"))
+        lead = (None,) * (tokens.ndim - 2)
+        return with_logical_constraint(x, (*lead, "batch", "act_seq", "act_embed"))
 
+    def layers(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """The layer stack, one scan: x [batch, seq, embed] -> same."""
         graphdef, stacked = nnx.split(self.blocks)
 
-        if cache is None:
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, segment_ids), None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+    def pipelined_layers(self, x: jax.Array, segment_ids: jax.Array | None, *, virtual_stages: int) -> jax.Array:
+        """The layer stack over the pipeline stages (jaxtrain/pipeline.py): x [M, microbatch, seq, embed] ->
+        the same values as :meth:`layers` on each microbatch, [M, microbatch, seq, embed] with M split over the
+        stages (logical ``stage``). ``segment_ids`` int [M, microbatch, seq] or None.
+
+        The stack's parameters (logical ``layers`` split over stages) are gathered over the batch axes once per
+        step, as ``train.accumulate=unreduced`` does, not once per pipeline iteration. The remat policy applies to
+        each stage's chunk as a whole: a pass through a stage keeps its input (and what the policy saves).
+        """
+        stage_axis = _to_mesh(("stage",))[0]
+        stages = jax.sharding.get_abstract_mesh().shape[stage_axis]
+        batch = _to_mesh(("batch",))[0]
+        batch_axes = set(batch if isinstance(batch, tuple) else (batch,))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def chunk_spec(logical: PartitionSpec) -> PartitionSpec:
+            rest = [_drop_axes(entry, batch_axes) for entry in tuple(_to_mesh(tuple(logical)))[1:]]
+            return PartitionSpec(None, stage_axis, None, *rest)
+
+        specs = nnx.get_partition_spec(stacked)
+        def arrange(a, spec):
+            chunk = pipeline.arrange_chunks(a, stages, virtual_stages, stage_axis)
+            return jax.lax.with_sharding_constraint(chunk, chunk_spec(spec))
+
+        chunks = jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
+
+        def stage_fn(chunk, h, segments):
             def body(h, layer_state):
-                return nnx.merge(graphdef, layer_state)(h, segment_ids), None
+                return nnx.merge(graphdef, layer_state)(h, segments), None
 
-            if self.cfg.remat != "none":
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-            x, _ = jax.lax.scan(body, x, stacked)
-        else:
-            def decode_body(h, layer):
-                layer_state, k, v = layer
-                h, (k, v) = nnx.merge(graphdef, layer_state)(h, None, positions, (k, v))
-                return h, (k, v)
+            return jax.lax.scan(body, h, chunk)[0]
 
-            x, (k, v) = jax.lax.scan(decode_body, x, (stacked, cache["k"], cache["v"]))
-            cache = {"k": k, "v": v}
+        if self.cfg.remat != "none":
+            stage_fn = jax.checkpoint(stage_fn, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return pipeline.circular(stage_fn, chunks, x, segment_ids, stages=stages, virtual=virtual_stages,
+                                 stage_axis=stage_axis)
 
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and output projection: x [batch, seq, embed] -> logits float32 [batch, seq, vocab]."""
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.unembed(x)
-        logits = with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
-        return logits if cache is None else (logits, cache)
+        return with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty KV cache for decoding: "k" and "v" zeros [layers, batch, max_len, kv_heads, head_dim] in the
@@ -262,6 +312,20 @@ class Transformer(nnx.Module):
         zeros = jnp.zeros(shape, self.embed.dtype)
         zeros = with_logical_constraint(zeros, (None, *CACHE_AXES))
         return {"k": zeros, "v": zeros}
+
+
+def _to_mesh(logical: tuple) -> PartitionSpec:
+    """Logical axis names -> the mesh axes the current rules (nnx.logical_axis_rules) map them to."""
+    spec = nn_partitioning.logical_to_mesh_axes(logical)
+    assert spec is not None
+    return spec
+
+
+def _drop_axes(entry, axes: set):
+    """One PartitionSpec entry without the mesh ``axes`` (that dimension gathered over them)."""
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n is not None and n not in axes)
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -120,12 +120,43 @@ class TrainSetup:
 
     # -- the pure functions that get compiled --------------------------------------------------------------------
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the mesh's stage axis size (1: no pipeline)."""
+        return self.shape.axis_sizes["stage"]
+
     def _loss(self, params, graphdef, tokens):
         model = nnx.merge(graphdef, params)
         inputs, segments = tokens[:, :-1], None
         if self.cfg.data.document_mask:
             segments = document_segments(inputs, self.cfg.data.eos_id)
         return cross_entropy(model(inputs, segments), tokens[:, 1:])
+
+    def _pipelined_loss(self, params, graphdef, batch):
+        """Mean loss of the global batch through the pipeline (jaxtrain/pipeline.py), split into
+        ``train.microbatches`` microbatches the way accumulation splits it (microbatch i: rows i, i+k, ...).
+
+        The embedding is looked up on every stage (a gather: cheap, and it spares sending inputs to stage 0); the
+        final norm, output projection and loss run once per microbatch, each stage taking its share."""
+        model = nnx.merge(graphdef, params)
+        k, b = self.cfg.train.microbatches, batch.shape[0]
+        micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)  # [k, b/k, seq+1]
+        micro = jax.lax.with_sharding_constraint(
+            micro, NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sharding.spec)))
+        inputs, targets, segments = micro[:, :, :-1], micro[:, :, 1:], None
+        if self.cfg.data.document_mask:
+            segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
+        hidden = model.pipelined_layers(model.embed_tokens(inputs), segments,
+                                        virtual_stages=self.cfg.train.virtual_stages)
+        # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
+        stage_axis = dict(self.rules)["stage"]
+        shares = hidden.reshape(self.stages, k // self.stages, *hidden.shape[1:])
+        targets = targets.reshape(self.stages, k // self.stages, *targets.shape[1:])
+
+        def share_loss(h, tgt):
+            return jax.vmap(lambda h1, t1: cross_entropy(model.head(h1), t1))(h, tgt).sum()
+
+        return jax.vmap(share_loss, spmd_axis_name=stage_axis)(shares, targets).sum() / k
 
     def _batch_axes(self) -> tuple[str, ...]:
         axes = dict(self.rules)["batch"]
@@ -196,7 +227,9 @@ class TrainSetup:
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
         ts = nnx.merge(self.graphdef, state)
         model_def, params = nnx.split(ts.model, nnx.Param)
-        if self.cfg.train.microbatches == 1:
+        if self.stages > 1:
+            loss, grads = jax.value_and_grad(self._pipelined_loss)(params, model_def, batch)
+        elif self.cfg.train.microbatches == 1:
             loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch)
         else:
             loss, grads = self._accumulated_grads(params, model_def, batch)
@@ -214,7 +247,8 @@ class TrainSetup:
         """Mean loss on one batch, no update."""
         ts = nnx.merge(self.graphdef, state)
         model_def, params = nnx.split(ts.model, nnx.Param)
-        return self._loss(params, model_def, batch)
+        loss = self._pipelined_loss if self.stages > 1 else self._loss
+        return loss(params, model_def, batch)
 
     def compile(self, state, *, with_eval: bool = True):
         """Ahead-of-time compiled (train_step, eval_step or None) for this state (arrays, or ShapeDtypeStructs with

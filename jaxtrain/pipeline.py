@@ -1,0 +1,147 @@
+"""The circular (interleaved) pipeline schedule: a layer stack run over ``stages`` groups of devices.
+
+The stack's L layers are cut into ``stages x virtual`` chunks of consecutive layers; chunk ``c`` runs on stage
+``c % stages`` (so each stage holds ``virtual`` chunks, one per pass). Microbatches enter stage 0 one per
+iteration; every iteration all stages run their current chunk at once (one function vmapped over a stage-sharded
+axis) and then pass their outputs one stage on, around a ring: a collective permute along the stage axis. A
+microbatch leaving the last stage goes back to stage 0 for its next pass, waiting there in a buffer while stage 0
+feeds the microbatches still on their previous pass. Work item ``w`` (microbatch ``w % M``, pass ``w // M``) is on
+stage ``s`` at iteration ``w + s``; the step takes ``M * virtual + stages - 1`` iterations, of which each stage
+idles ``stages - 1``: the bubble fraction ``(stages - 1) / (M * virtual + stages - 1)``.
+
+The backward pass is JAX's transpose of the same loop (GPipe order: all forwards, then all backwards). Under
+rematerialisation each iteration keeps only its stage inputs, one ``[microbatch, seq, embed]`` per stage and
+iteration: per device ``(M * virtual + stages - 1)`` microbatch activations, about ``virtual`` times the local
+batch, whatever M is. MaxText's circular pipeline is the model for this design.
+
+This module names no mesh axis: the caller passes the stage axis and the shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Share of a stage's iterations spent idle: ``(stages - 1) / (microbatches * virtual + stages - 1)``."""
+    return (stages - 1) / (microbatches * virtual + stages - 1)
+
+
+def exchange_rounds(stages: int, virtual: int) -> list[list[tuple[int, int, int, int]]]:
+    """How the layer chunks move from their storage layout to the schedule's, as ``virtual`` rounds of one
+    collective permute each: every round a list of (source stage, source slot, destination stage, destination slot)
+    in which each stage sends one chunk and receives one.
+
+    Stored contiguously, stage ``d`` holds chunks ``d * virtual + j`` (slot j); the schedule wants chunk ``c`` on
+    stage ``c % stages`` in slot ``c // stages``. Each stage sends and receives ``virtual`` chunks, so the moves form
+    a regular bipartite multigraph, which splits into ``virtual`` perfect matchings (Konig): one permute each.
+    """
+    moves = [(d, j, c % stages, c // stages) for d in range(stages) for j in range(virtual)
+             for c in [d * virtual + j]]
+    rounds = []
+    while moves:
+        match: dict[int, tuple[int, int, int, int]] = {}  # destination stage -> move
+        for src in range(stages):
+            if not _augment(moves, match, src, set()):
+                raise AssertionError(f"no perfect matching for stages={stages} virtual={virtual}")
+        rounds.append(sorted(match.values()))
+        for mv in match.values():
+            moves.remove(mv)
+    return rounds
+
+
+def _augment(moves: list, match: dict, src: int, seen: set[int]) -> bool:
+    """Kuhn's augmenting path: give ``src`` a destination in ``match``, re-routing earlier choices if needed."""
+    for mv in moves:
+        if mv[0] == src and mv[2] not in seen:
+            seen.add(mv[2])
+            if mv[2] not in match or _augment(moves, match, match[mv[2]][0], seen):
+                match[mv[2]] = mv
+                return True
+    return False
+
+
+def arrange_chunks(stack: jax.Array, stages: int, virtual: int, stage_axis: str | tuple[str, ...]) -> jax.Array:
+    """Layer stack [L, ...] (model order, split contiguously over ``stage_axis``) -> [virtual, stages, L / (stages *
+    virtual), ...] split over ``stage_axis`` on dim 1: element [v, s] is chunk ``v * stages + s``, the layers stage
+    ``s`` runs on pass ``v``. With one pass nothing moves. With more, each stage keeps the chunks it runs and
+    exchanges the others: ``virtual`` collective permutes along the stage axis of one chunk each
+    (:func:`exchange_rounds`), in the backward pass too (for the gradients)."""
+    per_chunk = stack.shape[0] // (stages * virtual)
+    if virtual == 1:
+        return stack.reshape(1, stages, per_chunk, *stack.shape[1:])
+    rounds = exchange_rounds(stages, virtual)
+    stored = stack.reshape(stages, virtual, per_chunk, *stack.shape[1:])
+
+    def exchange(local):  # local [1, virtual, per_chunk, ...]: this stage's stored chunks
+        me = jax.lax.axis_index(stage_axis)
+        out = jnp.zeros_like(local[0])
+        for moves in rounds:
+            src_slot = jnp.array([mv[1] for mv in moves])  # sorted by source stage
+            by_dst = sorted(moves, key=lambda mv: mv[2])
+            dst_slot = jnp.array([mv[3] for mv in by_dst])
+            stays = jnp.array([mv[0] == mv[2] for mv in by_dst])  # this stage sends the chunk to itself
+            send = local[0, src_slot[me]]
+            perm = [(mv[0], mv[2]) for mv in moves if mv[0] != mv[2]]
+            got = jax.lax.ppermute(send, stage_axis, perm=perm) if perm else send
+            out = out.at[dst_slot[me]].set(jnp.where(stays[me], send, got))
+        return out[:, None]  # [virtual, 1, per_chunk, ...]
+
+    axes = frozenset(stage_axis if isinstance(stage_axis, tuple) else (stage_axis,))
+    return jax.shard_map(exchange, in_specs=PartitionSpec(stage_axis), out_specs=PartitionSpec(None, stage_axis),
+                         axis_names=axes)(stored)
+
+
+def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, x: jax.Array, side: Any, *,
+             stages: int, virtual: int, stage_axis: str | tuple[str, ...]) -> jax.Array:
+    """Run ``x`` through all chunks in order, pipelined. Returns the outputs [M, microbatch, ...], M split over the
+    stage axis (stage ``j`` holds microbatches ``j * M / stages`` onwards).
+
+    stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [microbatch, ...].
+    chunks: pytree of [virtual, stages, ...] (:func:`arrange_chunks`), split over ``stage_axis`` on dim 1.
+    x: [M, microbatch, ...] the microbatches' inputs (M a multiple of ``stages``), not split over stages.
+    side: pytree of [M, ...] per-microbatch side inputs (segment ids) or None.
+
+    The loop runs on each stage's own shard (``shard_map`` over the stage axis only; the other mesh axes stay with
+    the partitioner), so every move along the stage axis is one the code states: the ring permute each iteration
+    and the all-to-all that hands out the outputs.
+    """
+    s_n, m_n = stages, x.shape[0]
+    iterations = m_n * virtual + s_n - 1
+    ring = [(i, (i + 1) % s_n) for i in range(s_n)]
+
+    def local(chunks, x, side):
+        me = jax.lax.axis_index(stage_axis)
+        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
+
+        def iteration(carry, t):
+            h, buf = carry
+            w = t - me  # this stage's work item: microbatch w % M on pass w // M (outside [0, M * virtual): idle)
+            weights = jax.tree.map(lambda a: a[jnp.clip(w // m_n, 0, virtual - 1)], chunks)
+            # Stage 0 reads its next work item from its buffer (fresh inputs, or microbatches back from the last
+            # stage); the other stages take what the previous stage passed on.
+            h = jnp.where(me == 0, buf[t % m_n], h)
+            h = stage_fn(weights, h, None if side is None else jax.tree.map(lambda a: a[w % m_n], side))
+            h = jax.lax.ppermute(h, stage_axis, perm=ring)  # the ring step: stage s's output to stage s + 1
+            # What reaches stage 0 from the last stage (work item t - stages + 1, once there is one) waits in the
+            # buffer slot of its microbatch, whose previous occupant entered the pipeline stages - 1 iterations ago.
+            slot = (t - s_n + 1) % m_n
+            keep = (me == 0) & (t - s_n + 1 >= 0)
+            buf = buf.at[slot].set(jnp.where(keep, h, buf[slot]))
+            return (h, buf), None
+
+        # Every stage keeps a buffer of the microbatches' size (x, which is not split over stages); only stage 0's
+        # is read, and at the end it holds every microbatch's final output.
+        (_, buf), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x), jnp.arange(iterations))
+        # Hand stage j its share of microbatches, so that the output layer and the loss run once, split over stages.
+        shares = jax.lax.all_to_all(buf.reshape(s_n, m_n // s_n, *x.shape[1:]), stage_axis, 0, 0)
+        return shares[0]  # [M / stages, microbatch, ...] from stage 0 (the other stages sent their unused buffers)
+
+    axes = frozenset(stage_axis if isinstance(stage_axis, tuple) else (stage_axis,))
+    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), PartitionSpec(), PartitionSpec()),
+                         out_specs=PartitionSpec(stage_axis), axis_names=axes, check_vma=False)(chunks, x, side)
