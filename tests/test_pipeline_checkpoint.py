@@ -1,0 +1,49 @@
+"""Checkpoints and processes across pipeline layouts: the layer stack is stored in one layout (model order), so a
+checkpoint written with stages resumes without them or with another stage count, and two processes that are the two
+stages (mesh.dcn.stage=2) train like one device."""
+
+import jax
+import numpy as np
+import pytest
+from test_multihost import F32, _losses, local
+
+from helpers import run_cli
+from jaxtrain import train as train_lib
+from jaxtrain.config import load_config
+
+# n_layers 8 splits into 4 stages x 2 virtual stages; microbatches 4 is a multiple of 4 stages.
+PIPE = ["model.dtype=float32", "model.param_dtype=float32", "model.n_layers=8", "data.seq_len=64",
+        "train.global_batch=32", "train.microbatches=4", "train.eval_every=0", "train.eval_batches=1",
+        "train.warmup_steps=2", "train.log_every=1"]
+
+
+@pytest.mark.slow
+def test_checkpoint_from_two_stages_resumes_on_one_and_on_four(tmp_path):
+    def cfg(run, *extra):
+        return load_config(None, [f"run.dir={tmp_path / run}", *PIPE, "checkpoint.every=4", *extra])
+
+    two_stages = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"]
+    full = train_lib.train(cfg("full", "train.steps=8", *two_stages), devices=jax.devices()[:8])
+    for name, mesh in [("one", ["mesh.ici.stage=1", "mesh.ici.fsdp=8"]),
+                       ("four", ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"])]:
+        first = train_lib.train(cfg(name, "train.steps=4", *two_stages), devices=jax.devices()[:8])
+        assert sorted(first.losses) == [1, 2, 3, 4]
+        resumed = train_lib.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
+        assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
+        np.testing.assert_allclose([resumed.losses[s] for s in range(5, 9)], [full.losses[s] for s in range(5, 9)],
+                                   rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_two_processes_as_two_stages_match_one_device(tmp_path, virtual):
+    steps = ["train.steps=8", "train.warmup_steps=2"]
+    one = run_cli("train", f"run.dir={tmp_path / 'one'}", "runtime.cpu_devices=1", "mesh.ici.fsdp=1", *F32, *PIPE,
+                  *steps)
+    assert one.returncode == 0, one.stderr
+    two = local(2, "train", f"run.dir={tmp_path / 'two'}", "runtime.cpu_devices=4", "mesh.dcn.stage=2",
+                "mesh.ici.fsdp=4", f"train.virtual_stages={virtual}", *F32, *PIPE, *steps)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert "stage2(dcn)" in two.stdout or "dcn stage2" in two.stdout, two.stdout[-2000:]
+    expected, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    np.testing.assert_allclose([got[s] for s in range(1, 9)], [expected[s] for s in range(1, 9)], rtol=1e-4)
