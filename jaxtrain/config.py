@@ -153,7 +153,8 @@ class TrainConfig:
     # With microbatches > 1: "unreduced" reduces gradients across the batch axes once per step (one all-gather and
     # one reduce-scatter per step, as without accumulation; each device holds the gathered parameters and a gradient
     # accumulator of their size); "sharded" keeps them reduced and sharded inside the loop (the memory of a step
-    # without accumulation; the collectives once per microbatch).
+    # without accumulation; the collectives once per microbatch). With pipeline stages the pipeline's microbatches
+    # are the accumulation and this does not apply.
     accumulate: Literal["unreduced", "sharded"] = "unreduced"
     # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
     # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,
