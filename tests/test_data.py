@@ -71,7 +71,7 @@ def test_train_and_eval_splits_do_not_overlap():
 def test_default_global_batch_divides_over_every_tested_mesh(name):
     overrides = MESHES[name]
     cfg = load_config(None, overrides)
-    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1}
     for o in overrides:
         key, value = o.split("=")
         sizes[key.split(".")[-1]] *= int(value)
