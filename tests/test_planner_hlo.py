@@ -87,7 +87,11 @@ def test_golden_hybrid_all_reduce_splitter():
     assert {c.groups.shape for c in rs} == {(2, 4)}
     shard_ars = [c for c in colls if c.kind == "all-reduce" and c.groups.shape == (4, 2)]
     assert sum(c.total_bytes for c in shard_ars) == pytest.approx(grads / 4, rel=0.10)
-    # Logical ids are row-major (data, fsdp, tensor): the fsdp groups are consecutive ids, the data pairs 4 apart.
+    # Every fsdp-sharded gradient is split, the embedding's included: only the unsharded norm scales (d_model
+    # float32) are all-reduced over all 8 devices.
+    assert {c.bytes for c in colls if c.kind == "all-reduce" and c.groups.shape == (1, 8)} <= {4, cfg.model.d_model * 4}
+    # Logical ids are row-major (data, stage, fsdp, tensor): the fsdp groups are consecutive ids, the data pairs 4
+    # apart.
     assert rs[0].groups.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert sorted(shard_ars[0].groups.tolist()) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
@@ -110,12 +114,57 @@ def test_golden_microbatches_reduce_once_per_step():
     assert max(acc["all-reduce"], base["all-reduce"]) < 0.01 * grads
 
 
+def test_golden_bf16_collectives_count_16_bits():
+    """XLA:CPU widens bfloat16 collectives to f32 between converts it inserts (no op_name); XLA:GPU moves them in 16
+    bits. The tensor-parallel activation all-reduces of a bfloat16 model count 2 bytes per element, half of what
+    the CPU program states, and the same number of collectives as the float32 model's."""
+    cfg, stated, colls, _ = golden("tensor8-bf16")
+    _, _, f32, _ = golden("tensor8")
+    m = cfg.model
+    activation = cfg.train.global_batch * cfg.data.seq_len * m.d_model * 2  # [batch, seq, embed] bfloat16
+    layer = [c for c in colls if c.kind == "all-reduce" and c.count == m.n_layers]
+    assert len(layer) == 4 and all(c.bytes == activation for c in layer)
+    assert by_kind(colls)["all-reduce"] == pytest.approx((4 * m.n_layers + 1) * activation, rel=0.10)
+    assert by_kind(f32)["all-reduce"] == pytest.approx(2 * by_kind(colls)["all-reduce"], rel=0.01)
+    widened = [e for e in stated.all_reduces if e.widened]
+    assert widened and all(e.shape.startswith("f32[") and e.bytes * 2 == hlo.array_bytes(e.shape) for e in widened)
+    # The float32 program's casts are its own (op_name metadata) or absent: nothing is halved there.
+    assert not any(e.widened for e in golden("tensor8")[1].all_reduces)
+
+
+def test_golden_pipeline_ring_permutes_per_iteration():
+    """Stage 2 x fsdp 4, 4 microbatches: the ring permute runs in the forward loop and in its transpose, each of
+    M + S - 1 = 5 iterations, moving one microbatch's bfloat16 activations per device between the stages; the
+    all-to-all that hands out the outputs runs once each way, along the stage axis too."""
+    cfg, _, colls, unknown = golden("stage2fsdp4-mb4-bf16")
+    t, m = cfg.train, cfg.model
+    iterations = t.microbatches * t.virtual_stages + 2 - 1
+    microbatch = t.global_batch // t.microbatches // 4 * cfg.data.seq_len * m.d_model * 2
+    permutes = [c for c in colls if c.kind == "collective-permute"]
+    assert [(c.bytes, c.count) for c in permutes] == [(microbatch, iterations)] * 2
+    sizes = tuple(INDEX["stage2fsdp4-mb4-bf16"]["mesh_sizes"])
+    assert sizes == (1, 2, 4, 1)
+    for c in permutes:  # each pair: the same data and fsdp coordinates, stages 0 -> 1 and 1 -> 0
+        src, dst = np.unravel_index(c.groups[:, 0], sizes), np.unravel_index(c.groups[:, 1], sizes)
+        assert (src[0] == dst[0]).all() and (src[2] == dst[2]).all() and (src[1] != dst[1]).all()
+        assert len(c.groups) == 8
+    a2a = [c for c in colls if c.kind == "all-to-all"]
+    assert [c.count for c in a2a] == [1, 1] and all(c.groups.tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+                                                    for c in a2a)
+    assert unknown == []
+
+
+def test_mesh_sizes_name_every_axis():
+    with pytest.raises(ValueError, match="must give the size of each of"):
+        passes.collectives(LOOP_HLO, (2, 1, 1))
+
+
 def test_handwritten_gpu_async_forms():
     """-start/-done pairs count once (at the start), a collective wrapped in async-start/async-done once, loops
     multiply, and an all-reduce-start whose done is sliced 1/8 becomes a reduce-scatter."""
     with open(os.path.join(GOLDEN, "async-gpu.handwritten.hlo.txt")) as f:
         text = f.read()
-    colls, unknown = passes.collectives(text, (1, 8, 1))
+    colls, unknown = passes.collectives(text, (1, 1, 8, 1))
     got = sorted((c.kind, c.bytes, c.count, c.groups.shape) for c in colls)
     assert got == [("all-gather", 512, 4, (1, 8)),  # f32[16] gathered over 8, in a loop of 4
                    ("all-reduce", 128, 1, (2, 4)),  # the tuple all-reduce's two elements, used whole
@@ -173,14 +222,23 @@ ENTRY %main (a: f32[16]) -> f32[16] {
 
 
 def test_hlo_parser_counts_loop_trips():
-    colls, unknown = passes.collectives(LOOP_HLO, (2, 1, 1))
+    colls, unknown = passes.collectives(LOOP_HLO, (2, 1, 1, 1))
     assert unknown == []
     got = sorted((c.kind, c.bytes, c.count) for c in colls)
     assert got == [("all-gather", 128, 1), ("all-reduce", 64, 6)]
 
 
+def test_single_device_groups_move_nothing():
+    """An all-reduce whose replica groups each hold one device (a psum over a mesh axis of size 1) is no collective."""
+    text = LOOP_HLO.replace("%ar = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups={{0,1}}",
+                            "%ar = f32[16]{0} all-reduce(%v), channel_id=1, replica_groups={{0},{1}}")
+    assert text != LOOP_HLO
+    colls, _ = passes.collectives(text, (2, 1, 1, 1))
+    assert [c.kind for c in colls] == ["all-gather"]
+
+
 def test_loop_without_trip_count_is_counted_once_and_reported():
     text = LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"6"}}', "")
-    colls, unknown = passes.collectives(text, (2, 1, 1))
+    colls, unknown = passes.collectives(text, (2, 1, 1, 1))
     assert sorted((c.kind, c.count) for c in colls) == [("all-gather", 1), ("all-reduce", 1)]
     assert [(u.name, u.holds_collectives) for u in unknown] == [("w", True)]

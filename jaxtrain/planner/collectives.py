@@ -4,6 +4,10 @@ multiplied in) and replica groups. Pure text in, data out, like :mod:`jaxtrain.p
 Both the synchronous collectives XLA:CPU emits (``all-gather(...)``) and the asynchronous forms XLA:GPU emits count
 once: ``all-reduce-start`` / ``all-reduce-done`` and the other ``*-start`` / ``*-done`` pairs at the ``-start``, a
 collective wrapped in an ``async-start`` computation inside the computation it calls.
+
+XLA:CPU has no 16-bit collectives: its bfloat16 normalisation (and AllReducePromotion for all-reduces) widens every
+bf16 / f16 collective to f32 between two converts it inserts. XLA:GPU moves them in 16 bits, so such an operand
+(:func:`widened_by_cpu`) counts at half its f32 size.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from jaxtrain.planner.hlo import (
     array_bytes,
     balanced,
     element_shape,
+    fused_computation,
     multiplicities,
     op_name,
 )
@@ -109,6 +114,42 @@ def _mesh_axes_groups(axes_text: str, devices: np.ndarray | None, group_text: st
     return devices.reshape(reshape).transpose(others + grouped).reshape(-1, group_size)
 
 
+# -- operand sizes --------------------------------------------------------------------------------------------------
+
+_NARROW = ("bf16", "f16")
+
+
+def widened_by_cpu(module: HloModule, name: str) -> bool:
+    """Whether value ``name`` (a collective's operand) is a 16-bit value that XLA:CPU widened to f32 for the
+    collective: seen through fusion roots, bitcasts and copies, an f32 ``convert`` of a bf16 / f16 value that carries
+    no ``op_name`` metadata. The converts XLA inserts (bf16 normalisation, AllReducePromotion) carry none; a cast
+    the program states (``astype(jnp.float32)``) carries its JAX op_name and is moved in f32 on GPU too."""
+    ins = module.by_name.get(name)
+    for _ in range(32):  # a chain of fusion roots and bitcasts, not a loop
+        if ins is None:
+            return False
+        if ins.opcode == "fusion":
+            callee = fused_computation(ins)
+            ins = module.root(callee) if callee else None
+        elif ins.opcode in ("bitcast", "copy") and ins.operands:
+            ins = module.by_name.get(ins.operands[0])
+        else:
+            break
+    if ins is None or ins.opcode != "convert" or not ins.shape.startswith("f32[") or op_name(ins) or not ins.operands:
+        return False
+    source = module.by_name.get(ins.operands[0])
+    return source is not None and source.shape.startswith(tuple(f"{t}[" for t in _NARROW))
+
+
+def operand_bytes(module: HloModule, name: str) -> int:
+    """Bytes of a collective's operand as XLA:GPU moves it (half its f32 size where XLA:CPU widened it)."""
+    ins = module.by_name.get(name)
+    if ins is None:
+        return 0
+    size = array_bytes(ins.shape)
+    return size // 2 if widened_by_cpu(module, name) else size
+
+
 # -- collectives as stated -----------------------------------------------------------------------------------------
 
 
@@ -137,10 +178,17 @@ class AllReduceElement:
     index: int
     value: str
     count: int
+    widened: bool = False  # a 16-bit array XLA:CPU reduces in f32 (:func:`widened_by_cpu`): GPU moves half
 
     @property
     def shape(self) -> str:
         return element_shape(self.ins, self.index)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the reduced array as XLA:GPU moves it."""
+        size = array_bytes(self.shape)
+        return size // 2 if self.widened else size
 
 
 @dataclass
@@ -164,17 +212,19 @@ def stated_collectives(module: HloModule, n_devices: int) -> StatedCollectives:
             if kind is None:
                 continue
             if kind == "all-reduce":
-                all_reduces += [AllReduceElement(ins, idx, value, times) for idx, value in _elements_of(module, ins)]
+                all_reduces += [AllReduceElement(ins, idx, value, times,
+                                                 idx < len(ins.operands) and widened_by_cpu(module, ins.operands[idx]))
+                                for idx, value in _elements_of(module, ins)]
                 continue
-            operand_bytes = sum(array_bytes(module.by_name[o].shape) for o in ins.operands if o in module.by_name)
+            moved = sum(operand_bytes(module, o) for o in ins.operands)
             if kind == "collective-permute":
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", ins.attrs)
                 groups = np.array([[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(0))]) \
                     if pairs else np.zeros((0, 2), int)
-                others.append(Collective(kind, operand_bytes, times, groups, op_name(ins)))
+                others.append(Collective(kind, moved, times, groups, op_name(ins)))
                 continue
             groups = replica_groups(ins.attrs, n_devices)
-            size = operand_bytes * groups.shape[1] if kind == "all-gather" else operand_bytes
+            size = moved * groups.shape[1] if kind == "all-gather" else moved
             others.append(Collective(kind, size, times, groups, op_name(ins)))
     with_collectives = {ins.comp for ins in module.by_name.values() if collective_kind(ins.opcode)}
     unknown = [dataclasses.replace(u, holds_collectives=bool(u.computations & with_collectives)) for u in unknown]

@@ -29,7 +29,6 @@ from jaxtrain.planner.hlo import (
     HloModule,
     Instr,
     UnknownLoop,
-    array_bytes,
     elements,
     fused_computation,
     op_name,
@@ -46,15 +45,19 @@ def collectives(hlo_text: str, mesh_sizes: tuple[int, ...], param_axes: frozense
                 ) -> tuple[list[Collective], list[UnknownLoop]]:
     """The collectives of a compiled step, with trip counts, after applying XLA's GPU collective rewrites.
 
-    ``mesh_sizes``: the (data, fsdp, tensor) sizes the step was compiled for (logical device ids are positions in
-    that mesh); ``param_axes``: the mesh axes parameters are sharded over, which is where a gradient all-reduce
-    followed by a partial slice splits (:func:`all_reduce_splitter`). Returns the collectives and the while loops
-    with unknown trip counts (their bodies counted once).
+    ``mesh_sizes``: the sizes of the ``MESH_AXES`` (data, stage, fsdp, tensor) the step was compiled for (logical
+    device ids are positions in that mesh); ``param_axes``: the mesh axes parameters are sharded over, which is where
+    a gradient all-reduce followed by a partial slice splits (:func:`all_reduce_splitter`). Returns the collectives
+    and the while loops with unknown trip counts (their bodies counted once).
     """
+    if len(mesh_sizes) != len(MESH_AXES):  # the splitter names axes by position
+        raise ValueError(f"mesh_sizes {mesh_sizes} must give the size of each of {MESH_AXES}")
     module = parse_hlo(hlo_text)
     stated = stated_collectives(module, math.prod(mesh_sizes))
-    return stated.others + _rewrite_all_reduces(module, stated.all_reduces, mesh_sizes, param_axes), \
-        stated.unknown_loops
+    colls = stated.others + _rewrite_all_reduces(module, stated.all_reduces, mesh_sizes, param_axes)
+    # Replica groups of one device move nothing (XLA:GPU's AllReduceSimplifier removes such all-reduces; XLA:CPU
+    # keeps them, e.g. a psum over a mesh axis of size 1 where a shard_map's transpose reduces over it).
+    return [c for c in colls if c.kind == "collective-permute" or c.groups.shape[1] > 1], stated.unknown_loops
 
 
 def _rewrite_all_reduces(module: HloModule, elems: list[AllReduceElement], mesh_sizes: tuple[int, ...],
@@ -65,9 +68,9 @@ def _rewrite_all_reduces(module: HloModule, elems: list[AllReduceElement], mesh_
     out = []
     for members in all_reduce_reassociate(module, elems, groups):
         # Merged all-reduces move one buffer: the largest member (they share a shape when reassociated).
-        best = max(members, key=lambda i: array_bytes(elems[i].shape) * elems[i].count)
+        best = max(members, key=lambda i: elems[i].bytes * elems[i].count)
         e, grp = elems[best], groups[best]
-        size, name = array_bytes(e.shape), op_name(e.ins)
+        size, name = e.bytes, op_name(e.ins)
         k = reduce_scatter_creator(module, [elems[i] for i in members])
         split = all_reduce_splitter(grp, mesh_sizes, param_axes, k) if k and 1 < k < grp.shape[1] else None
         if k == grp.shape[1]:

@@ -27,6 +27,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest's FAST) and the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
+# As the planner compiles with --hardware (jaxtrain/planner/target.py): XLA:CPU aborts in AllReducePromotion on
+# the pipeline's bfloat16 psum; the bf16 normalisation widens the all-reduce to f32 without it all the same.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=all-reduce-promotion").strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -50,6 +54,10 @@ GOLDENS = {
                                 "train.accumulate=unreduced"],
     "fsdp8-b64-mb8-sharded": ["mesh.ici.fsdp=8", "train.global_batch=64", "train.microbatches=8",
                               "train.accumulate=sharded"],
+    # bfloat16 compute: XLA:CPU widens the 16-bit collectives to f32 (collectives.widened_by_cpu).
+    "tensor8-bf16": ["mesh.ici.tensor=8", "mesh.ici.fsdp=1", "model.n_kv_heads=8", "model.dtype=bfloat16"],
+    # Pipeline: 2 stages x fsdp 4, 4 microbatches (5 iterations), bfloat16 activations round the ring.
+    "stage2fsdp4-mb4-bf16": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.microbatches=4", "model.dtype=bfloat16"],
 }
 
 
