@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import FAST, run_cli
 
-from jaxtrain import hardware
+from jaxtrain import hardware, model
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.mesh import MeshShape, build_mesh
 from jaxtrain.model import count_params
@@ -102,7 +102,7 @@ def test_one_compile_serves_every_ici_dcn_split(compiled):
     """The program depends on the axis sizes only; the ici/dcn split only renames devices (why plan() compiles once
     per sizes)."""
     _, _, a = compiled("data2fsdp4")
-    b = search.compile_step(tiny(), MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)), jax.devices()[:8])
+    b = search.compile_step(tiny(), MeshShape(ici=(1, 1, 4, 1), dcn=(2, 1, 1, 1)), jax.devices()[:8])
 
     def key(comp):
         return sorted((c.kind, c.bytes, c.count, c.groups.tolist().__repr__()) for c in comp.collectives)
@@ -113,9 +113,10 @@ def test_one_compile_serves_every_ici_dcn_split(compiled):
 def test_node_coordinates_match_build_mesh():
     """The planner's logical id -> node mapping (MeshShape.node_of) is the one build_mesh lays out (contiguous
     devices play a host)."""
-    for ici, dcn in [((1, 4, 1), (2, 1, 1)), ((2, 2, 1), (1, 2, 1)), ((1, 2, 2), (2, 1, 1))]:
+    for ici, dcn in [((1, 1, 4, 1), (2, 1, 1, 1)), ((2, 1, 2, 1), (1, 1, 2, 1)), ((1, 1, 2, 2), (2, 1, 1, 1)),
+                     ((1, 1, 4, 1), (1, 2, 1, 1)), ((1, 2, 2, 1), (1, 1, 2, 1)), ((1, 2, 1, 2), (2, 1, 1, 1))]:
         shape = MeshShape(ici=ici, dcn=dcn)
-        mesh, built = build_mesh(shape.apply(tiny()), jax.devices()[:8])
+        mesh, built = build_mesh(shape.apply(tiny("train.microbatches=4", "train.global_batch=64")), jax.devices()[:8])
         assert built == shape
         per_host = 8 // math.prod(dcn)
         ids = np.arange(8)
@@ -128,7 +129,7 @@ def test_node_coordinates_match_build_mesh():
 
 
 def test_group_span_and_hierarchical_link_bytes():
-    shape = MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1))  # fsdp within a node, data across 2 nodes
+    shape = MeshShape(ici=(1, 1, 4, 1), dcn=(2, 1, 1, 1))  # fsdp within a node, data across 2 nodes
     over_data = np.array([[0, 4], [1, 5], [2, 6], [3, 7]])
     over_fsdp = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
     assert cost.group_span(shape, over_data) == (1, 2, ["data(dcn)"])
@@ -178,9 +179,9 @@ def test_hybrid_sharding_within_nodes_crosses_nodes_less(compiled):
     def est(shape):
         return cost.estimate(cfg, shape, hw, prog.collectives, prog.params_bytes, prog.opt_bytes)[0]
 
-    hsdp = est(MeshShape(ici=(1, 4, 1), dcn=(2, 1, 1)))
-    reverse = est(MeshShape(ici=(2, 2, 1), dcn=(1, 2, 1)))
-    single = est(MeshShape(ici=(2, 4, 1), dcn=(1, 1, 1)))
+    hsdp = est(MeshShape(ici=(1, 1, 4, 1), dcn=(2, 1, 1, 1)))
+    reverse = est(MeshShape(ici=(2, 1, 2, 1), dcn=(1, 1, 2, 1)))
+    single = est(MeshShape(ici=(2, 1, 4, 1), dcn=(1, 1, 1, 1)))
     grads = grad_bytes(cfg)
     # HSDP: only the all-reduce of each device's 1/4 gradient shard crosses: 2 x G/4 x 1/2 = G/4. Reverse: fsdp
     # spans 2 devices x 2 nodes, so its gathers (forward, backward) and reduce-scatter each cross with
@@ -200,12 +201,13 @@ def test_cli_json_two_devices():
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     cands = {(c["mesh"]["data"], c["mesh"]["fsdp"], c["mesh"]["tensor"]): c for c in result["candidates"]}
-    assert set(cands) == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert set(cands) == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}  # stage 2 needs train.microbatches >= 2: the note says
+    assert any("train.microbatches=1 must be a multiple of the 2 pipeline stages" in n for n in result["notes"])
     data, fsdp = cands[(2, 1, 1)], cands[(1, 2, 1)]
     for c in result["candidates"]:
         assert set(c["collective_bytes"]) == set(collectives.KINDS)
-        assert c["mesh"]["dcn"] == {"data": 1, "fsdp": 1, "tensor": 1}
-        assert c["est_step_seconds"] > 0 and isinstance(c["fits"], bool)
+        assert c["mesh"]["dcn"] == {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1} and c["mesh"]["stage"] == 1
+        assert c["est_step_seconds"] > 0 and isinstance(c["fits"], bool) and c["bubble_fraction"] == 0
     assert fsdp["memory"]["params"] + fsdp["memory"]["optimizer"] < 0.6 * (data["memory"]["params"] +
                                                                             data["memory"]["optimizer"])
     assert data["collective_bytes"]["all-reduce"] > 0 and fsdp["collective_bytes"]["all-gather"] > 0
@@ -234,8 +236,26 @@ def test_impossible_device_count_says_why():
     with pytest.raises(ConfigError, match=r"no valid mesh over 7 device\(s\).*not divisible by the "):
         search.enumerate_shapes(tiny(), 7, 1)
     shapes = search.enumerate_shapes(tiny(), 64, 8)
-    assert all(s.dcn[2] == 1 and math.prod(s.dcn) == 8 and math.prod(s.ici) == 8 for s in shapes)
+    assert all(s.dcn[3] == 1 and math.prod(s.dcn) == 8 and math.prod(s.ici) == 8 for s in shapes)
     assert all(tiny().model.n_kv_heads % s.axis_sizes["tensor"] == 0 for s in shapes)
+
+
+def test_enumeration_covers_stages_when_microbatches_allow():
+    """The stage axis is enumerated within and across nodes; one microbatch rules every pipeline out, and the note
+    says what to set."""
+    shapes, rejected = search.search_shapes(tiny(), 64, 8)
+    assert all(s.axis_sizes["stage"] == 1 for s in shapes)
+    note = search.pipeline_note(tiny(), rejected, shapes)
+    assert note is not None and "train.microbatches=1 must be a multiple of the 2 pipeline stages" in note
+    assert "Set train.microbatches to a multiple of the stages (4 covers 2, 4)" in note  # 4 layers: 2 or 4 stages
+    cfg = tiny("train.microbatches=4", "train.global_batch=64")
+    shapes, rejected = search.search_shapes(cfg, 64, 8)
+    assert search.pipeline_note(cfg, rejected, shapes) is None
+    staged = [s for s in shapes if s.axis_sizes["stage"] > 1]
+    assert {s.ici[1] for s in staged} == {1, 2, 4} and {s.dcn[1] for s in staged} == {1, 2, 4}
+    assert all(s.axis_sizes["stage"] in (2, 4) and s.dcn[3] == 1 for s in staged)  # 8 stages: 4 layers do not split
+    # Each shape once; stage x data x fsdp x tensor covers every factorisation the checks allow.
+    assert len({(s.ici, s.dcn) for s in shapes}) == len(shapes)
 
 
 def test_hardware_files_are_complete():
@@ -245,3 +265,82 @@ def test_hardware_files_are_complete():
     assert hardware.load_hardware("h100-8x").inter_node_bandwidth == 50e9  # 400 Gb/s per GPU
     assert hardware.load_hardware("a100-8x").inter_node_bandwidth == 25e9  # 200 Gb/s per GPU
     assert dataclasses.replace(hardware.load_hardware("h200-8x"), mem_fraction=0.5).usable_bytes == 70.5e9
+
+
+# -- pipeline parallelism -----------------------------------------------------------------------------------------
+
+PIPELINE = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.microbatches=4", "train.virtual_stages=2"]
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """(config, search.Compiled) of stage 2 x fsdp 4, 4 microbatches, 2 virtual stages (one layer per chunk)."""
+    cfg = tiny(*PIPELINE)
+    return cfg, search.compile_step(cfg, MeshShape.resolve(cfg.mesh, 8), jax.devices()[:8])
+
+
+def test_pipeline_bubble_and_permutes_against_closed_forms(pipelined):
+    """The ring's permutes run once per iteration of the forward loop and of its transpose, each moving one
+    microbatch's activations per device; interleaving adds one permute per moved chunk of layer weights (forward)
+    and of their gradients (backward). All of them run along the stage axis only, within a node on one node and
+    across nodes when the stages are split over nodes."""
+    cfg, comp = pipelined
+    m, t = cfg.model, cfg.train
+    s_n, m_n, v_n, fsdp = 2, t.microbatches, t.virtual_stages, 4
+    iterations = m_n * v_n + s_n - 1
+    assert iterations == 9
+    microbatch = t.global_batch // m_n // fsdp * cfg.data.seq_len * m.d_model * 4  # float32, per device
+    ring = 2 * iterations * microbatch
+    # One chunk (n_layers / (stages x virtual) = 1 layer) of weights as a device holds it: matrices split over fsdp
+    # (their embed dimension), the two norm scales whole.
+    hd = m.resolved_head_dim
+    layer = 4 * (2 * m.d_model * m.n_heads * hd + 2 * m.d_model * m.n_kv_heads * hd + 3 * m.d_model * m.d_ff) // fsdp \
+        + 4 * 2 * m.d_model
+    chunk = m.n_layers // (s_n * v_n) * layer
+    # Stage d stores chunks d V .. d V + V - 1 and runs chunk c on stage c % S: the ones it stores and does not run
+    # leave it, once forward and once backward (their gradients).
+    moved = sum(c // v_n != c % s_n for c in range(s_n * v_n)) // s_n
+    exchange = 2 * moved * chunk
+    permutes = [c for c in comp.collectives if c.kind == "collective-permute"]
+    assert sum(c.total_bytes for c in permutes) == ring + exchange
+    ring_ops = [c for c in permutes if c.count > 1]
+    assert [c.count for c in ring_ops] == [iterations, iterations] and all(c.bytes == microbatch for c in ring_ops)
+
+    hw = small_hardware(1e12)
+    one_node = MeshShape.resolve(cfg.mesh, 8)
+    two_nodes = MeshShape(ici=(1, 1, 4, 1), dcn=(1, 2, 1, 1))  # the same sizes, stages on different nodes
+    for shape, stage_axis in ((one_node, "stage"), (two_nodes, "stage(dcn)")):
+        assert {tuple(cost.group_span(shape, c.groups)[2]) for c in permutes} == {(stage_axis,)}
+        r = search.candidate_result(cfg, shape, hw, comp)
+        assert r["bubble_fraction"] == pytest.approx((s_n - 1) / (m_n * v_n + s_n - 1))
+        assert (r["microbatches"], r["virtual_stages"], r["pipeline"]["stages"]) == (m_n, v_n, s_n)
+        assert r["pipeline"]["iterations"] == iterations
+        permute_bytes = r["pipeline"]["permute_bytes_per_device"]
+        crosses = shape is two_nodes
+        assert permute_bytes == {"intra_node": 0 if crosses else ring + exchange, "inter_node": ring + exchange
+                                 if crosses else 0}
+        assert r["pipeline"]["temp_bytes_per_stage"] == comp.temp_bytes * 4
+        tokens = t.global_batch * cfg.data.seq_len
+        flops = model.train_flops_per_token(m, cfg.data.seq_len) * tokens / 8
+        assert r["time"]["compute"] == pytest.approx(flops / (hw.peak_flops * hw.compute_efficiency) * 9 / 8)
+    text = report.format_report(cfg, hw, 8, 2, {"candidates": [search.candidate_result(cfg, two_nodes, hw, comp)],
+                                                "pruned": []})
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("#  mesh"))
+    assert "bubble" in lines[at].split() and "11.1%" in lines[at + 2].split()
+
+
+def test_table_fits_120_columns_with_the_longest_mesh_label(pipelined):
+    """A pipeline plan over 8 nodes can name all three dcn axes and three ici axes; the table still fits, the labels
+    then shortened to the axes' initials (and the note says so)."""
+    cfg, comp = pipelined
+    hw = small_hardware(1e12)
+    shapes = search.enumerate_shapes(tiny("train.microbatches=8", "train.global_batch=64"), 64, 8)
+    longest = max(shapes, key=lambda s: len(s.label)).label
+    row = search.candidate_result(cfg, MeshShape.resolve(cfg.mesh, 8), hw, comp)
+    text = report.format_report(cfg, hw, 64, 8, {"candidates": [dict(row, label=longest), row], "pruned": []})
+    assert max(map(len, text.splitlines())) <= report.WIDTH
+    short = " ".join(w[0] + w.lstrip("abcdefghijklmnopqrstuvwxyz") if w[0].isalpha() and w != "dcn" else w
+                     for w in longest.split())
+    assert f"1  {short} " in text or f"2  {short} " in text
+    assert report.SHORT_LABELS in text

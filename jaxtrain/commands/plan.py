@@ -8,7 +8,8 @@ def add_arguments(p):
         "Compile the train step ahead of time for each candidate mesh (abstract shapes, nothing allocated) and "
         "report memory per device, the collectives and their bytes, and an estimated step time; meshes that fit "
         "first, then fastest first. Mesh overrides on the command line (mesh.ici.* / mesh.dcn.*) plan that one mesh; "
-        "otherwise every valid factorisation of the devices over data, fsdp and tensor (tensor within a node).")
+        "otherwise every valid factorisation of the devices over data, stage, fsdp and tensor (tensor within a node; "
+        "pipeline stages only with train.microbatches a multiple of them).")
     p.add_argument("--hardware", help="plan for this hardware (a shipped name: a100-8x, b200-8x, h100-8x, h200-8x; "
                                       "or a .yaml path) on emulated CPU devices; default: the devices at hand (on "
                                       "CPU, measured rates)")

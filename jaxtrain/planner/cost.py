@@ -4,6 +4,12 @@ A collective's replica groups are logical device ids; :meth:`MeshShape.coordinat
 (the layout ``build_mesh`` gives the devices), hence which bytes stay within a node (NVLink) and which cross the
 network. The step time is model FLOPs over (peak x efficiency), each link class's bytes over its rate, and the
 memory-bound optimizer update.
+
+With pipeline stages (mesh axis ``stage`` > 1) the step runs ``M * V + S - 1`` iterations (M microbatches, V virtual
+stages, S stages) of which each stage works in ``M * V``: the compute time is divided by (1 - bubble fraction),
+bubble ``(S - 1) / (M * V + S - 1)`` (``jaxtrain.pipeline``). The pipeline's own traffic (the ring's collective
+permutes, once per iteration in the forward and the backward loop, the weight exchange of interleaving, the
+all-to-all that hands out the outputs) is read from the HLO like every other collective.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from jaxtrain.config import MESH_AXES, Config
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 from jaxtrain.model import train_flops_per_token
+from jaxtrain.pipeline import bubble_fraction
 from jaxtrain.planner.collectives import Collective
 
 
@@ -47,7 +54,8 @@ def link_bytes(kind: str, size: float, a: int, b: int, crosses: bool) -> tuple[f
     - all-gather / reduce-scatter: size (a-1)/a within, (size/a) (b-1)/b across;
     - all-reduce = reduce-scatter + all-gather: twice that;
     - all-to-all: each device sends size/n to each other device, (n-a) of them on other nodes;
-    - collective-permute: the whole buffer, across nodes when the pair is split.
+    - collective-permute: the whole buffer, across nodes when the pair is split (``crosses``: some pair of the
+      permute is, the busiest device's view: a ring paces at its slowest link).
     """
     n = a * b
     if kind in ("all-gather", "reduce-scatter"):
@@ -77,14 +85,27 @@ def optimizer_bytes_moved(params_bytes: float, opt_bytes: float) -> float:
     return 2 * (params_bytes + opt_bytes) + params_bytes
 
 
+def pipeline_schedule(cfg: Config, shape: MeshShape) -> tuple[int, int, int, float]:
+    """(stages, microbatches, virtual stages, bubble fraction) of the step on ``shape``; without a pipeline
+    (stage axis 1): (1, microbatches, 1, 0.0), virtual stages doing nothing there."""
+    stages, micro = shape.axis_sizes["stage"], cfg.train.microbatches
+    if stages == 1:
+        return 1, micro, 1, 0.0
+    virtual = cfg.train.virtual_stages
+    return stages, micro, virtual, bubble_fraction(stages, micro, virtual)
+
+
 @dataclass
 class Estimate:
-    compute_s: float
+    compute_s: float  # bubble included: the idle iterations of a pipeline stage take time too
     optimizer_s: float
     ici_s: float
     dcn_s: float
     ici_bytes: float
     dcn_bytes: float
+    bubble: float = 0.0  # share of a pipeline stage's iterations spent idle (0 without a pipeline)
+    permute_ici_bytes: float = 0.0  # collective-permute bytes (the pipeline's ring and weight exchange), in ici_bytes
+    permute_dcn_bytes: float = 0.0  # ... and in dcn_bytes
 
     @property
     def serial_s(self) -> float:
@@ -99,17 +120,23 @@ class Estimate:
 
 def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective], params_bytes: float,
              opt_bytes: float) -> tuple[Estimate, list[dict]]:
-    """Step-time estimate of one mesh, and its collectives summarised by (kind, axes), most bytes first."""
+    """Step-time estimate of one mesh, and its collectives summarised by (kind, axes), most bytes first.
+
+    compute = model FLOPs per device x remat factor / (peak x efficiency) / (1 - pipeline bubble)."""
     tokens = cfg.train.global_batch * cfg.data.seq_len
     flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
-    compute_s = flops / (hw.peak_flops * hw.compute_efficiency)
-    ici_bytes = dcn_bytes = ici_latency = dcn_latency = 0.0
+    bubble = pipeline_schedule(cfg, shape)[3]
+    compute_s = flops / (hw.peak_flops * hw.compute_efficiency) / (1 - bubble)
+    ici_bytes = dcn_bytes = ici_latency = dcn_latency = permute_ici = permute_dcn = 0.0
     summary: dict[tuple[str, str], dict] = {}
     for c in colls:
         a, b, axes = group_span(shape, c.groups)
         within, across = link_bytes(c.kind, c.total_bytes, a, b, crosses=b > 1)
         ici_bytes += within
         dcn_bytes += across
+        if c.kind == "collective-permute":
+            permute_ici += within
+            permute_dcn += across
         if b > 1:
             dcn_latency += c.count * hw.collective_latency
         else:
@@ -125,5 +152,6 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
                    optimizer_s=optimizer_bytes_moved(params_bytes, opt_bytes) / hw.hbm_bandwidth,
                    ici_s=ici_bytes / hw.intra_node_bandwidth + ici_latency,
                    dcn_s=dcn_bytes / hw.inter_node_bandwidth + dcn_latency,
-                   ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
+                   ici_bytes=ici_bytes, dcn_bytes=dcn_bytes, bubble=bubble, permute_ici_bytes=permute_ici,
+                   permute_dcn_bytes=permute_dcn)
     return est, sorted(summary.values(), key=lambda r: -r["bytes"])

@@ -4,6 +4,7 @@ and as JSON."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 from collections.abc import Sequence
 
@@ -35,10 +36,14 @@ def _sec(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def _percent(x: float) -> str:
+    return f"{x * 100:.1f}%" if x else "-"
+
+
 def _header(wide: bool) -> list[str]:
     memory = ["params", "optimizer", "temp", "memory"] if wide else ["memory"]
     kinds = list(_COLLECTIVE_COLUMNS) if wide else []
-    return ["#", "mesh (ici | dcn)", *memory, "fits", *kinds, "in-node", "x-node", "compute", "comm", "step",
+    return ["#", "mesh (ici | dcn)", *memory, "fits", *kinds, "in-node", "x-node", "bubble", "compute", "comm", "step",
             "overlapped"]
 
 
@@ -49,8 +54,8 @@ def _row(rank: int, r: dict, wide: bool) -> list[str]:
              _bytes(cb["all-to-all"] + cb["collective-permute"])] if wide else []
     return [str(rank), r["label"], *memory, _bytes(r["memory_bytes_per_device"]), "yes" if r["fits"] else "NO",
             *kinds, _bytes(r["intra_node_bytes_per_device"]), _bytes(r["inter_node_bytes_per_device"]),
-            _sec(t["compute"]), _sec(t["intra_node"] + t["inter_node"]), _sec(r["est_step_seconds"]),
-            _sec(r["est_step_seconds_overlap"])]
+            _percent(r["bubble_fraction"]), _sec(t["compute"]), _sec(t["intra_node"] + t["inter_node"]),
+            _sec(r["est_step_seconds"]), _sec(r["est_step_seconds_overlap"])]
 
 
 def _pruned_row(p: dict, wide: bool) -> list[str]:
@@ -61,17 +66,35 @@ def _pruned_row(p: dict, wide: bool) -> list[str]:
     return row
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Aligned text table; collective columns that are zero in every row are left out."""
-    keep = [i for i, h in enumerate(header)
-            if not (h in _COLLECTIVE_COLUMNS and all(r[i] in ("0 B", "") for r in rows))]
+def _hidden(h: str, column: list[str]) -> bool:
+    """Collective columns zero in every row, and the bubble column where no mesh is a pipeline, are left out."""
+    return (h in _COLLECTIVE_COLUMNS and all(c in ("0 B", "") for c in column)) or \
+        (h == "bubble" and all(c in ("-", "") for c in column))
+
+
+_AXIS_INITIAL = re.compile(r"\b(data|stage|fsdp|tensor)(?=\d)")
+SHORT_LABELS = "mesh: d data, s stage, f fsdp, t tensor"
+
+
+def _table(header: list[str], rows: list[list[str]], width: int | None = None) -> tuple[list[str], bool]:
+    """Aligned text table without the :func:`_hidden` columns, and whether the mesh labels were shortened: wider
+    than ``width``, they name the axes by their initials (``d2 s2 f2 | dcn s4``; :data:`SHORT_LABELS`)."""
+    keep = [i for i, h in enumerate(header) if not _hidden(h, [r[i] for r in rows])]
     header, rows = [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
 
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    def render(rows: list[list[str]]) -> list[str]:
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
 
-    return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+        def fmt(cells: list[str]) -> str:
+            return "  ".join(c.ljust(w) if i == 1 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+        return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+
+    lines = render(rows)
+    if width is None or max(map(len, lines)) <= width:
+        return lines, False
+    return render([[r[0], _AXIS_INITIAL.sub(lambda m: m.group(1)[0], r[1]), *r[2:]] for r in rows]), True
 
 
 def _wrap(text: str) -> list[str]:
@@ -87,7 +110,9 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     lines = _wrap(
         f"model: {count_params(m)['total'] / 1e6:,.1f}M parameters ({m.param_dtype}), compute {m.dtype}, attention "
         f"{m.attention}, remat {m.remat}; {tokens:,} tokens/step (global_batch {cfg.train.global_batch} x seq_len "
-        f"{cfg.data.seq_len}, {cfg.train.microbatches} microbatch(es))")
+        f"{cfg.data.seq_len}, {cfg.train.microbatches} microbatch(es)"
+        + (f", {cfg.train.virtual_stages} virtual stages per pipeline stage" if cfg.train.virtual_stages > 1 else "")
+        + ")")
     lines += _wrap(
         f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
         f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {hw.compute_efficiency:g}; memory {_bytes(hw.hbm_bytes)} x "
@@ -98,8 +123,9 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     for note in notes:
         lines += _wrap(f"note: {note}")
     lines.append("")
-    lines += _table(_header(wide), [_row(i, r, wide) for i, r in enumerate(result["candidates"], 1)]
-                    + [_pruned_row(p, wide) for p in result["pruned"]])
+    table, short = _table(_header(wide), [_row(i, r, wide) for i, r in enumerate(result["candidates"], 1)]
+                          + [_pruned_row(p, wide) for p in result["pruned"]], None if wide else WIDTH)
+    lines += table
     lines.append("")
     notes = [
         "Per device and step. memory: parameter and optimizer shards (exact) + the compiler's temporaries + "
@@ -111,6 +137,12 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         "Meshes that fit are listed first, then by step. --wide: memory and bytes per collective kind; --json: "
         "everything, per collective.",
     ]
+    if any(r["bubble_fraction"] for r in result["candidates"]):
+        notes.append(f"bubble: share of a pipeline stage's iterations spent idle, (S-1)/(M V + S-1) for S stages, "
+                     f"M = {cfg.train.microbatches} microbatches, V = {cfg.train.virtual_stages} virtual stages; "
+                     "compute is divided by 1 - bubble. The pipeline's permutes are in the in-node / x-node bytes.")
+    if short:
+        notes.append(f"{SHORT_LABELS} (the full names do not fit in {WIDTH} columns; --json has them).")
     if result["pruned"]:
         notes.append("pruned: parameters + optimizer state alone exceed the usable memory, so not compiled.")
     if any(u["holds_collectives"] for r in result["candidates"] for u in r["unknown_trip_count_loops"]):

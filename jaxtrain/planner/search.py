@@ -1,7 +1,7 @@
 """Candidate meshes, pruning, and compiling the real train step for each (``jaxtrain.train.setup``).
 
-A compiled program depends only on the axis sizes (data, fsdp, tensor); how each axis splits into intra-node (ici)
-and inter-node (dcn) parts only changes which physical devices its logical ids are, so it is compiled once per
+A compiled program depends only on the axis sizes (data, stage, fsdp, tensor); how each axis splits into intra-node
+(ici) and inter-node (dcn) parts only changes which physical devices its logical ids are, so it is compiled once per
 sizes and costed for every split.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import MESH_AXES, Config, ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 from jaxtrain.planner.collectives import KINDS, Collective
-from jaxtrain.planner.cost import estimate
+from jaxtrain.planner.cost import estimate, pipeline_schedule
 from jaxtrain.planner.hlo import UnknownLoop
 from jaxtrain.planner.passes import collectives
 
@@ -41,28 +41,59 @@ def devices_per_node(n_devices: int, nodes: int) -> int:
 
 
 def enumerate_shapes(cfg: Config, n_devices: int, nodes: int) -> list[MeshShape]:
-    """All meshes over ``n_devices`` on ``nodes`` nodes that the model and batch allow.
+    """All meshes over ``n_devices`` on ``nodes`` nodes that the model and batch allow (:func:`search_shapes`).
+    Raises ConfigError saying why when nothing is valid."""
+    return search_shapes(cfg, n_devices, nodes)[0]
 
-    Each node's devices form the ici part (its product is the devices per node) and the dcn parts multiply to the
-    node count. Tensor parallelism stays inside a node (dcn tensor = 1): its per-layer activation all-reduces
-    would otherwise cross the network. Raises ConfigError saying why when nothing is valid.
+
+def search_shapes(cfg: Config, n_devices: int, nodes: int) -> tuple[list[MeshShape], dict[str, list[MeshShape]]]:
+    """(valid meshes, {why rejected: the meshes rejected so}) over ``n_devices`` on ``nodes`` nodes.
+
+    Each node's devices form the ici part, factorised over data, stage, fsdp and tensor (its product is the devices
+    per node), and the dcn parts over data, stage and fsdp multiply to the node count. Tensor parallelism stays inside
+    a node (dcn tensor = 1): its per-layer activation all-reduces would otherwise cross the network. A pipeline
+    (stage > 1) needs ``train.microbatches`` a multiple of the stages and ``model.n_layers`` a multiple of stages x
+    ``train.virtual_stages`` (``config.check_divisibility``); with the default single microbatch every stage > 1
+    mesh is rejected (:func:`pipeline_note` says so). Raises ConfigError saying why when nothing is valid.
     """
     per_node = devices_per_node(n_devices, nodes)
     shapes: list[MeshShape] = []
-    reasons: dict[str, MeshShape] = {}
-    for ici in _factorizations(per_node, 3):
-        for dcn_df in _factorizations(nodes, 2):
-            shape = MeshShape(ici=ici, dcn=(*dcn_df, 1))
+    rejected: dict[str, list[MeshShape]] = {}
+    for ici in _factorizations(per_node, len(MESH_AXES)):
+        for dcn_dsf in _factorizations(nodes, len(MESH_AXES) - 1):
+            shape = MeshShape(ici=ici, dcn=(*dcn_dsf, 1))
             try:
                 shape.check(cfg)
             except ConfigError as e:
-                reasons.setdefault(str(e), shape)
+                rejected.setdefault(str(e), []).append(shape)
                 continue
             shapes.append(shape)
     if not shapes:
-        why = "; ".join(f"{s.label}: {msg}" for msg, s in list(reasons.items())[:3])
+        why = "; ".join(f"{s[0].label}: {msg}" for msg, s in list(rejected.items())[:3])
         raise ConfigError(f"no valid mesh over {n_devices} device(s) on {nodes} node(s): {why}")
-    return shapes
+    return shapes, rejected
+
+
+def pipeline_note(cfg: Config, rejected: dict[str, list[MeshShape]], planned: list[MeshShape]) -> str | None:
+    """A line for the plan's notes when no pipeline (stage > 1) mesh is planned though some were considered: how
+    many, and the first reason (most often ``train.microbatches=1``), so that the user learns what to set."""
+    if any(s.axis_sizes["stage"] > 1 for s in planned):
+        return None
+    staged = [(msg, s) for msg, group in rejected.items() for s in group if s.axis_sizes["stage"] > 1]
+    if not staged:
+        return None
+    # The example: a reason that rejected only pipelines (the microbatches, the layer split), if there is one.
+    only_pipelines = {msg for msg, group in rejected.items() if all(s.axis_sizes["stage"] > 1 for s in group)}
+    msg, first = next(((m, s) for m, s in staged if m in only_pipelines), staged[0])
+    # Stage counts the layer stack splits into: for those the microbatch count is what is missing.
+    stages = sorted({n for _, s in staged if cfg.model.n_layers % ((n := s.axis_sizes["stage"])
+                                                                   * cfg.train.virtual_stages) == 0})
+    hint = ""
+    if stages and any(cfg.train.microbatches % n for n in stages):
+        hint = (f" Set train.microbatches to a multiple of the stages ({math.lcm(*stages)} covers "
+                f"{', '.join(map(str, stages))}) to plan pipelines.")
+    return (f"no pipeline mesh (stage > 1) was planned: all {len(staged)} were rejected, e.g. {first.label}: "
+            f"{msg}.{hint}")
 
 
 def given_shape(cfg: Config, n_devices: int, nodes: int) -> MeshShape:
@@ -156,6 +187,7 @@ def _compile(ts) -> Compiled:
 def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled) -> dict:
     """One row of the plan (the JSON contract's keys plus details)."""
     est, summary = estimate(cfg, shape, hw, comp.collectives, comp.params_bytes, comp.opt_bytes)
+    stages, micro, virtual, bubble = pipeline_schedule(cfg, shape)
     by_kind = {k: 0 for k in KINDS}
     for c in comp.collectives:
         by_kind[c.kind] += c.total_bytes
@@ -174,6 +206,16 @@ def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled
         "time": {"compute": est.compute_s, "intra_node": est.ici_s, "inter_node": est.dcn_s,
                  "optimizer": est.optimizer_s},
         "fits": comp.memory_bytes <= hw.usable_bytes,
+        # Pipeline (stage > 1; without one: bubble 0, one virtual stage). Every device of a stage compiles to the
+        # same program, so the per-device temporaries (memory.temp: activations kept for the backward, the
+        # pipeline's buffers) times the stage's devices are the stage's.
+        "bubble_fraction": bubble,
+        "microbatches": micro,
+        "virtual_stages": virtual,
+        "pipeline": {"stages": stages, "iterations": micro * virtual + stages - 1 if stages > 1 else 0,
+                     "permute_bytes_per_device": {"intra_node": est.permute_ici_bytes,
+                                                  "inter_node": est.permute_dcn_bytes},
+                     "temp_bytes_per_stage": comp.temp_bytes * (shape.num_devices // stages)},
         "compile_seconds": comp.compile_s,
         "unknown_trip_count_loops": [{"name": u.name, "op_name": u.op_name, "holds_collectives": u.holds_collectives}
                                      for u in comp.unknown_loops],

@@ -66,12 +66,18 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
     for name, value in (("efficiency", efficiency), ("mem-fraction", mem_fraction)):
         if value is not None and not 0 < value <= 1:
             raise ConfigError(f"--{name}={value} must be in (0, 1]")
-    from jaxtrain.planner.search import enumerate_shapes, given_shape
+    from jaxtrain.planner.search import given_shape, pipeline_note, search_shapes
 
     notes: list[str] = []
 
     def shapes_for(c: Config, n: int, k: int) -> list[MeshShape]:
-        return [given_shape(c, n, k)] if mesh_given(overrides) else enumerate_shapes(c, n, k)
+        if mesh_given(overrides):
+            return [given_shape(c, n, k)]
+        shapes, rejected = search_shapes(c, n, k)
+        note = pipeline_note(c, rejected, shapes)
+        if note:
+            notes.append(note)
+        return shapes
 
     if hardware_name:
         hw = hardware.load_hardware(hardware_name)
@@ -90,11 +96,14 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Constant folding is
         # skipped too: on the 7B config it spent ~10 s per compile folding a scatter and printed XLA's "Constant
         # folding an instruction is taking > 1s" alarm (4 lines per compile); without it the collectives were
-        # identical and the memory 130 kB (3e-6) lower. Not for the devices at hand: their rates are measured by
-        # running code. Set before JAX creates its CPU client.
+        # identical and the memory 130 kB (3e-6) lower. AllReducePromotion is skipped as well: XLA:CPU aborts the
+        # process in it ("Invalid binary instruction opcode copy") on the pipeline's bfloat16 psum over the stage
+        # axis, whose reduction computation ends in a copy; without it the bf16 normalisation widens the all-reduce
+        # to f32 all the same (collectives.widened_by_cpu halves such operands back). Not for the devices at hand:
+        # their rates are measured by running code. Set before JAX creates its CPU client.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                                    " --xla_llvm_disable_expensive_passes=true"
-                                   " --xla_disable_hlo_passes=constant_folding").strip()
+                                   " --xla_disable_hlo_passes=constant_folding,all-reduce-promotion").strip()
         import jax
 
         jax.config.update("jax_num_cpu_devices", n_devices)
