@@ -215,6 +215,20 @@ def test_cli_json_two_devices():
     assert order == sorted(order)  # meshes that fit first, then by estimated step time
 
 
+@pytest.mark.slow
+def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
+    """XLA:CPU aborts in AllReducePromotion on the pipeline's bfloat16 psum over the stage axis; the plan skips the
+    pass and reads the ring's permutes at 2 bytes an element (one microbatch, 4 sequences over fsdp 4, per device)."""
+    proc = run_cli("plan", "runtime.cpu_devices=8", "model.dtype=bfloat16", "mesh.ici.stage=2", "mesh.ici.fsdp=4",
+                   "train.microbatches=4", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (cand,) = json.loads(proc.stdout)["candidates"]
+    assert cand["bubble_fraction"] == pytest.approx(1 / 5) and cand["pipeline"]["iterations"] == 5
+    cfg = tiny()
+    microbatch = 16 // 4 // 4 * cfg.data.seq_len * cfg.model.d_model * 2
+    assert cand["collective_bytes"]["collective-permute"] == 2 * 5 * microbatch
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--hardware", "h999-8x"],
      "hardware 'h999-8x' is neither a file nor a shipped name; shipped: a100-8x, b200-8x, h100-8x, h200-8x"),

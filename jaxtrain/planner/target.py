@@ -12,6 +12,12 @@ from jaxtrain.config import Config, ConfigError, resolve_auto, validate
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 
+# XLA:CPU aborts the process in AllReducePromotion ("Invalid binary instruction opcode copy") on the pipeline's
+# bfloat16 psum over the stage axis, whose reduction computation ends in a copy. Skipped in every plan's compiles:
+# without it XLA:CPU's bf16 normalisation widens that all-reduce to f32 all the same (and
+# collectives.widened_by_cpu counts it at 16 bits, as the GPU moves it).
+_ABORTS_ON_PIPELINES = "all-reduce-promotion"
+
 
 @dataclass
 class Target:
@@ -96,14 +102,11 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Constant folding is
         # skipped too: on the 7B config it spent ~10 s per compile folding a scatter and printed XLA's "Constant
         # folding an instruction is taking > 1s" alarm (4 lines per compile); without it the collectives were
-        # identical and the memory 130 kB (3e-6) lower. AllReducePromotion is skipped as well: XLA:CPU aborts the
-        # process in it ("Invalid binary instruction opcode copy") on the pipeline's bfloat16 psum over the stage
-        # axis, whose reduction computation ends in a copy; without it the bf16 normalisation widens the all-reduce
-        # to f32 all the same (collectives.widened_by_cpu halves such operands back). Not for the devices at hand:
-        # their rates are measured by running code. Set before JAX creates its CPU client.
+        # identical and the memory 130 kB (3e-6) lower. Not for the devices at hand: their rates are measured by
+        # running code. Set before JAX creates its CPU client.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                                    " --xla_llvm_disable_expensive_passes=true"
-                                   " --xla_disable_hlo_passes=constant_folding,all-reduce-promotion").strip()
+                                   f" --xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}").strip()
         import jax
 
         jax.config.update("jax_num_cpu_devices", n_devices)
@@ -114,6 +117,8 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         from jaxtrain.mesh import cpu_devices_per_process
         from jaxtrain.planner.measure import hardware_at_hand
 
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_disable_hlo_passes={_ABORTS_ON_PIPELINES}").strip()
         jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg))
         devices = jax.devices()
         n_devices = len(devices)
