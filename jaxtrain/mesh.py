@@ -30,6 +30,10 @@ class MeshShape:
     ici: tuple[int, ...]
     dcn: tuple[int, ...]
 
+    def __post_init__(self):
+        if len(self.ici) != len(MESH_AXES) or len(self.dcn) != len(MESH_AXES):
+            raise ValueError(f"MeshShape takes one size per mesh axis {MESH_AXES}, got ici={self.ici} dcn={self.dcn}")
+
     @classmethod
     def resolve(cls, mesh_cfg: MeshConfig, num_devices: int) -> MeshShape:
         """The config's shape over ``num_devices``: the one ``-1`` axis filled, the total checked."""

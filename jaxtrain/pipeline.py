@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 
@@ -98,35 +99,55 @@ def arrange_chunks(stack: jax.Array, stages: int, virtual: int, stage_axis: str 
 
 
 def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, x: jax.Array, side: Any, *,
-             stages: int, virtual: int, stage_axis: str | tuple[str, ...]) -> jax.Array:
+             stages: int, virtual: int, stage_axis: str | tuple[str, ...], batch_axes: tuple[str, ...] = (),
+             embed: Callable[[jax.Array], jax.Array] | None = None, remat_policy: Callable | None = None
+             ) -> jax.Array:
     """Run ``x`` through all chunks in order, pipelined. Returns the outputs [M, microbatch, ...], M split over the
-    stage axis (stage ``j`` holds microbatches ``j * M / stages`` onwards).
+    stage axis (stage ``j`` holds microbatches ``j * M / stages`` onwards) and the microbatch rows over
+    ``batch_axes``.
 
-    stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [microbatch, ...].
-    chunks: pytree of [virtual, stages, ...] (:func:`arrange_chunks`), split over ``stage_axis`` on dim 1.
-    x: [M, microbatch, ...] the microbatches' inputs (M a multiple of ``stages``), not split over stages.
-    side: pytree of [M, ...] per-microbatch side inputs (segment ids) or None.
+    stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [microbatch, ...] (this device's rows).
+    chunks: pytree of [virtual, stages, ...] (:func:`arrange_chunks`), split over ``stage_axis`` on dim 1 and not
+        over ``batch_axes``.
+    x: [M, microbatch, ...] the microbatches' inputs (M a multiple of ``stages``), rows split over ``batch_axes``.
+    side: pytree of [M, microbatch, ...] per-microbatch side inputs (segment ids) or None, split like x.
+    remat_policy: what a pass through a stage keeps for the backward (``jax.checkpoint`` policy); None: everything.
+        Either way the stage's chunk for the pass is re-selected in the backward rather than kept: a copy of the
+        weights per iteration would make memory grow with the microbatches.
+    embed: applied to x on each stage before the loop (e.g. token ids -> embeddings), so that what enters is
+        integers: had the embeddings come in, their gradient would be summed over stages (an all-reduce the size of
+        the local batch's activations) although only stage 0 uses them.
 
-    The loop runs on each stage's own shard (``shard_map`` over the stage axis only; the other mesh axes stay with
-    the partitioner), so every move along the stage axis is one the code states: the ring permute each iteration
-    and the all-to-all that hands out the outputs.
+    The loop runs on each device's own shard: ``shard_map`` over the stage axis and the batch axes (the other axes,
+    tensor, stay with the partitioner; inside, ``stage_fn`` must not name the batch axes). So every move along
+    ``stage`` is one the code states, the ring permute each iteration and one all-to-all at the end, and the weight
+    gradients accumulate on each device over all iterations and are summed over the batch axes once, where the
+    chunks enter (as ``train.accumulate=unreduced`` does), not once per iteration.
     """
     s_n, m_n = stages, x.shape[0]
     iterations = m_n * virtual + s_n - 1
     ring = [(i, (i + 1) % s_n) for i in range(s_n)]
 
+    def run_pass(chunks, v, h, side_m):
+        weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
+        return stage_fn(weights, h, side_m)
+
+    policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
+    run_pass = jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
+
     def local(chunks, x, side):
         me = jax.lax.axis_index(stage_axis)
         chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
+        x = x if embed is None else embed(x)
 
         def iteration(carry, t):
             h, buf = carry
             w = t - me  # this stage's work item: microbatch w % M on pass w // M (outside [0, M * virtual): idle)
-            weights = jax.tree.map(lambda a: a[jnp.clip(w // m_n, 0, virtual - 1)], chunks)
             # Stage 0 reads its next work item from its buffer (fresh inputs, or microbatches back from the last
             # stage); the other stages take what the previous stage passed on.
             h = jnp.where(me == 0, buf[t % m_n], h)
-            h = stage_fn(weights, h, None if side is None else jax.tree.map(lambda a: a[w % m_n], side))
+            side_m = None if side is None else jax.tree.map(lambda a: a[w % m_n], side)
+            h = run_pass(chunks, jnp.clip(w // m_n, 0, virtual - 1), h, side_m)
             h = jax.lax.ppermute(h, stage_axis, perm=ring)  # the ring step: stage s's output to stage s + 1
             # What reaches stage 0 from the last stage (work item t - stages + 1, once there is one) waits in the
             # buffer slot of its microbatch, whose previous occupant entered the pipeline stages - 1 iterations ago.
@@ -135,13 +156,15 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
             buf = buf.at[slot].set(jnp.where(keep, h, buf[slot]))
             return (h, buf), None
 
-        # Every stage keeps a buffer of the microbatches' size (x, which is not split over stages); only stage 0's
-        # is read, and at the end it holds every microbatch's final output.
+        # Every stage keeps a buffer of the microbatches' size (x); only stage 0's is read, and at the end it holds
+        # every microbatch's final output.
         (_, buf), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x), jnp.arange(iterations))
         # Hand stage j its share of microbatches, so that the output layer and the loss run once, split over stages.
         shares = jax.lax.all_to_all(buf.reshape(s_n, m_n // s_n, *x.shape[1:]), stage_axis, 0, 0)
         return shares[0]  # [M / stages, microbatch, ...] from stage 0 (the other stages sent their unused buffers)
 
-    axes = frozenset(stage_axis if isinstance(stage_axis, tuple) else (stage_axis,))
-    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), PartitionSpec(), PartitionSpec()),
-                         out_specs=PartitionSpec(stage_axis), axis_names=axes, check_vma=False)(chunks, x, side)
+    stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
+    rows = PartitionSpec(None, batch_axes or None)
+    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows),
+                         out_specs=PartitionSpec(stage_axis, batch_axes or None),
+                         axis_names=frozenset(stage_names + tuple(batch_axes)), check_vma=False)(chunks, x, side)

@@ -146,8 +146,7 @@ class TrainSetup:
         inputs, targets, segments = micro[:, :, :-1], micro[:, :, 1:], None
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
-        hidden = model.pipelined_layers(model.embed_tokens(inputs), segments,
-                                        virtual_stages=self.cfg.train.virtual_stages)
+        hidden = model.pipelined_layers(inputs, segments, virtual_stages=self.cfg.train.virtual_stages)
         # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
         stage_axis = dict(self.rules)["stage"]
         shares = hidden.reshape(self.stages, k // self.stages, *hidden.shape[1:])

@@ -12,7 +12,7 @@ from jaxtrain.planner import cost
 
 HW = Hardware(peak_flops=1e15, hbm_bytes=8e10, hbm_bandwidth=2e12, devices_per_node=8, intra_node_bandwidth=4e11,
               inter_node_bandwidth=5e10, compute_efficiency=0.4)
-SHAPE = MeshShape(ici=(1, 8, 1), dcn=(1, 1, 1))
+SHAPE = MeshShape(ici=(1, 1, 8, 1), dcn=(1, 1, 1, 1))  # fsdp 8
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "save_matmuls"])
