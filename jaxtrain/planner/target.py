@@ -12,10 +12,11 @@ from jaxtrain.config import Config, ConfigError, resolve_auto, validate
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 
-# XLA:CPU aborts the process in AllReducePromotion ("Invalid binary instruction opcode copy") on the pipeline's
-# bfloat16 psum over the stage axis, whose reduction computation ends in a copy. Skipped in every plan's compiles:
-# without it XLA:CPU's bf16 normalisation widens that all-reduce to f32 all the same (and
-# collectives.widened_by_cpu counts it at 16 bits, as the GPU moves it).
+# XLA:CPU aborts the process in AllReducePromotion ("Invalid binary instruction opcode copy") on a bfloat16 psum
+# whose reduction computation ends in a copy (the pipeline's first version summed its bf16 input gradient over the
+# stage axis so; the step no longer does, but one such all-reduce would take the whole plan down). Skipped in every
+# plan's compiles: without it XLA:CPU's bf16 normalisation widens 16-bit all-reduces to f32 all the same (and
+# collectives.widened_by_cpu counts them at 16 bits, as the GPU moves them).
 _ABORTS_ON_PIPELINES = "all-reduce-promotion"
 
 

@@ -27,8 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest's FAST) and the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-# As the planner compiles with --hardware (jaxtrain/planner/target.py): XLA:CPU aborts in AllReducePromotion on
-# the pipeline's bfloat16 psum; the bf16 normalisation widens the all-reduce to f32 without it all the same.
+# As the planner compiles (jaxtrain/planner/target.py: AllReducePromotion off, which aborts XLA:CPU on some bfloat16
+# psums); the bf16 normalisation widens 16-bit all-reduces to f32 without it all the same.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=all-reduce-promotion").strip()
 
 import jax  # noqa: E402
