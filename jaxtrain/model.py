@@ -278,8 +278,10 @@ class Transformer(nnx.Module):
         batch_axes = tuple(a for a in (batch if isinstance(batch, tuple) else (batch,)) if a is not None)
         graphdef, stacked = nnx.split(self.blocks)
 
-        def chunk_spec(logical: PartitionSpec) -> PartitionSpec:
-            rest = [_drop_axes(entry, set(batch_axes)) for entry in tuple(_to_mesh(tuple(logical)))[1:]]
+        def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
+            # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual,
+            # stages, layers per chunk, ...], the batch axes dropped (gathered once, before the loop).
+            rest = [_drop_axes(entry, set(batch_axes)) for entry in tuple(spec)[1:]]
             return PartitionSpec(None, stage_axis, None, *rest)
 
         def arrange(a, spec):

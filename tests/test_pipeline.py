@@ -243,9 +243,6 @@ def test_compiled_step_permutes_only_along_stage_once_per_iteration(compiled, la
 
 
 
-@pytest.mark.xfail(strict=True, reason="model.pipelined_layers' chunk_spec maps nnx.get_partition_spec's specs, which "
-                   "are mesh axes already, through the logical rules again: 'tensor' is no logical name, so each "
-                   "stage's chunks are constrained replicated over tensor (gathered, then sliced again in the loop)")
 def test_stack_parameters_stay_split_over_tensor(compiled):
     ts, train = compiled("stage4xtensor2-v1")
     stated = stated_collectives(parse_hlo(train.as_text()), 8)
