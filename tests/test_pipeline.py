@@ -25,7 +25,7 @@ from jaxtrain.planner.hlo import parse_hlo
 
 # -- the schedule on a toy stack -----------------------------------------------------------------------------------
 
-D, MB, PER_CHUNK = 8, 4, 2  # feature width, rows per microbatch, layers per chunk
+D, MB, PER_CHUNK, VOCAB = 8, 4, 2, 16  # feature width, rows per microbatch, layers per chunk, toy token ids
 
 
 def _stage_mesh(stages: int) -> jax.sharding.Mesh:
@@ -35,7 +35,7 @@ def _stage_mesh(stages: int) -> jax.sharding.Mesh:
 
 
 def _layer(w, b, h, side_m):
-    """One toy layer: h [MB, D] -> tanh(h @ w + b + side_m), side_m [MB] one offset per row."""
+    """One toy layer: h [rows, D] -> tanh(h @ w + b + side_m), side_m [rows] one offset per row."""
     return jnp.tanh(h @ w + b + side_m[:, None])
 
 
@@ -47,18 +47,27 @@ def _stage_fn(chunk, h, side_m):
     return jax.lax.scan(body, h, chunk)[0]
 
 
-def _pipelined(w, b, x, side, *, stages, virtual):
-    """w [L, D, D], b [L, D] split contiguously over stage (as the model's stack is); x [M, MB, D], side [M, MB]."""
+def _pipelined(w, b, x, side, table, *, stages, virtual, mode):
+    """w [L, D, D], b [L, D] split contiguously over stage (as the model's stack is); side [M, MB].
+
+    mode "plain": x [M, MB, D] the inputs, no batch axes. "rows" (the model's way): x int [M, MB] token ids
+    embedded inside the loop from ``table`` [VOCAB, D] (a closed-over parameter, like the model's embedding), the
+    rows split over the batch axis fsdp inside the loop; "rows, remat" the same with nothing saved per pass."""
     def arrange(a):
         chunks = pipeline.arrange_chunks(a, stages, virtual, "stage")
         return jax.lax.with_sharding_constraint(chunks, PartitionSpec(None, "stage"))
 
+    extra = {}
+    if mode != "plain":
+        extra = {"batch_axes": ("fsdp",), "embed": lambda tokens: table[tokens]}
+    if mode == "rows, remat":
+        extra["remat_policy"] = jax.checkpoint_policies.nothing_saveable
     return pipeline.circular(_stage_fn, (arrange(w), arrange(b)), x, side, stages=stages, virtual=virtual,
-                             stage_axis="stage")
+                             stage_axis="stage", **extra)
 
 
 def _sequential(w, b, x, side):
-    """The same stack without a pipeline: every layer in order on every microbatch."""
+    """The same stack without a pipeline: every layer in order on every microbatch. x [M, MB, D]."""
     def one(x_m, side_m):
         return jax.lax.scan(lambda h, wb: (_layer(wb[0], wb[1], h, side_m), None), x_m, (w, b))[0]
 
@@ -75,38 +84,53 @@ def _numpy_reference(w, b, x, side):
     return out
 
 
-# (stages, virtual, microbatches): M == S (the buffer slot refilled the iteration after it is read), M > S, one and
-# several passes, an odd number of passes, and a ring of all 8 devices.
-SCHEDULES = [(2, 2, 4), (4, 1, 8), (4, 2, 4), (2, 1, 2), (2, 3, 6), (8, 1, 8)]
+# (stages, virtual, microbatches, mode): M == S (the buffer slot refilled the iteration after it is read), M > S,
+# one and several passes, an odd number of passes, a ring of all 8 devices; the model's way (rows split inside the
+# loop, embedding there) throughout, inputs coming in whole for two, and a remat policy.
+SCHEDULES = [(2, 2, 4, "rows"), (4, 1, 8, "rows"), (4, 2, 4, "rows"), (2, 1, 2, "rows"), (2, 3, 6, "rows"),
+             (2, 2, 4, "plain"), (8, 1, 8, "plain"), (4, 2, 4, "rows, remat")]
 
 
-@pytest.mark.parametrize(("stages", "virtual", "microbatches"), SCHEDULES)
-def test_circular_schedule_matches_sequential_layers(stages, virtual, microbatches):
+@pytest.mark.parametrize(("stages", "virtual", "microbatches", "mode"), SCHEDULES)
+def test_circular_schedule_matches_sequential_layers(stages, virtual, microbatches, mode):
     n_layers = stages * virtual * PER_CHUNK
     rng = np.random.default_rng(stages * 100 + virtual * 10 + microbatches)
     w = (rng.standard_normal((n_layers, D, D)) / np.sqrt(D)).astype(np.float32)
     b = (0.1 * rng.standard_normal((n_layers, D))).astype(np.float32)
-    x = rng.standard_normal((microbatches, MB, D)).astype(np.float32)
+    table = rng.standard_normal((VOCAB, D)).astype(np.float32)
+    tokens = rng.integers(0, VOCAB, (microbatches, MB)).astype(np.int32)
+    x = table[tokens] if mode != "plain" else rng.standard_normal((microbatches, MB, D)).astype(np.float32)
     side = (0.1 * rng.standard_normal((microbatches, MB))).astype(np.float32)
     cotangent = rng.standard_normal(x.shape).astype(np.float32)
 
     mesh = _stage_mesh(stages)
     stack = NamedSharding(mesh, PartitionSpec("stage"))  # the layer stack: layers split over stages
     batch = NamedSharding(mesh, PartitionSpec(None, "fsdp"))  # microbatch rows over the other axis, as the batch is
-    args = (jax.device_put(w, stack), jax.device_put(b, stack), jax.device_put(x, batch), jax.device_put(side, batch))
+    put = {"w": jax.device_put(w, stack), "b": jax.device_put(b, stack), "side": jax.device_put(side, batch),
+           "table": jax.device_put(table), "x": jax.device_put(tokens if mode != "plain" else x, batch)}
+    wrt = ("w", "b", "x") if mode == "plain" else ("w", "b", "table")  # token ids have no gradient: the table's
 
-    def forward_and_grads(w, b, x, side):
-        out, vjp = jax.vjp(lambda w, b, x: _pipelined(w, b, x, side, stages=stages, virtual=virtual), w, b, x)
+    def forward_and_grads(args):
+        def f(*diff):
+            a = {**args, **dict(zip(wrt, diff))}
+            return _pipelined(a["w"], a["b"], a["x"], a["side"], a["table"], stages=stages, virtual=virtual,
+                              mode=mode)
+
+        out, vjp = jax.vjp(f, *(args[k] for k in wrt))
         return out, vjp(cotangent)
 
     with jax.set_mesh(mesh):
-        out, grads = jax.jit(forward_and_grads)(*args)
+        out, grads = jax.jit(forward_and_grads)(put)
     # Outputs come back in microbatch order, the microbatches split over stages.
     assert out.sharding.spec[0] == "stage"
     np.testing.assert_allclose(np.asarray(out), _numpy_reference(w, b, x, side), rtol=1e-5, atol=1e-6)
 
-    _, ref_vjp = jax.vjp(lambda w, b, x: _sequential(w, b, x, side), w, b, x)
-    for name, got, want in zip(("w", "b", "x"), grads, ref_vjp(cotangent)):
+    def reference(*diff):
+        a = {"w": w, "b": b, "x": x, "table": table, **dict(zip(wrt, diff))}
+        return _sequential(a["w"], a["b"], a["table"][tokens] if mode != "plain" else a["x"], side)
+
+    _, ref_vjp = jax.vjp(reference, *({"w": w, "b": b, "x": x, "table": table}[k] for k in wrt))
+    for name, got, want in zip(wrt, grads, ref_vjp(cotangent)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5, err_msg=name)
 
 
