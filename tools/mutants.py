@@ -57,6 +57,8 @@ PALLAS_CAUSAL = "tests/test_flash_attention.py::test_pallas_float32_values_and_g
 TRITON_CAUSAL = ("tests/test_flash_attention.py::test_triton_kernels_in_triton_interpreter"
                  "[float32-b2-s50-h4-kv2-d64-causalTrue-packed]")
 
+PIPE_SCHEDULE = "tests/test_pipeline.py::test_circular_schedule_matches_sequential_layers"
+
 MUTANTS = [
     # -- config --------------------------------------------------------------------------------------------------
     Mutant("auto-cudnn-with-document-mask", "config", "jaxtrain/config.py",
@@ -75,7 +77,8 @@ MUTANTS = [
            "parameters silently replicated: fsdp saves no memory"),
     # -- mesh ----------------------------------------------------------------------------------------------------
     Mutant("mesh-ici-major", "mesh", "jaxtrain/mesh.py",
-           "grid = grid.transpose(0, 3, 1, 4, 2, 5)", "grid = grid.transpose(3, 0, 4, 1, 5, 2)",
+           "grid = grid.transpose([k for ax in range(n) for k in (ax, n + ax)])",
+           "grid = grid.transpose([k for ax in range(n) for k in (n + ax, ax)])",
            ("tests/test_mesh.py",), "dcn axes laid inside nodes: cross-node traffic on the wrong axis"),
     Mutant("node-coordinates-swapped", "mesh", "jaxtrain/mesh.py",
            "np.stack([coords // ici, coords % ici], axis=-1)", "np.stack([coords % ici, coords // ici], axis=-1)",
@@ -169,7 +172,31 @@ MUTANTS = [
     Mutant("microbatches-contiguous", "train", "jaxtrain/train.py",
            "micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)", "micro = batch.reshape(k, b // k, -1)",
            (REF + "flops.py::test_microbatch_split_moves_no_data_between_devices",),
-           "each microbatch is a contiguous block of rows: data moves between devices every microbatch"),
+           "each microbatch is a contiguous block of rows: data moves between devices every microbatch",
+           occurrences=2, nth=1),
+    # -- pipeline ------------------------------------------------------------------------------------------------
+    Mutant("pipeline-ring-backwards", "pipeline", "jaxtrain/pipeline.py",
+           "ring = [(i, (i + 1) % s_n) for i in range(s_n)]", "ring = [(i, (i - 1) % s_n) for i in range(s_n)]",
+           (PIPE_SCHEDULE,), "activations handed to the previous stage: layers run out of order"),
+    Mutant("pipeline-parks-in-the-wrong-slot", "pipeline", "jaxtrain/pipeline.py",
+           "slot = (t - s_n + 1) % m_n", "slot = (t - s_n) % m_n",
+           (PIPE_SCHEDULE,), "a microbatch back from the last stage overwrites another's buffer slot"),
+    Mutant("pipeline-pass-from-iteration", "pipeline", "jaxtrain/pipeline.py",
+           "h = run_pass(chunks, jnp.clip(w // m_n, 0, virtual - 1), h, side_m)",
+           "h = run_pass(chunks, jnp.clip(t // m_n, 0, virtual - 1), h, side_m)",
+           (PIPE_SCHEDULE,), "a stage picks its chunk by the iteration, not its work item's pass"),
+    Mutant("pipeline-no-chunk-exchange", "pipeline", "jaxtrain/pipeline.py",
+           "for c in [d * virtual + j]]", "for c in [d * stages + j]]",
+           ("tests/test_pipeline.py::test_exchange_rounds_are_permutations_that_move_every_chunk_once",
+            PIPE_SCHEDULE), "interleaved chunks taken from the wrong storage slots"),
+    Mutant("pipeline-loss-mean-over-stages", "train", "jaxtrain/train.py",
+           "(shares, targets).sum() / k", "(shares, targets).sum() / self.stages",
+           ("tests/test_pipeline.py::test_pipelined_losses_match_single_device",),
+           "the pipelined loss (and so its gradients) scaled by microbatches / stages"),
+    Mutant("pipeline-microbatches-any-count", "config", "jaxtrain/config.py",
+           "t.microbatches >= stages and t.microbatches % stages == 0", "t.microbatches >= 1",
+           ("tests/test_pipeline.py::test_bad_pipeline_config_exits_2_with_one_line",),
+           "fewer microbatches than stages (or not a multiple) reach the step and fail inside XLA"),
     Mutant("accumulate-modes-swapped", "train", "jaxtrain/train.py",
            'if self.cfg.train.accumulate == "sharded" or not dp_axes:',
            'if self.cfg.train.accumulate == "unreduced" or not dp_axes:',
