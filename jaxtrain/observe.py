@@ -310,6 +310,7 @@ class Profiler:
         self.window = self.configured
         self.signal_steps, self._signalled, self.active, self._old = o.signal_profile_steps, False, False, None
         self.written: list[str] = []
+        self._last_written = 0.0  # time.time() when the last trace was written
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             self._old = signal.signal(signal.SIGUSR1, self._on_signal)
 
@@ -324,6 +325,11 @@ class Profiler:
             log_info(f"SIGUSR1: tracing steps {self.window[0]}-{self.window[1]}")
         if self.window and step == self.window[0]:
             os.makedirs(self.dir, exist_ok=True)
+            # jax.profiler names a trace's directory after the second it is written in: a second trace written
+            # within the same second would overwrite the first (a SIGUSR1 window right after a configured one).
+            wait = math.floor(self._last_written) + 1 - time.time()
+            if wait > 0:
+                time.sleep(wait)
             jax.profiler.start_trace(self.dir, create_perfetto_trace=True)
             self.active = True
 
@@ -334,6 +340,7 @@ class Profiler:
 
     def _stop(self, what: str) -> None:
         jax.profiler.stop_trace()
+        self._last_written = time.time()
         self.active = False
         done = self.window[1] if self.window is not None else 0
         self.window = self.configured if self.configured and self.configured[0] > done else None
