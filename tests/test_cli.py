@@ -21,6 +21,12 @@ BAD = {
     "vocab too small for data": (["model.vocab_size=128"],
                                  "model.vocab_size=128 is smaller than the data's vocabulary"),
     "two fill axes": (["mesh.ici.data=-1"], "only one mesh axis may be -1"),
+    "layers vs stages x virtual": (["runtime.cpu_devices=8", "mesh.ici.stage=2", "model.n_layers=6",
+                                    "train.virtual_stages=2"],
+                                   "model.n_layers=6 does not split into 2 stages x train.virtual_stages=2"),
+    "fewer microbatches than stages": (["runtime.cpu_devices=8", "mesh.ici.stage=4", "train.microbatches=2"],
+                                       "train.microbatches=2 must be a multiple of the 4 pipeline stages"),
+    "tensor across nodes": (["runtime.cpu_devices=8", "mesh.dcn.tensor=2"], "mesh.dcn.tensor=2 would split tensor"),
 }
 
 

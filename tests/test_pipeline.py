@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from helpers import FAST, run_cli
+from helpers import FAST
 from jaxtrain import pipeline
 from jaxtrain import train as train_lib
 from jaxtrain.config import MESH_AXES, ConfigError, load_config
@@ -279,30 +279,7 @@ def test_stack_parameters_stay_split_over_tensor(compiled):
 
 # -- bad configs -----------------------------------------------------------------------------------------------------
 
-BAD = {
-    "layers vs stages x virtual": (["runtime.cpu_devices=8", "mesh.ici.stage=2", "model.n_layers=6",
-                                    "train.virtual_stages=2"],
-                                   "model.n_layers=6 does not split into 2 stages x train.virtual_stages=2"),
-    "fewer microbatches than stages": (["runtime.cpu_devices=8", "mesh.ici.stage=4", "train.microbatches=2"],
-                                       "train.microbatches=2 must be a multiple of the 4 pipeline stages"),
-    "tensor across nodes": (["runtime.cpu_devices=8", "mesh.dcn.tensor=2"], "mesh.dcn.tensor=2 would split tensor"),
-}
-
-
-@pytest.mark.parametrize("name", list(BAD))
-def test_bad_pipeline_config_exits_2_with_one_line(tmp_path, name):
-    overrides, expected = BAD[name]
-    run_dir = tmp_path / "existing"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("precious: true\n")
-    before = {p.name: p.read_text() for p in run_dir.iterdir()}
-
-    proc = run_cli("train", f"run.dir={run_dir}", *overrides)
-
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
-    assert {p.name: p.read_text() for p in run_dir.iterdir()} == before
+# Through the command line (exit 2, one line, run.dir untouched): tests/test_cli.py's BAD cases.
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

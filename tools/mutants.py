@@ -195,7 +195,7 @@ MUTANTS = [
            "the pipelined loss (and so its gradients) scaled by microbatches / stages"),
     Mutant("pipeline-microbatches-any-count", "config", "jaxtrain/config.py",
            "t.microbatches >= stages and t.microbatches % stages == 0", "t.microbatches >= 1",
-           ("tests/test_pipeline.py::test_bad_pipeline_config_exits_2_with_one_line",),
+           ("tests/test_cli.py::test_bad_input_exits_2_with_one_line",),
            "fewer microbatches than stages (or not a multiple) reach the step and fail inside XLA"),
     Mutant("accumulate-modes-swapped", "train", "jaxtrain/train.py",
            'if self.cfg.train.accumulate == "sharded" or not dp_axes:',
