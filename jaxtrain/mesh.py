@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, check_divisibility
 
@@ -155,6 +155,16 @@ def build_mesh(cfg: Config, devices: list | None = None) -> tuple[Mesh, MeshShap
         # One process emulates the nodes with contiguous groups of its devices.
         arr = shape.device_grid(devices)
     return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES)), shape
+
+
+def without_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+    """``spec`` with the mesh ``axes`` removed from every dimension (those dimensions gathered over them)."""
+    out = []
+    for entry in spec:
+        names = entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(n for n in names if n is not None and n not in axes)
+        out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+    return PartitionSpec(*out)
 
 
 def rules_from_config(rules: dict) -> Rules:

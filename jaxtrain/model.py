@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxtrain import pipeline
 from jaxtrain.config import ModelConfig
+from jaxtrain.mesh import without_axes
 from kernels import flash_attention, mha_reference
 from kernels.flash_pallas import CHECKPOINT_NAMES
 
@@ -281,8 +282,7 @@ class Transformer(nnx.Module):
         def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
             # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual,
             # stages, layers per chunk, ...], the batch axes dropped (gathered once, before the loop).
-            rest = [_drop_axes(entry, set(batch_axes)) for entry in tuple(spec)[1:]]
-            return PartitionSpec(None, stage_axis, None, *rest)
+            return PartitionSpec(None, stage_axis, None, *without_axes(PartitionSpec(*tuple(spec)[1:]), batch_axes))
 
         def arrange(a, spec):
             chunk = pipeline.arrange_chunks(a, stages, virtual_stages, stage_axis)
@@ -330,13 +330,6 @@ def _to_mesh(logical: tuple) -> PartitionSpec:
     spec = nn_partitioning.logical_to_mesh_axes(logical)
     assert spec is not None
     return spec
-
-
-def _drop_axes(entry, axes: set):
-    """One PartitionSpec entry without the mesh ``axes`` (that dimension gathered over them)."""
-    names = entry if isinstance(entry, tuple) else (entry,)
-    kept = tuple(n for n in names if n is not None and n not in axes)
-    return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

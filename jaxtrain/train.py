@@ -29,7 +29,7 @@ from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
 from jaxtrain import guards, hardware, observe, runtime
 from jaxtrain.config import Config, TrainConfig, dump_yaml, resolve_auto, to_dict
-from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
+from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config, without_axes
 from jaxtrain.metrics import MetricsWriter, log_info, summary_line
 from jaxtrain.model import Transformer, count_params, train_flops_per_token
 
@@ -139,10 +139,8 @@ class TrainSetup:
         The embedding is looked up on every stage (a gather: cheap, and it spares sending inputs to stage 0); the
         final norm, output projection and loss run once per microbatch, each stage taking its share."""
         model = nnx.merge(graphdef, params)
-        k, b = self.cfg.train.microbatches, batch.shape[0]
-        micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)  # [k, b/k, seq+1]
-        micro = jax.lax.with_sharding_constraint(
-            micro, NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sharding.spec)))
+        k = self.cfg.train.microbatches
+        micro = self._microbatches(batch)
         inputs, targets, segments = micro[:, :, :-1], micro[:, :, 1:], None
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
@@ -156,6 +154,14 @@ class TrainSetup:
             return jax.vmap(lambda h1, t1: cross_entropy(model.head(h1), t1))(h, tgt).sum()
 
         return jax.vmap(share_loss, spmd_axis_name=stage_axis)(shares, targets).sum() / k
+
+    def _microbatches(self, batch):
+        """batch [b, seq+1] -> [k, b/k, seq+1] (k = train.microbatches): microbatch i takes rows i, i+k, ..., so each
+        device's block of rows splits evenly over the microbatches and no data moves between devices."""
+        k, b = self.cfg.train.microbatches, batch.shape[0]
+        micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(
+            micro, NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sharding.spec)))
 
     def _batch_axes(self) -> tuple[str, ...]:
         axes = dict(self.rules)["batch"]
@@ -176,9 +182,7 @@ class TrainSetup:
         k = self.cfg.train.microbatches
         grad_fn = jax.value_and_grad(self._loss)
         b = batch.shape[0]
-        batch_spec = self.batch_sharding.spec
-        micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)  # [k, b/k, seq+1]
-        micro = jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, PartitionSpec(None, *batch_spec)))
+        micro = self._microbatches(batch)
         dp_axes = self._batch_axes()
         if self.cfg.train.accumulate == "sharded" or not dp_axes:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -194,7 +198,7 @@ class TrainSetup:
         micro = micro.reshape(k, dp, b // k // dp, -1)  # group g of a microbatch: rows of the g-th device block
         micro = jax.lax.with_sharding_constraint(micro, NamedSharding(self.mesh, PartitionSpec(None, dp_axes)))
         specs = jax.tree.map(lambda a: a.sharding.spec, self.abstract_state["model"])
-        gathered_specs = jax.tree.map(lambda s: _without_axes(s, dp_axes), specs)
+        gathered_specs = jax.tree.map(lambda s: without_axes(s, dp_axes), specs)
         gathered = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(self.mesh, s)),
                                 params, gathered_specs)
         # Inside the per-group function the batch axes belong to the vmapped group dimension (spmd_axis_name), so
@@ -272,16 +276,6 @@ def document_segments(inputs: jax.Array, eos_id: int) -> jax.Array:
     the next token starts the next segment."""
     is_eos = (inputs == eos_id).astype(jnp.int32)
     return jnp.cumsum(is_eos, axis=1) - is_eos
-
-
-def _without_axes(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
-    """``spec`` with the mesh ``axes`` removed from every dimension (those dimensions gathered over them)."""
-    out = []
-    for entry in spec:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        kept = tuple(n for n in names if n is not None and n not in axes)
-        out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
-    return PartitionSpec(*out)
 
 
 @contextlib.contextmanager

@@ -277,6 +277,7 @@ def test_stack_parameters_stay_split_over_tensor(compiled):
     table = ts.cfg.model.vocab_size * ts.cfg.model.d_model * 4
     assert [c.bytes * c.count for c in over_tensor] == [table], [(c.op_name, c.bytes) for c in over_tensor]
 
+
 # -- bad configs -----------------------------------------------------------------------------------------------------
 
 # Through the command line (exit 2, one line, run.dir untouched): tests/test_cli.py's BAD cases.

@@ -172,8 +172,7 @@ MUTANTS = [
     Mutant("microbatches-contiguous", "train", "jaxtrain/train.py",
            "micro = batch.reshape(b // k, k, -1).swapaxes(0, 1)", "micro = batch.reshape(k, b // k, -1)",
            (REF + "flops.py::test_microbatch_split_moves_no_data_between_devices",),
-           "each microbatch is a contiguous block of rows: data moves between devices every microbatch",
-           occurrences=2, nth=1),
+           "each microbatch is a contiguous block of rows: data moves between devices every microbatch"),
     # -- pipeline ------------------------------------------------------------------------------------------------
     Mutant("pipeline-ring-backwards", "pipeline", "jaxtrain/pipeline.py",
            "ring = [(i, (i + 1) % s_n) for i in range(s_n)]", "ring = [(i, (i - 1) % s_n) for i in range(s_n)]",
