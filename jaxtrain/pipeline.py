@@ -28,9 +28,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 
+def iterations(stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Iterations of one step's loop: ``microbatches * virtual`` work items, the last entering stage 0 at iteration
+    ``microbatches * virtual - 1`` and leaving the last stage ``stages - 1`` iterations later."""
+    return microbatches * virtual + stages - 1
+
+
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
     """Share of a stage's iterations spent idle: ``(stages - 1) / (microbatches * virtual + stages - 1)``."""
-    return (stages - 1) / (microbatches * virtual + stages - 1)
+    return (stages - 1) / iterations(stages, microbatches, virtual)
 
 
 def exchange_rounds(stages: int, virtual: int) -> list[list[tuple[int, int, int, int]]]:
@@ -125,7 +131,6 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     chunks enter (as ``train.accumulate=unreduced`` does), not once per iteration.
     """
     s_n, m_n = stages, x.shape[0]
-    iterations = m_n * virtual + s_n - 1
     ring = [(i, (i + 1) % s_n) for i in range(s_n)]
 
     def run_pass(chunks, v, h, side_m):
@@ -158,7 +163,8 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
 
         # Every stage keeps a buffer of the microbatches' size (x); only stage 0's is read, and at the end it holds
         # every microbatch's final output.
-        (_, buf), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x), jnp.arange(iterations))
+        steps = jnp.arange(iterations(s_n, m_n, virtual))
+        (_, buf), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x), steps)
         # Hand stage j its share of microbatches, so that the output layer and the loss run once, split over stages.
         shares = jax.lax.all_to_all(buf.reshape(s_n, m_n // s_n, *x.shape[1:]), stage_axis, 0, 0)
         return shares[0]  # [M / stages, microbatch, ...] from stage 0 (the other stages sent their unused buffers)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxtrain import pipeline
 from jaxtrain.config import MESH_AXES, Config, ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
@@ -212,7 +213,7 @@ def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled
         "bubble_fraction": bubble,
         "microbatches": micro,
         "virtual_stages": virtual,
-        "pipeline": {"stages": stages, "iterations": micro * virtual + stages - 1 if stages > 1 else 0,
+        "pipeline": {"stages": stages, "iterations": pipeline.iterations(stages, micro, virtual) if stages > 1 else 0,
                      "permute_bytes_per_device": {"intra_node": est.permute_ici_bytes,
                                                   "inter_node": est.permute_dcn_bytes},
                      "temp_bytes_per_stage": comp.temp_bytes * (shape.num_devices // stages)},
