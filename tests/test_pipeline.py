@@ -385,3 +385,19 @@ def test_pipelined_document_mask_matches_single_device(reference, tmp_path):
     want = _run([*masked, "mesh.ici.fsdp=1"], tmp_path / "ref", 1)
     assert np.abs(want[0] / reference[0] - 1).max() > 1e-3  # the mask matters to these losses
     _assert_matches(_run([*masked, *SLOW_LAYOUTS["stage2xdata2xtensor2-v2"]], tmp_path / "run", 8), want)
+
+
+@pytest.mark.slow
+def test_flash_kernel_inside_the_stage_loop_matches_one_device(tmp_path):
+    """model.attention=pallas (interpreted on CPU) runs its shard_map inside the pipeline's: the pipelined eval loss
+    of one batch equals the one-device loss."""
+    base = [f"run.dir={tmp_path}", *FAST, "model.attention=pallas", "model.head_dim=32", "data.seq_len=64",
+            "train.global_batch=16", "train.microbatches=4", "model.n_layers=4"]
+    tokens = np.random.default_rng(0).integers(0, 256, (16, 65)).astype(np.int32)
+    losses = []
+    for overrides, n in [(["mesh.ici.fsdp=1"], 1),
+                         (["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"], 8)]:
+        ts = train_lib.setup(load_config(None, [*base, *overrides]), jax.devices()[:n])
+        _, evaluate, _ = ts.compile(ts.abstract_state)
+        losses.append(float(evaluate(ts.init_state(), ts.to_device(tokens))))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
