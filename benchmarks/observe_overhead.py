@@ -32,9 +32,9 @@ jax.config.update("jax_num_cpu_devices", 2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from jaxtrain import log  # noqa: E402
 from jaxtrain import train as train_lib  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.metrics import log_info  # noqa: E402
 
 CONFIGS = {
     "off": [],
@@ -166,7 +166,7 @@ def main() -> None:
         for r in range(0 if a.hooks_only else a.rounds):
             for i, name in enumerate(CONFIGS):
                 times[name].append(one_run(name, a.steps, tmp, r * len(CONFIGS) + i))
-                log_info(f"round {r + 1}: {name}: mean step {times[name][-1] * 1e3:.2f} ms")
+                log.info(f"round {r + 1}: {name}: mean step {times[name][-1] * 1e3:.2f} ms")
         if a.hooks_only:
             print(f"one straggler exchange (coordination service, 1 process): {exchange_cost() * 1e6:.0f} us")
             return

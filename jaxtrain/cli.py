@@ -1,8 +1,8 @@
 """Command line: ``python -m jaxtrain COMMAND ...``.
 
 Each subcommand is a module with ``add_arguments(parser)`` and ``run(args) -> int``, imported only when chosen, so
-that ``--help`` and config mistakes answer before JAX starts. User mistakes (ConfigError) end with one line on
-stderr and exit status 2, before anything is written; a failed checkpoint write exits 1.
+that ``--help`` and config mistakes answer before JAX starts. Expected failures (``jaxtrain.errors``) end with one line
+on stderr and their exit status (a user mistake: 2, before anything is written; a failed checkpoint write: 1).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import EXIT_STATUS, CheckpointError, ConfigError, one_line
 
 # name -> (module, one-line help)
 COMMANDS = {
@@ -49,32 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args)
-    except ConfigError as e:
-        print(f"error: {_tag()}{e}", file=sys.stderr)
-        if "orbax.checkpoint" in sys.modules:
-            # A mistake found after Orbax started (e.g. a damaged checkpoint named by checkpoint.resume): its
-            # background threads would print asyncio tracebacks while the interpreter shuts down. Nothing of this run
-            # was written, so there is nothing to finish: leave with the one line.
-            _exit_now(2)
-        return 2
     except Exception as e:
-        from jaxtrain.checkpoint import CheckpointError
-        from jaxtrain.distributed import DistributedError
-
-        expected: tuple[type[BaseException], ...] = (CheckpointError, DistributedError)
-        if "jaxtrain.train" in sys.modules:  # a run that cannot make progress (non-finite steps): one line, exit 1
-            expected += (sys.modules["jaxtrain.train"].NonFiniteError,)
-        if not isinstance(e, expected):
+        status = next((code for kind, code in EXIT_STATUS.items() if isinstance(e, kind)), None)
+        if status is None:
             # A bug or a runtime failure (e.g. a lost peer): the traceback matters, and so does which process.
             traceback.print_exc()
-            print(f"error: {_tag()}{type(e).__name__}: {' '.join(str(e).split())[:500]}", file=sys.stderr)
+            print(f"error: {_tag()}{type(e).__name__}: {one_line(e, 500)}", file=sys.stderr)
             return 1
         print(f"error: {_tag()}{e}", file=sys.stderr)
-        if isinstance(e, CheckpointError):
-            # Orbax's write threads may still wait minutes for a peer's signal that a failed write never sends, and
-            # the interpreter would join them before exiting: stop now (earlier checkpoints are complete on disk).
-            _exit_now(1)
-        return 1
+        if isinstance(e, CheckpointError) or (isinstance(e, ConfigError) and "orbax.checkpoint" in sys.modules):
+            # Orbax's background threads would print asyncio tracebacks while the interpreter shuts down (a mistake
+            # found after Orbax started, e.g. a damaged checkpoint named by checkpoint.resume), or wait minutes for
+            # a peer's signal that a failed write never sends: stop now. Nothing of a refused run was written, and
+            # earlier checkpoints of a failed one are complete on disk.
+            _exit_now(status)
+        return status
 
 
 def _exit_now(code: int) -> None:
@@ -85,6 +74,6 @@ def _exit_now(code: int) -> None:
 
 
 def _tag() -> str:
-    if "jaxtrain.runtime" in sys.modules:
-        return sys.modules["jaxtrain.runtime"].process_tag()
-    return ""
+    from jaxtrain.log import process_tag
+
+    return process_tag()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,9 +19,9 @@ from typing import Any, Literal
 import yaml
 
 from jaxtrain import inputs
-from jaxtrain.schema import ConfigError, coerce, find_yaml, load_yaml, one_line, shipped  # noqa: F401 (re-exported)
+from jaxtrain.errors import ConfigError
+from jaxtrain.schema import coerce, find_yaml, load_yaml
 
-DTYPES = ("float32", "bfloat16", "float16")
 FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels.flash_pallas checks the same)
 # Mesh axes, outermost first: devices adjacent in a node differ in tensor first, then fsdp, stage, data.
 MESH_AXES = ("data", "stage", "fsdp", "tensor")
@@ -510,6 +511,13 @@ def _validate_mesh(cfg: Config) -> None:
     check_divisibility(cfg, cfg.mesh.fixed_axis_sizes())
 
 
+def batch_mesh_axes(rules: dict[str, Any]) -> tuple[str, ...]:
+    """The mesh axes the batch is split over, from ``mesh.rules.batch`` (a name, a list of names, or null): the one
+    reading of that rule (``layout.Layout.batch_axes`` exposes it)."""
+    target = rules.get("batch")
+    return tuple(a for a in (target if isinstance(target, (list, tuple)) else [target]) if a is not None)
+
+
 def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
     """Shapes that must split evenly over the mesh axes their logical axes map to."""
     m, t = cfg.model, cfg.train
@@ -517,16 +525,12 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
     _require(m.n_heads % tensor == 0, f"model.n_heads={m.n_heads} is not divisible by the tensor axis size {tensor}")
     _require(m.n_kv_heads % tensor == 0,
              f"model.n_kv_heads={m.n_kv_heads} is not divisible by the tensor axis size {tensor}")
-    batch_axes = cfg.mesh.rules.get("batch")
-    batch_axes = batch_axes if isinstance(batch_axes, list) else [batch_axes]
-    dp = 1
-    for ax in batch_axes:
-        if ax is not None:
-            dp *= axis_sizes[ax]
+    batch_axes = batch_mesh_axes(cfg.mesh.rules)
+    dp = math.prod(axis_sizes[ax] for ax in batch_axes)
     micro = t.global_batch // t.microbatches
     _require(micro % dp == 0,
              f"train.global_batch={t.global_batch} (/{t.microbatches} microbatches = {micro}) is not divisible by the "
-             f"data-parallel size {dp} ({' x '.join(a for a in batch_axes if a)})")
+             f"data-parallel size {dp} ({' x '.join(batch_axes)})")
     stages = axis_sizes["stage"]
     if stages > 1:
         chunks = stages * t.virtual_stages

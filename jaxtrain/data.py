@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
-from jaxtrain.config import ConfigError, DataConfig
+from jaxtrain.config import DataConfig
+from jaxtrain.errors import ConfigError, one_line
 
 EOS = 0  # byte-level documents are separated by NUL, which text does not contain
 
@@ -70,7 +71,7 @@ def _read_sidecar(path: str) -> dict:
 
 
 def _short(e: Exception) -> str:
-    return " ".join(str(e).split())[:200]
+    return one_line(e, 200)
 
 
 def _open_stream(cfg: DataConfig, meta: dict) -> np.ndarray:

@@ -44,13 +44,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from jaxtrain.config import ConfigError, DistConfig
+from jaxtrain.config import DistConfig
+from jaxtrain.errors import ConfigError, DistributedError, one_line
 
 SLURM_BASE_PORT = 65535 - 2**12 + 1  # = 61440, JAX's slurm_cluster.py: port = base + job id % 4096
-
-
-class DistributedError(RuntimeError):
-    """The job's processes could not form or keep a group (a peer never arrived, or died)."""
 
 
 @dataclass(frozen=True)
@@ -305,7 +302,7 @@ def initialize(dist: DistConfig, settings: Settings) -> None:
         raise DistributedError(f"process {settings.process_id} of {settings.num_processes} could not join the job "
                                f"at {settings.coordinator} within dist.init_timeout_s={dist.init_timeout_s} s (are "
                                f"all processes started, with the same coordinator?): "
-                               f"{' '.join(str(e).split())[:200]}") from None
+                               f"{one_line(e, 200)}") from None
     verify_devices(settings)
 
 

@@ -18,7 +18,6 @@ blocking time), which moves those seconds out of the running category: no interv
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 
@@ -38,31 +37,15 @@ def process_start_time() -> float:
         return time.time()
 
 
-def last_logged_step(run_dir: str) -> int:
-    """The highest step in ``run_dir/metrics.jsonl`` (0 when none): how far earlier invocations of this run got.
-
-    Read before this invocation's MetricsWriter drops the records past its restored step. The steps a killed
-    process finished after its last logged step are not in the file, so this undercounts by less than
-    ``train.log_every``.
-    """
-    path = os.path.join(run_dir, "metrics.jsonl")
-    last = 0
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    last = max(last, int(json.loads(line)["step"]))
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by a kill
-    return last
-
-
 class Goodput:
     """Wall-time accounting for one invocation; see the module docstring for the categories."""
 
     def __init__(self, start_time: float | None = None, previous_last_step: int = 0):
         """``start_time``: Unix time the process started (default: from the OS). ``previous_last_step``: the
-        highest step an earlier invocation of this run completed (steps up to it count as ``restarts``)."""
+        highest step an earlier invocation of this run completed (``rundir.last_logged_step``, read before this
+        invocation drops the records past its restored step; steps up to it count as ``restarts``). A killed
+        process's steps after its last logged one are not in the file, so this undercounts by less than
+        ``train.log_every``."""
         self.previous_last_step = previous_last_step
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         start = start_time or max(process_start_time(), _previous_end or 0.0)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from jaxtrain.schema import ConfigError, find_yaml, load_typed, shipped
+from jaxtrain.errors import ConfigError
+from jaxtrain.schema import find_yaml, load_typed, shipped
 
 # JAX's GPU allocator takes this fraction of HBM unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: a step must
 # fit in that pool, not in the whole HBM.

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from jaxtrain.schema import ConfigError, existing_file, load_yaml  # noqa: F401 (load_yaml re-exported)
+from jaxtrain.errors import ConfigError
+from jaxtrain.schema import existing_file
 
 MAX_CPU_DEVICES = 512  # emulated devices are host threads; beyond this JAX start-up alone takes minutes
 

@@ -18,7 +18,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
-from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, check_divisibility
+from jaxtrain.config import MESH_AXES, Config, MeshConfig, check_divisibility
+from jaxtrain.errors import ConfigError
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 

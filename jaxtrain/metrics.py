@@ -7,11 +7,38 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import sys
-import time
+from dataclasses import dataclass
 from typing import Any
+
+from jaxtrain import rundir
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Speed figures of a step from its wall time: the one place tokens/s, TFLOP/s and MFU are computed (the
+    progress line, metrics.jsonl, TensorBoard, Prometheus and summary.json all take them from here)."""
+
+    tokens_per_step: int
+    flops_per_step: float  # model FLOPs (model.train_flops_per_token x tokens)
+    num_devices: int
+    peak_flops: float | None  # per device (hardware files); None: unknown (CPUs), no MFU
+
+    def tokens_per_second(self, step_seconds: float) -> float:
+        return self.tokens_per_step / step_seconds
+
+    def tflops_per_device(self, step_seconds: float) -> float:
+        return self.flops_per_step / step_seconds / self.num_devices / 1e12
+
+    def mfu(self, step_seconds: float) -> float | None:
+        """Model FLOPs utilisation (0-1) at this step time; None without a peak rate."""
+        return self.flops_per_step / step_seconds / self.num_devices / self.peak_flops if self.peak_flops else None
+
+    def step_fields(self, step_seconds: float) -> dict[str, float | None]:
+        """A logged step's speed fields (metrics.jsonl, TensorBoard)."""
+        return {"step_seconds": step_seconds, "tokens_per_second": self.tokens_per_second(step_seconds),
+                "tokens_per_second_per_device": self.tokens_per_second(step_seconds) / self.num_devices,
+                "tflops_per_device": self.tflops_per_device(step_seconds), "mfu": self.mfu(step_seconds)}
 
 
 class MetricsWriter:
@@ -23,12 +50,12 @@ class MetricsWriter:
         self._jsonl: Any = None
         self._tb: Any = None
         if enabled:
-            path = os.path.join(run_dir, "metrics.jsonl")
-            _truncate_jsonl(path, start_step)
-            self._jsonl = open(path, "a", buffering=1)
+            rundir.truncate_metrics(run_dir, start_step)
+            self._jsonl = open(rundir.path(run_dir, rundir.METRICS), "a", buffering=1)
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
+            self._tb = SummaryWriter(rundir.path(run_dir, rundir.TENSORBOARD),
+                                     purge_step=start_step + 1 if start_step else None)
 
     def write(self, record: dict, *, elapsed: float | None = None, eta: float | None = None) -> None:
         """Log one step's record; ``elapsed`` (since the loop started) and ``eta`` seconds go to the progress line."""
@@ -48,9 +75,9 @@ class MetricsWriter:
         if "eval_loss" in r:
             parts.append(f"eval {r['eval_loss']:.4f}")
         if "grad_norm" in r:
-            parts += [f"gnorm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}"]
-        if r.get("step_time") is not None:
-            parts += [f"{r['step_time'] * 1e3:.1f} ms", f"{r['tokens_per_sec']:,.0f} tok/s"]
+            parts += [f"gnorm {r['grad_norm']:.3f}", f"lr {r['learning_rate']:.2e}"]
+        if r.get("step_seconds") is not None:
+            parts += [f"{r['step_seconds'] * 1e3:.1f} ms", f"{r['tokens_per_second']:,.0f} tok/s"]
         if r.get("mfu") is not None:
             parts.append(f"MFU {100 * r['mfu']:.1f}%")
         if elapsed is not None:
@@ -62,26 +89,6 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb:
             self._tb.close()
-
-
-def _truncate_jsonl(path: str, last_step: int) -> None:
-    """Keep only the records of steps <= last_step, atomically (a resumed run logs the later steps again)."""
-    if not os.path.isfile(path):  # also with last_step 0: a run killed before its first checkpoint starts over
-        return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        kept = [line for line in f if _step_of(line) <= last_step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
-
-
-def _step_of(line: str) -> float:
-    """A record's step; a line cut short by a crash mid-write (or otherwise unreadable) is dropped (infinity)."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
 
 
 def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float,
@@ -97,10 +104,3 @@ def _clock(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
-def log_info(msg: str) -> None:
-    """A timestamped line on stderr, every process (tagged with its index in multi-process jobs)."""
-    from jaxtrain.runtime import process_tag
-
-    print(f"[{time.strftime('%H:%M:%S')}] {process_tag()}{msg}", file=sys.stderr, flush=True)

@@ -16,11 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from flax.linen import with_logical_constraint
-from jax.sharding import PartitionSpec
 
-from jaxtrain import pipeline
 from jaxtrain.config import ModelConfig
-from jaxtrain.mesh import without_axes
 from kernels import flash_attention, mha_reference
 from kernels.flash_pallas import CHECKPOINT_NAMES
 
@@ -262,53 +259,6 @@ class Transformer(nnx.Module):
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 
-    def pipelined_layers(self, tokens: jax.Array, segment_ids: jax.Array | None, *,
-                         virtual_stages: int) -> jax.Array:
-        """Embedding and layer stack over the pipeline stages (jaxtrain/pipeline.py): tokens int [M, microbatch,
-        seq] -> the hidden states :meth:`layers` gives each microbatch, [M, microbatch, seq, embed] with M split
-        over the stages (logical ``stage``). ``segment_ids`` int [M, microbatch, seq] or None.
-
-        The stack's parameters (logical ``layers`` split over stages) are gathered over the batch axes once per
-        step and their gradients summed over them once, as ``train.accumulate=unreduced`` does, not once per
-        pipeline iteration. The remat policy applies to each stage's chunk as a whole: a pass through a stage keeps
-        its input (and what the policy saves).
-        """
-        stage_axis = _to_mesh(("stage",))[0]
-        stages = jax.sharding.get_abstract_mesh().shape[stage_axis]
-        batch = _to_mesh(("batch",))[0]
-        batch_axes = tuple(a for a in (batch if isinstance(batch, tuple) else (batch,)) if a is not None)
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
-            # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual,
-            # stages, layers per chunk, ...], the batch axes dropped (gathered once, before the loop).
-            return PartitionSpec(None, stage_axis, None, *without_axes(PartitionSpec(*tuple(spec)[1:]), batch_axes))
-
-        def arrange(a, spec):
-            chunk = pipeline.arrange_chunks(a, stages, virtual_stages, stage_axis)
-            return jax.lax.with_sharding_constraint(chunk, chunk_spec(spec))
-
-        specs = nnx.get_partition_spec(stacked)
-        chunks = jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
-        # Inside the loop each device holds its own rows: the batch axes are the loop's, not the partitioner's.
-        local_rules = tuple((name, None if name == "batch" else target)
-                            for name, target in nn_partitioning.get_axis_rules())
-
-        def stage_fn(chunk, h, segments):
-            def body(h, layer_state):
-                return nnx.merge(graphdef, layer_state)(h, segments), None
-
-            with nnx.logical_axis_rules(local_rules):
-                return jax.lax.scan(body, h, chunk)[0]
-
-        def embed(tokens):
-            with nnx.logical_axis_rules(local_rules):
-                return self.embed_tokens(tokens)
-
-        policy = REMAT_POLICIES[self.cfg.remat] if self.cfg.remat != "none" else None
-        return pipeline.circular(stage_fn, chunks, tokens, segment_ids, stages=stages, virtual=virtual_stages,
-                                 stage_axis=stage_axis, batch_axes=batch_axes, embed=embed, remat_policy=policy)
-
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection: x [batch, seq, embed] -> logits float32 [batch, seq, vocab]."""
         x = self.final_norm(x)
@@ -323,13 +273,6 @@ class Transformer(nnx.Module):
         zeros = jnp.zeros(shape, self.embed.dtype)
         zeros = with_logical_constraint(zeros, (None, *CACHE_AXES))
         return {"k": zeros, "v": zeros}
-
-
-def _to_mesh(logical: tuple) -> PartitionSpec:
-    """Logical axis names -> the mesh axes the current rules (nnx.logical_axis_rules) map them to."""
-    spec = nn_partitioning.logical_to_mesh_axes(logical)
-    assert spec is not None
-    return spec
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -28,10 +28,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import hardware
+from jaxtrain import hardware, log, rundir
 from jaxtrain.check import Measurement, node_name
-from jaxtrain.goodput import Goodput, last_logged_step
-from jaxtrain.metrics import log_info
+from jaxtrain.goodput import Goodput
+from jaxtrain.layout import compiled_need
+from jaxtrain.metrics import Throughput
 
 # Step times from 1 ms to 100 s.
 TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
@@ -164,9 +165,9 @@ class StragglerWatch:
         """This process's figures for a step, for metrics.jsonl: host work, data wait, device (when known)."""
         if step not in self.host:
             return {}
-        out = {"host_time": self.host[step], "data_wait": self.data[step]}
+        out = {"step_host_seconds": self.host[step], "data_wait_seconds": self.data[step]}
         if step in self.device:
-            out["device_time"] = self.device[step]
+            out["step_device_seconds"] = self.device[step]
         return out
 
     def maybe_exchange(self, step: int) -> None:
@@ -214,7 +215,7 @@ class StragglerWatch:
                        f"{self.ratio}), steps {p['first']}-{p['last']}: data wait {p['data'] * 1e3:.1f} ms, device "
                        f"{p['device'] * 1e3:.1f} ms; the job runs at its pace (median step {step_time * 1e3:.1f} ms)")
                 self.warnings.append(msg)
-                log_info(msg)
+                log.info(msg)
                 if self.metrics:
                     self.metrics.straggler_warnings.inc()
         return slow
@@ -259,7 +260,7 @@ class CollectiveProbe:
         self.source = f"hardware file {hw.name}" if hw else None
         self.warnings: list[str] = []
         if self.axes and hw is None:
-            log_info(f"collective probe: no hardware file matches {device_kind!r}; bandwidth is exported but not "
+            log.info(f"collective probe: no hardware file matches {device_kind!r}; bandwidth is exported but not "
                      "judged (set observe.hardware)")
 
     def _hosts_along(self, mesh, axis_index: int) -> list[str]:
@@ -293,7 +294,7 @@ class CollectiveProbe:
                        f" of the expected {expected / 1e9:.1f} GB/s ({self.source}); run `jaxtrain check` with this "
                        "config to find the slow link and exclude its host")
                 self.warnings.append(msg)
-                log_info(msg)
+                log.info(msg)
                 if self.metrics:
                     self.metrics.bandwidth_warnings.labels(**self.metrics.base, axis=axis).inc()
         return out
@@ -304,7 +305,7 @@ class Profiler:
     XProf, and Perfetto through the ``perfetto_trace.json.gz`` written beside the XSpace)."""
 
     def __init__(self, run_dir: str, o):
-        self.dir = os.path.join(run_dir, "profile", f"process_{jax.process_index()}")
+        self.dir = rundir.profile_dir(run_dir, jax.process_index())
         mine = o.profile_processes is None or jax.process_index() in o.profile_processes
         self.configured = tuple(o.profile_steps) if o.profile_steps and mine else None
         self.window = self.configured
@@ -322,7 +323,7 @@ class Profiler:
             return
         if self._signalled:
             self._signalled, self.window = False, (step, step + self.signal_steps - 1)
-            log_info(f"SIGUSR1: tracing steps {self.window[0]}-{self.window[1]}")
+            log.info(f"SIGUSR1: tracing steps {self.window[0]}-{self.window[1]}")
         if self.window and step == self.window[0]:
             os.makedirs(self.dir, exist_ok=True)
             # jax.profiler names a trace's directory after the second it is written in: a second trace written
@@ -345,7 +346,7 @@ class Profiler:
         done = self.window[1] if self.window is not None else 0
         self.window = self.configured if self.configured and self.configured[0] > done else None
         self.written.append(self.dir)
-        log_info(f"profile of {what} written to {self.dir}; view: tensorboard --logdir {os.path.dirname(self.dir)}"
+        log.info(f"profile of {what} written to {self.dir}; view: tensorboard --logdir {os.path.dirname(self.dir)}"
                  f" (profile tab), xprof --logdir {os.path.dirname(self.dir)}, or perfetto_trace.json.gz in "
                  "https://ui.perfetto.dev")
 
@@ -355,15 +356,6 @@ class Profiler:
             self._stop(f"steps {first}-{last_step} (the run ended inside the window)")
         if self._old is not None:
             signal.signal(signal.SIGUSR1, self._old)
-
-
-def _bytes_per_device(tree) -> int:
-    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (the largest shard, per leaf)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shard = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 def _size(n: float) -> str:
@@ -378,11 +370,10 @@ def is_out_of_memory(e: BaseException) -> bool:
 class Observer:
     """Everything the train loop reports to, for one invocation of ``train``; see the module docstring."""
 
-    def __init__(self, ts, run_dir: str, *, tokens_per_step: int, flops_per_step: float, peak: float | None):
-        cfg, o = ts.cfg, ts.cfg.observe
-        self.ts, self.run_dir, self.cfg = ts, run_dir, cfg
-        self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
-        self.goodput = Goodput(previous_last_step=last_logged_step(run_dir))
+    def __init__(self, layout, run_dir: str, throughput: Throughput):
+        cfg, o = layout.cfg, layout.cfg.observe
+        self.layout, self.run_dir, self.cfg, self.throughput = layout, run_dir, cfg, throughput
+        self.goodput = Goodput(previous_last_step=rundir.last_logged_step(run_dir))
         self.hosts = exchange_hosts()
         self.metrics = self.server = None
         if o.prometheus_port is not None:
@@ -392,14 +383,14 @@ class Observer:
             port = o.prometheus_port + self._port_offset(o.prometheus_port_offset) if o.prometheus_port else 0
             try:
                 self.server = self.metrics.serve(o.prometheus_address, port)
-                log_info(f"metrics: http://{o.prometheus_address}:{self.server.server_port}/metrics")
+                log.info(f"metrics: http://{o.prometheus_address}:{self.server.server_port}/metrics")
             except OSError as e:  # an observer must not stop a job that can train: say so and train on
-                log_info(f"WARNING: no metrics endpoint: cannot serve on {o.prometheus_address}:{port} ({e.strerror});"
+                log.info(f"WARNING: no metrics endpoint: cannot serve on {o.prometheus_address}:{port} ({e.strerror});"
                          " pick a free observe.prometheus_port (0: any)")
         self.stragglers = StragglerWatch(o.straggler_every, o.straggler_ratio, self.hosts, self.metrics)
         self.probe = None
         if o.collective_probe_every:
-            self.probe = CollectiveProbe(ts.mesh, ts.shape, cfg, self.hosts, self.metrics)
+            self.probe = CollectiveProbe(layout.mesh, layout.shape, cfg, self.hosts, self.metrics)
         self.profiler = Profiler(run_dir, o)
         self._save_started: float | None = None
         self._checkpointer = None
@@ -470,19 +461,20 @@ class Observer:
         m.set("step", step)
         m.step_seconds.observe(step_time)
         split = self.stragglers.split(step)
-        if "device_time" in split:
-            m.set("step_host_seconds", split["host_time"])
-            m.set("step_device_seconds", split["device_time"])
+        if "step_device_seconds" in split:
+            m.set("step_host_seconds", split["step_host_seconds"])
+            m.set("step_device_seconds", split["step_device_seconds"])
         m.set("loss", values["loss"])
         if values.get("nonfinite_steps"):  # the step was skipped (train_step's count of consecutive ones)
             m.nonfinite_steps.inc()
         if "grad_norm" in values:
             m.set("grad_norm", values["grad_norm"])
-        if "lr" in values:
-            m.set("learning_rate", values["lr"])
-        m.set("tokens_per_second", self.tokens_per_step / step_time)
-        if self.peak:
-            m.set("mfu_ratio", self.flops_per_step / step_time / self.ts.shape.num_devices / self.peak)
+        if "learning_rate" in values:
+            m.set("learning_rate", values["learning_rate"])
+        m.set("tokens_per_second", self.throughput.tokens_per_second(step_time))
+        mfu = self.throughput.mfu(step_time)
+        if mfu is not None:
+            m.set("mfu_ratio", mfu)
         if logged:  # the costlier reads, at the logging pace
             for d in jax.local_devices():
                 stats = d.memory_stats() or {}
@@ -494,7 +486,8 @@ class Observer:
                 m.goodput.labels(**m.base, category=category).set(fraction)
 
     def step_split(self, step: int) -> dict[str, float]:
-        """``host_time``, ``data_wait``, ``device_time`` (seconds) of a reported step on this process."""
+        """``step_host_seconds``, ``data_wait_seconds``, ``step_device_seconds`` of a reported step on this
+        process."""
         return self.stragglers.split(step)
 
     def evaluated(self, eval_loss: float) -> None:
@@ -507,18 +500,17 @@ class Observer:
         compiled figure). Returns the profile's path (None when ``e`` is not an out-of-memory error)."""
         if not is_out_of_memory(e):
             return None
-        path = os.path.join(self.run_dir, "logs", f"memory_process_{jax.process_index()}.prof")
+        path = rundir.memory_profile(self.run_dir, jax.process_index())
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(jax.profiler.device_memory_profile())
-        state = self.ts.abstract_state
-        split = {"parameters": _bytes_per_device(state["model"]),
-                 "optimizer": _bytes_per_device({k: v for k, v in state.items() if k != "model"})}
-        mem = compiled_step.memory_analysis() if compiled_step is not None else None
-        if mem is not None:
-            split["temporaries"] = mem.temp_size_in_bytes
-        log_info(f"out of device memory: memory profile written to {path} (view: pprof -http=: {path}); per "
-                 f"device on mesh {self.ts.shape.label}: " + ", ".join(f"{k} {_size(v)}" for k, v in split.items()))
+        params, opt = self.layout.state_bytes
+        split = {"parameters": params, "optimizer": opt}
+        need = compiled_need(compiled_step) if compiled_step is not None else None
+        if need is not None:
+            split["temporaries"] = need.temporaries
+        log.info(f"out of device memory: memory profile written to {path} (view: pprof -http=: {path}); per "
+                 f"device on mesh {self.layout.shape.label}: " + ", ".join(f"{k} {_size(v)}" for k, v in split.items()))
         return path
 
     def close(self) -> None:
@@ -533,12 +525,6 @@ class Observer:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
-
-
-def summary_fields(obs: Observer) -> dict[str, Any]:
-    """What the observer adds to ``summary.json``: ``goodput`` (category -> fraction of wall time)."""
-    return {"goodput": obs.goodput.summary(), "goodput_wall_seconds": sum(obs.goodput.totals().values()),
-            "recomputed_steps": obs.goodput.recomputed_steps}
 
 
 def _ones(count: int, index) -> np.ndarray:

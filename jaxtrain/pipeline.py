@@ -14,7 +14,8 @@ rematerialisation each iteration keeps only its stage inputs, one ``[microbatch,
 iteration: per device ``(M * virtual + stages - 1)`` microbatch activations, about ``virtual`` times the local
 batch, whatever M is. MaxText's circular pipeline is the model for this design.
 
-This module names no mesh axis: the caller passes the stage axis and the shardings.
+The schedule (:func:`circular`) names no mesh axis: the caller passes the stage axis and the shardings;
+:func:`pipelined_layers` runs a Transformer's layer stack through it with the facts of the run's layout.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
+
+from jaxtrain.mesh import without_axes
+from jaxtrain.model import REMAT_POLICIES
 
 
 def iterations(stages: int, microbatches: int, virtual: int = 1) -> int:
@@ -174,3 +179,45 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows),
                          out_specs=PartitionSpec(stage_axis, batch_axes or None),
                          axis_names=frozenset(stage_names + tuple(batch_axes)), check_vma=False)(chunks, x, side)
+
+
+def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, layout) -> jax.Array:
+    """A Transformer's embedding and layer stack over the pipeline stages: tokens int [M, microbatch, seq] -> the
+    hidden states its layers give each microbatch, [M, microbatch, seq, embed] with M split over the stages
+    (logical ``stage``). ``segment_ids`` int [M, microbatch, seq] or None. ``layout``: the run's
+    :class:`jaxtrain.layout.Layout` (stages, the stage and batch axes, the rules inside the loop).
+
+    The stack's parameters (logical ``layers`` split over stages) are gathered over the batch axes once per step
+    and their gradients summed over them once, as ``train.accumulate=unreduced`` does, not once per pipeline
+    iteration. The remat policy applies to each stage's chunk as a whole: a pass through a stage keeps its input
+    (and what the policy saves).
+    """
+    stages, virtual, stage_axis = layout.stages, layout.cfg.train.virtual_stages, layout.stage_axis
+    graphdef, stacked = nnx.split(model.blocks)
+
+    def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
+        # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual, stages,
+        # layers per chunk, ...], the batch axes dropped (gathered once, before the loop).
+        return PartitionSpec(None, stage_axis, None, *without_axes(PartitionSpec(*tuple(spec)[1:]), layout.batch_axes))
+
+    def arrange(a, spec):
+        return jax.lax.with_sharding_constraint(arrange_chunks(a, stages, virtual, stage_axis), chunk_spec(spec))
+
+    specs = nnx.get_partition_spec(stacked)
+    chunks = jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
+
+    # Inside the loop each device holds its own rows: the batch axes are the loop's, not the partitioner's.
+    def stage_fn(chunk, h, segments):
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, segments), None
+
+        with nnx.logical_axis_rules(layout.local_rules):
+            return jax.lax.scan(body, h, chunk)[0]
+
+    def embed(tokens):
+        with nnx.logical_axis_rules(layout.local_rules):
+            return model.embed_tokens(tokens)
+
+    policy = REMAT_POLICIES[model.cfg.remat] if model.cfg.remat != "none" else None
+    return circular(stage_fn, chunks, tokens, segment_ids, stages=stages, virtual=virtual, stage_axis=stage_axis,
+                    batch_axes=layout.batch_axes, embed=embed, remat_policy=policy)

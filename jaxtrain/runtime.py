@@ -8,7 +8,7 @@ import sys
 
 import jax
 
-from jaxtrain import distributed
+from jaxtrain import distributed, rundir
 from jaxtrain.config import Config
 from jaxtrain.mesh import cpu_devices_per_process
 
@@ -48,8 +48,8 @@ class _Tee:
 @contextlib.contextmanager
 def process_log(run_dir: str):
     """Copy this process's stdout and stderr (Python-level) into ``<run_dir>/logs/process_<i>.log``."""
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    path = os.path.join(run_dir, "logs", f"process_{jax.process_index()}.log")
+    path = rundir.process_log_path(run_dir, jax.process_index())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a", buffering=1) as f:
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(out, f), _Tee(err, f)
@@ -57,10 +57,3 @@ def process_log(run_dir: str):
             yield path
         finally:
             sys.stdout, sys.stderr = out, err
-
-
-def process_tag() -> str:
-    """"[process i/n] " in multi-process jobs, else ""."""
-    if "jax" in sys.modules and jax.distributed.is_initialized() and jax.process_count() > 1:
-        return f"[process {jax.process_index()}/{jax.process_count()}] "
-    return ""

@@ -17,10 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user mistake in the config or command line; reported as one line, exit status 2."""
-
+from jaxtrain.errors import ConfigError, one_line
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")  # package data
 
@@ -80,7 +77,7 @@ def load_yaml(path: str, what: str) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{what} {path!r} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path!r} is not valid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {one_line(e)}") from None
     except OSError as e:
         raise ConfigError(f"{what} {path!r} cannot be read: {e.strerror}") from None
     if loaded is None:
@@ -159,8 +156,3 @@ def coerce(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be a mapping, got {value!r}")
         return dict(value)
     raise TypeError(f"unsupported config type {tp} for {name}")  # a bug in the schema, not a user error
-
-
-def one_line(e: Exception) -> str:
-    """An exception's message on one line."""
-    return " ".join(str(e).split())

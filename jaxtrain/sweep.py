@@ -19,7 +19,6 @@ An experiment file (YAML, read by ``schema.load_typed`` into :class:`ExperimentF
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import shutil
@@ -31,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jaxtrain import rundir
 from jaxtrain.config import load_config
-from jaxtrain.schema import ConfigError, find_yaml, load_typed
+from jaxtrain.errors import ConfigError, one_line
+from jaxtrain.schema import find_yaml, load_typed
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
@@ -172,31 +173,12 @@ def train_command(exp: Experiment, run: RunSpec, run_dir: str) -> list[str]:
             *run.overrides]
 
 
-def read_metrics(run_dir: str) -> list[dict]:
-    """The records of a run's metrics.jsonl so far (a missing file is no records; a line being written is not
-    read yet)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
-
-
-def read_summary(run_dir: str) -> dict | None:
-    """The run's ``summary.json`` (``train.run_summary``), or None when the run wrote none (it failed early)."""
-    path = os.path.join(run_dir, "summary.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def measurements(summary: dict) -> dict:
+def measurements(summary: rundir.Summary) -> dict:
     """Record fields from a run's summary.json: compile time, median step time, tokens/s, final loss, steps
     timed, the process's peak resident memory."""
-    return {"compile_s": summary["compile_seconds"], "median_step_s": summary["step_seconds"]["median"],
-            "tokens_per_s": summary["tokens_per_sec"], "final_loss": summary["final_loss"],
-            "steps_measured": summary["steps_timed"], "peak_rss_bytes": summary["host_peak_rss_bytes"]}
+    return {"compile_s": summary.compile_seconds, "median_step_s": summary.step_seconds["median"],
+            "tokens_per_s": summary.tokens_per_second, "final_loss": summary.final_loss,
+            "steps_measured": summary.steps_timed, "peak_rss_bytes": summary.host_peak_rss_bytes}
 
 
 def last_error_line(stderr: str) -> str:
@@ -223,7 +205,7 @@ def run_training(cmd: list[str], run_dir: str,
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            records = read_metrics(run_dir)
+            records = rundir.read_metrics(run_dir)
             if len(records) != seen:
                 seen = len(records)
                 progress(records[-1]["step"], records[-1].get("loss"))
@@ -321,7 +303,7 @@ def _predict_into(rec: Record, predictor: Predictor, cfg) -> None:
         rec.prediction_error = str(e)
         return
     except Exception as e:  # the planner failing on one shape must not stop the sweep
-        rec.prediction_error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        rec.prediction_error = f"{type(e).__name__}: {one_line(e, 300)}"
         return
     rec.predicted_step_s = p["est_step_seconds"]
     rec.predicted_step_overlap_s = p["est_step_seconds_overlap"]
@@ -349,7 +331,7 @@ def _measure_into(rec: Record, exp: Experiment, run: RunSpec, cfg, head: str, lo
     rec.wall_s, rec.peak_rss_bytes = wall, rss  # the child's peak RSS, also when it wrote no summary
     if status != 0:
         rec.status, rec.error = "failed", f"exit {status}: {last_error_line(stderr)}"
-    summary = read_summary(run_dir)
+    summary = rundir.read_summary(run_dir)
     if summary is not None:
         for k, v in measurements(summary).items():
             setattr(rec, k, v)

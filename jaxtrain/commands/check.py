@@ -20,10 +20,10 @@ def run(args) -> int:
     cfg = start(args)
     import jax
 
-    from jaxtrain import check, runtime
+    from jaxtrain import check, log
 
     failures = check.run(cfg)
-    tag = runtime.process_tag()
+    tag = log.process_tag()
     for failure in failures:
         print(f"check failed: {tag}{failure}", file=sys.stderr)
     passed, failed = check.verdict(failures)  # every process agrees; process 0 says it

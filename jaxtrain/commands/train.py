@@ -11,7 +11,7 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = start(args)
-    from jaxtrain import train
+    from jaxtrain import loop
 
-    train.train(cfg)
+    loop.train(cfg)
     return 0

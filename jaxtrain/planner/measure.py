@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxtrain import hardware
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 
 # ASSUMPTION for the CPU at hand, like the GPU files' compute_efficiency: the fraction of the best measured matmul

@@ -1,4 +1,4 @@
-"""Candidate meshes, pruning, and compiling the real train step for each (``jaxtrain.train.setup``).
+"""Candidate meshes, pruning, and compiling the real train step for each (``jaxtrain.step.setup``).
 
 A compiled program depends only on the axis sizes (data, stage, fsdp, tensor); how each axis splits into intra-node
 (ici) and inter-node (dcn) parts only changes which physical devices its logical ids are, so it is compiled once per
@@ -12,10 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-
 from jaxtrain import pipeline
-from jaxtrain.config import MESH_AXES, Config, ConfigError
+from jaxtrain.config import MESH_AXES, Config
+from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 from jaxtrain.planner.collectives import KINDS, Collective
@@ -125,60 +124,35 @@ class Compiled:
     compile_s: float
 
 
-def state_bytes(ts) -> tuple[int, int]:
-    """Per-device bytes of the parameter shards and of the optimizer-state shards (largest shard per leaf) of a
-    ``train.TrainSetup``."""
-    import jax
-
-    params = opt = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(ts.abstract_state)[0]:
-        shard = leaf.sharding.shard_shape(leaf.shape)
-        size = math.prod(shard) * np.dtype(leaf.dtype).itemsize
-        if jax.tree_util.keystr(path).startswith("['model']"):
-            params += size
-        else:
-            opt += size
-    return params, opt
-
-
-def param_axes(ts) -> frozenset[str]:
-    """The mesh axes that some parameter is sharded over (from the abstract state's shardings)."""
-    import jax
-
-    axes: set[str] = set()
-    for leaf in jax.tree.leaves(ts.abstract_state["model"]):
-        for entry in leaf.sharding.spec:
-            axes.update(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
-    return frozenset(axes)
-
-
-def _setup(cfg: Config, shape: MeshShape, devices: list):
-    from jaxtrain.train import setup
+def _step(cfg: Config, shape: MeshShape, devices: list):
+    from jaxtrain.step import setup
 
     return setup(shape.apply(cfg), devices[:shape.num_devices])
 
 
-def compile_train_step(ts):
-    """The train step of a ``TrainSetup`` compiled ahead of time from abstract shapes (nothing allocated), and the
+def compile_train_step(step):
+    """The train step of a ``step.Step`` compiled ahead of time from abstract shapes (nothing allocated), and the
     seconds it took; without the eval step, which the plan does not need (about a fifth of the compile time)."""
-    compiled, _, seconds = ts.compile(ts.abstract_state, with_eval=False)
+    compiled, _, seconds = step.compile(with_eval=False)
     return compiled, seconds
 
 
 def compile_step(cfg: Config, shape: MeshShape, devices: list) -> Compiled:
     """Lower and compile the real train step for ``shape`` from abstract shapes (nothing is allocated)."""
-    return _compile(_setup(cfg, shape, devices))
+    return _compile(_step(cfg, shape, devices))
 
 
-def _compile(ts) -> Compiled:
-    params, opt = state_bytes(ts)
-    train, seconds = compile_train_step(ts)
-    mem, text = train.memory_analysis(), train.as_text()
-    if mem is None or text is None:  # a backend without them cannot be planned on
+def _compile(step) -> Compiled:
+    from jaxtrain.layout import compiled_need
+
+    layout = step.layout
+    params, opt = layout.state_bytes
+    train, seconds = compile_train_step(step)
+    need, text = compiled_need(train), train.as_text()
+    if need is None or text is None:  # a backend without them cannot be planned on
         raise RuntimeError("the compiled step offers no memory analysis or HLO text on this backend")
-    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    colls, unknown = collectives(text, tuple(ts.shape.axis_sizes.values()), param_axes(ts))
-    return Compiled(params, opt, mem.temp_size_in_bytes, total, colls, unknown, seconds)
+    colls, unknown = collectives(text, tuple(layout.shape.axis_sizes.values()), layout.param_axes)
+    return Compiled(params, opt, need.temporaries, need.total, colls, unknown, seconds)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,8 +214,8 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
         by_sizes.setdefault(tuple(s.axis_sizes.values()), []).append(s)
     results, pruned = [], []
     for i, group in enumerate(by_sizes.values(), 1):
-        ts = _setup(cfg, group[0], devices)
-        params, opt = state_bytes(ts)
+        step = _step(cfg, group[0], devices)
+        params, opt = step.layout.state_bytes
         if params + opt > hw.usable_bytes:
             for s in group:
                 pruned.append({"mesh": s.as_dict(), "label": s.label, "state_bytes_per_device": params + opt,
@@ -250,7 +224,7 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
             progress(f"[{i}/{len(by_sizes)}] {group[0].label}: pruned, state alone does not fit")
             continue
         t0 = time.perf_counter()
-        comp = _compile(ts)
+        comp = _compile(step)
         sizes_text = " ".join(f"{ax}={n}" for ax, n in group[0].axis_sizes.items())
         progress(f"[{i}/{len(by_sizes)}] {sizes_text}: compiled in {time.perf_counter() - t0:.1f} s")
         results += [candidate_result(cfg, s, hw, comp) for s in group]

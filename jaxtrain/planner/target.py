@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass
 
 from jaxtrain import hardware
-from jaxtrain.config import Config, ConfigError, resolve_auto, validate
+from jaxtrain.config import Config, resolve_auto, validate
+from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 

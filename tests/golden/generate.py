@@ -146,9 +146,9 @@ def main(names: list[str]) -> None:
         full = ["runtime.cpu_devices=8", *FAST, *overrides]
         cfg = load_config(None, full)
         shape = MeshShape.resolve(cfg.mesh, 8)
-        ts = search._setup(cfg, shape, jax.devices())
-        compiled, _ = search.compile_train_step(ts)
-        sizes, axes = tuple(shape.axis_sizes.values()), search.param_axes(ts)
+        step = search._step(cfg, shape, jax.devices())
+        compiled, _ = search.compile_train_step(step)
+        sizes, axes = tuple(shape.axis_sizes.values()), step.layout.param_axes
         text = trim(compiled.as_text(), sizes, axes)
         path = os.path.join(HERE, f"{name}.hlo.txt")
         with open(path, "w") as f:

@@ -1,0 +1,240 @@
+"""The layout: one config laid out on one set of devices, and every fact derived from that pairing.
+
+A :class:`Layout` is built once per run (``Layout.build``) from the config and the devices. It resolves the
+config's ``auto`` choices for the platform, builds the mesh, maps the logical rules, and derives what the rest of
+jaxtrain would otherwise work out again: the batch axes and the data-parallel size, the pipeline stages, the rows
+per microbatch and per data-parallel group, the rules inside manual (per-device) regions, the abstract train state
+with its shardings, the state's bytes per device and the memory a compiled step needs. The step, the loop, the
+planner, convert/generate, guards and observe take these facts from here; none derives them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxtrain.config import Config, batch_mesh_axes, resolve_auto
+from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
+from jaxtrain.model import Transformer
+from jaxtrain.state import TrainState, make_optimizer
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """What a compiled step needs per device, in bytes (from XLA's memory analysis)."""
+
+    total: int  # arguments + temporaries + outputs, less the outputs aliased to donated arguments
+    arguments: int  # state and batch
+    temporaries: int
+
+
+def compiled_need(compiled) -> MemoryNeed | None:
+    """The memory a compiled (ahead-of-time) function needs per device; None where the backend gives no analysis.
+    Donated arguments are reused for the outputs aliased to them, so those are not counted twice."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return None
+    args, temp = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    return MemoryNeed(args + temp + mem.output_size_in_bytes - mem.alias_size_in_bytes, args, temp)
+
+
+def bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of arrays or ShapeDtypeStructs (with shardings: the largest shard of each
+    leaf; without: the whole leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shard = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: jit keys on its bound methods
+class Layout:
+    """One config on one mesh. Build with :meth:`build`; immutable afterwards."""
+
+    cfg: Config  # resolved for the platform: no "auto" left (config.resolve_auto)
+    mesh: Mesh
+    shape: MeshShape
+    rules: Rules  # logical axis -> mesh axes, Flax's tuple form
+    graphdef: Any  # the train state's graph structure (nnx.split)
+    abstract_state: Any  # ShapeDtypeStructs with their target shardings: restore targets, compiling, planning
+    state_sharding: Any  # NamedShardings of the train state
+
+    @classmethod
+    def build(cls, cfg: Config, devices: list | None = None) -> Layout:
+        """Resolve ``cfg`` for the devices' platform, build the mesh and the abstract, sharded train state; raises
+        ConfigError for a mesh that does not fit the devices, the model or the batch."""
+        devices = list(jax.devices()) if devices is None else list(devices)
+        cfg = resolve_auto(cfg, devices[0].platform)
+        mesh, shape = build_mesh(cfg, devices)
+        rules = rules_from_config(cfg.mesh.rules)
+        interpret = devices[0].platform == "cpu"
+        tx, _ = make_optimizer(cfg.train)
+        with _scope(mesh, rules):
+            abstract = nnx.eval_shape(
+                lambda: TrainState(Transformer(cfg.model, rngs=nnx.Rngs(0), interpret_kernels=interpret), tx))
+            graphdef, abstract_state = nnx.split(abstract)
+            state_sharding = nnx.get_named_sharding(abstract_state, mesh)
+            abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                          abstract_state, state_sharding)
+        return cls(cfg, mesh, shape, rules, graphdef, abstract_state, state_sharding)
+
+    def replace(self, devices: list | None = None, **changes) -> Layout:
+        """The layout of this config with sections replaced (``train=...``), on the same devices by default."""
+        return Layout.build(dataclasses.replace(self.cfg, **changes),
+                            list(self.mesh.devices.flat) if devices is None else devices)
+
+    # -- the devices -----------------------------------------------------------------------------------------------
+
+    @property
+    def platform(self) -> str:
+        return self.mesh.devices.flat[0].platform
+
+    @property
+    def num_devices(self) -> int:
+        return self.shape.num_devices
+
+    @property
+    def interpret_kernels(self) -> bool:
+        """Run the flash kernels in Pallas' interpreter: the devices are CPUs."""
+        return self.platform == "cpu"
+
+    def scope(self):
+        """The mesh and logical-rule context that tracing the model needs."""
+        return _scope(self.mesh, self.rules)
+
+    # -- parallel facts ----------------------------------------------------------------------------------------------
+
+    @functools.cached_property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over (``mesh.rules.batch``), e.g. ``("data", "fsdp")``."""
+        return batch_mesh_axes(self.cfg.mesh.rules)
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel size: the product of the batch axes' sizes (groups of devices holding distinct rows)."""
+        return math.prod(self.shape.axis_sizes[a] for a in self.batch_axes)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the mesh's stage axis size (1: no pipeline)."""
+        return self.shape.axis_sizes["stage"]
+
+    @property
+    def stage_axis(self) -> str:
+        """The mesh axis the layer stack and the pipeline's buffers are split over (``mesh.rules.stage``)."""
+        axis = dict(self.rules)["stage"]
+        assert isinstance(axis, str)  # config validation: mesh.rules.stage is "stage" whenever stages > 1
+        return axis
+
+    @property
+    def microbatches(self) -> int:
+        return self.cfg.train.microbatches
+
+    @property
+    def rows_per_microbatch(self) -> int:
+        """Sequences in one microbatch of the global batch."""
+        return self.cfg.train.global_batch // self.microbatches
+
+    @property
+    def rows_per_group(self) -> int:
+        """Sequences of one microbatch that one data-parallel group holds."""
+        return self.rows_per_microbatch // self.data_parallel
+
+    @functools.cached_property
+    def local_rules(self) -> Rules:
+        """The rules inside a region where each device (group) holds its own rows (a vmap over the batch axes, or
+        shard_map's manual batch axes): ``batch`` maps to nothing there, since those axes already split it."""
+        return tuple((name, None if name == "batch" else target) for name, target in self.rules)
+
+    # -- the batch -----------------------------------------------------------------------------------------------
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        """The global batch: int32 [global_batch, seq_len + 1] (logical: batch, act_seq), targets included."""
+        return self.cfg.train.global_batch, self.cfg.data.seq_len + 1
+
+    @functools.cached_property
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec(dict(self.rules)["batch"], None))
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+
+    def local_rows(self) -> tuple[int, int]:
+        """The rows [lo, hi) of the global batch that this process's devices hold."""
+        starts, stops = set(), set()
+        for idx in self.batch_sharding.addressable_devices_indices_map(self.batch_shape).values():
+            assert idx is not None  # every addressable device holds a block of the batch
+            rows = idx[0]
+            starts.add(rows.start or 0)
+            stops.add(self.batch_shape[0] if rows.stop is None else rows.stop)
+        return min(starts), max(stops)
+
+    def to_device(self, local: np.ndarray) -> jax.Array:
+        """This process's rows -> the global batch array int32 [global_batch, seq_len + 1]."""
+        return jax.make_array_from_process_local_data(self.batch_sharding, local, self.batch_shape)
+
+    # -- the state -------------------------------------------------------------------------------------------------
+
+    def new_state(self, seed: int) -> TrainState:
+        """A fresh train state (call inside :meth:`scope`, under jit, to create it in its shards)."""
+        tx, _ = make_optimizer(self.cfg.train)
+        return TrainState(Transformer(self.cfg.model, rngs=nnx.Rngs(seed), interpret_kernels=self.interpret_kernels),
+                          tx)
+
+    def init_state(self):
+        """Fresh parameters (from train.seed) and optimizer state, created directly in their shards."""
+        with self.scope():
+            return jax.jit(lambda: nnx.state(self.new_state(self.cfg.train.seed)),
+                           out_shardings=self.state_sharding)()
+
+    @property
+    def abstract_params(self) -> Any:
+        """The model's part of the abstract state (what a parameters-only restore reads)."""
+        return self.abstract_state["model"]
+
+    def model_graphdef(self) -> Any:
+        """The model's graph structure alone (for ``nnx.merge`` with parameters)."""
+        with self.scope():
+            return nnx.graphdef(nnx.eval_shape(lambda: Transformer(
+                self.cfg.model, rngs=nnx.Rngs(0), interpret_kernels=self.interpret_kernels)))
+
+    @functools.cached_property
+    def state_bytes(self) -> tuple[int, int]:
+        """Per-device bytes of (the parameter shards, the optimizer-state shards)."""
+        params = bytes_per_device(self.abstract_state["model"])
+        return params, bytes_per_device(self.abstract_state) - params
+
+    @functools.cached_property
+    def param_axes(self) -> frozenset[str]:
+        """The mesh axes that some parameter is sharded over."""
+        axes: set[str] = set()
+        for leaf in jax.tree.leaves(self.abstract_params):
+            for entry in leaf.sharding.spec:
+                axes.update(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a)
+        return frozenset(axes)
+
+    def effective_config(self) -> Config:
+        """The config as this run executes it: "auto" resolved, the mesh pinned (no -1), devices per process on
+        CPU."""
+        cfg = self.shape.apply(self.cfg)
+        cpu = self.platform == "cpu"
+        return dataclasses.replace(cfg, runtime=dataclasses.replace(
+            cfg.runtime, cpu_devices=self.num_devices // jax.process_count() if cpu else None))
+
+
+@contextlib.contextmanager
+def _scope(mesh: Mesh, rules: Rules):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        yield

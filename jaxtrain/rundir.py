@@ -1,0 +1,263 @@
+"""The run directory: what a run writes where, the lock that gives one job a directory, and the readers and
+writers of the files that other commands read back (``metrics.jsonl``, ``summary.json``).
+
+Layout of ``run.dir`` (every module takes these names from here)::
+
+    config.yaml       the effective config (written by a run that trains)
+    summary.json      what the run measured (:class:`Summary`)
+    metrics.jsonl     one JSON record per logged step (:func:`read_metrics`)
+    tb/               TensorBoard event files
+    checkpoints/      Orbax checkpoints (unless checkpoint.dir says otherwise)
+    logs/             process_<i>.log, memory_process_<i>.prof
+    profile/          jax.profiler traces, process_<i>/
+    .jaxtrain.lock    held by process 0 while a job runs
+
+``RunLock``: an advisory ``flock`` on ``<run.dir>/.jaxtrain.lock`` (host, process id and start time inside), held
+by process 0 for the whole job. The kernel drops it when its holder exits, however it exits (SIGKILL included), so
+a lock file left behind by a dead process is simply taken over, with a warning naming it. On a shared file system
+the lock protects across machines only where ``flock`` does: NFS (Linux maps it onto NFS byte-range locks; a
+crashed client's lock lapses when the server's lease ends, about 90 s on NFSv4), Lustre mounted with ``-o flock``
+(with ``localflock`` or neither it protects one node only, or fails: then jaxtrain warns and runs unlocked), GPFS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jaxtrain import log
+from jaxtrain.errors import ConfigError
+
+CONFIG = "config.yaml"
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tb"
+CHECKPOINTS = "checkpoints"
+LOGS = "logs"
+PROFILE = "profile"
+LOCK = ".jaxtrain.lock"
+
+
+def path(run_dir: str, *parts: str) -> str:
+    """``run_dir/parts...``, e.g. ``path(run_dir, METRICS)``."""
+    return os.path.join(run_dir, *parts)
+
+
+def process_log_path(run_dir: str, process: int) -> str:
+    """``logs/process_<i>.log``: a process's own output."""
+    return os.path.join(run_dir, LOGS, f"process_{process}.log")
+
+
+def memory_profile(run_dir: str, process: int) -> str:
+    """``logs/memory_process_<i>.prof``: the device memory profile written on an out-of-memory error."""
+    return os.path.join(run_dir, LOGS, f"memory_process_{process}.prof")
+
+
+def profile_dir(run_dir: str, process: int) -> str:
+    """``profile/process_<i>``: a process's jax.profiler traces."""
+    return os.path.join(run_dir, PROFILE, f"process_{process}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# metrics.jsonl: one error policy for every reader. A complete line (ending in a newline) that is not a JSON object
+# with an integer "step" was cut short by a kill mid-write and is skipped; a last line without its newline is still
+# being written (or was cut short) and is not read.
+
+
+def _record(line: str) -> dict | None:
+    if not line.endswith("\n"):
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The readable records of ``run_dir/metrics.jsonl``, in file order (none when there is no file)."""
+    file = path(run_dir, METRICS)
+    if not os.path.isfile(file):
+        return []
+    with open(file, encoding="utf-8", errors="replace") as f:
+        return [r for r in map(_record, f) if r is not None]
+
+
+def last_logged_step(run_dir: str) -> int:
+    """The highest step in ``run_dir/metrics.jsonl`` (0 when none)."""
+    return max((r["step"] for r in read_metrics(run_dir)), default=0)
+
+
+def truncate_metrics(run_dir: str, last_step: int) -> None:
+    """Keep only the readable records of steps <= ``last_step``, atomically (a resumed run logs later steps again)."""
+    file = path(run_dir, METRICS)
+    if not os.path.isfile(file):  # also with last_step 0: a run killed before its first checkpoint starts over
+        return
+    kept = [json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= last_step]
+    tmp = file + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, file)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# summary.json
+
+
+@dataclass
+class Summary:
+    """``run.dir/summary.json``: what one invocation of ``train`` measured (``sweep`` and benchmarks read it)."""
+
+    mesh: dict  # MeshShape.as_dict()
+    devices: int
+    processes: int
+    start_step: int  # the step restored from a checkpoint (0: fresh)
+    last_step: int
+    steps_timed: int
+    compile_seconds: float
+    step_seconds: dict  # median, p10, p90, max
+    tokens_per_second: float  # at the median step time
+    mfu: float | None  # model FLOPs utilisation at the median step time; None without the device's peak rate
+    final_loss: float
+    final_eval_loss: float | None
+    compiled_memory_bytes_per_device: dict | None  # the compiled step's arguments, temporaries, outputs
+    device_peak_bytes: int | None  # the allocator's peak where the backend reports it (GPU)
+    host_peak_rss_bytes: int
+    preempted_at: int | None
+    goodput: dict  # category -> fraction of this invocation's wall time
+    goodput_wall_seconds: float
+    recomputed_steps: int
+
+    def write(self, run_dir: str) -> None:
+        with open(path(run_dir, SUMMARY), "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+
+def read_summary(run_dir: str) -> Summary | None:
+    """The run's summary, or None when it wrote none (it failed before its end, or trained nothing)."""
+    file = path(run_dir, SUMMARY)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        raw: dict[str, Any] = json.load(f)
+    names = {f.name for f in dataclasses.fields(Summary)}
+    return Summary(**{k: v for k, v in raw.items() if k in names})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The lock
+
+
+class RunLock:
+    """``with RunLock(run_dir):`` the job owns ``run_dir``; a second job on it raises ConfigError naming the holder.
+
+    Only process 0 locks (one lock per job); the others learn its outcome. A directory created only to hold the
+    lock is removed again when the lock is released with nothing else in it, so a job that stops on bad input leaves
+    no trace.
+    """
+
+    def __init__(self, run_dir: str):
+        self.run_dir = os.path.abspath(run_dir)
+        self.path = os.path.join(self.run_dir, LOCK)
+        self._fd: int | None = None
+        self._created: list[str] = []  # directories made for the lock, innermost first
+
+    def __enter__(self) -> RunLock:
+        import jax
+
+        error = None
+        if jax.process_index() == 0:
+            try:
+                error = self._acquire()
+            except ConfigError as e:  # reported after the others have heard of it, so that none of them waits
+                error = e
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+            if not ok and error is None:
+                error = ConfigError(f"process 0 could not lock run.dir {self.run_dir} (its error says why)")
+        if error is not None:
+            raise error
+        return self
+
+    def _acquire(self) -> ConfigError | None:
+        self._make_dirs()
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read(fd) or "a process that is starting (no details written yet)"
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    self._remove_dirs()
+                    return ConfigError(f"run.dir {self.run_dir} is in use by another job ({holder.strip()}); wait "
+                                       "for it to end, or use another run.dir")
+                log.info(f"warning: cannot lock {self.path} ({e.strerror}: the file system does not support flock); "
+                         "running without protection against a second job on this run.dir")
+                return None
+            # The previous holder may have unlinked the file between our open and our lock: lock the current file.
+            try:
+                current = os.stat(self.path)
+            except FileNotFoundError:
+                current = None
+            mine = os.fstat(fd)
+            if current is not None and (current.st_ino, current.st_dev) == (mine.st_ino, mine.st_dev):
+                break
+            os.close(fd)
+        previous = _read(fd).strip()
+        if previous:
+            log.info(f"warning: took over the lock of a job that ended without releasing it ({previous})")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return None
+
+    def _make_dirs(self) -> None:
+        missing, d = [], self.run_dir
+        while not os.path.isdir(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"run.dir {self.run_dir!r} cannot be created: {e.strerror}") from None
+        self._created = missing
+
+    def _remove_dirs(self) -> None:
+        for d in self._created:  # innermost first; only if nothing else was put there
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        self._created = []
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is None:
+            return
+        # Unlink before unlocking: a waiting job then locks a fresh file (the inode check in _acquire).
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        self._remove_dirs()
+
+
+def _read(fd: int) -> str:
+    try:
+        return os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    except OSError:
+        return ""
