@@ -34,7 +34,7 @@ Algorithm (FlashAttention-2):
 GPU lowering: Pallas' Triton backend, selected with ``jax.experimental.pallas.triton.CompilerParams``: the one
 ``pl.pallas_call`` lowering that jax 0.10.2 (CI) and 0.11.2 (the GPU machine, which removed Mosaic GPU from
 ``pl.pallas_call``) both accept, and one that lowers without a GPU (``lowering_platforms=("cuda",)``; see
-``kernels.compile_check``). jax 0.11 deprecates it (0.12 still has it); ``backend=`` is the switch for another
+``tools/compile_check.py``). jax 0.11 deprecates it (0.12 still has it); ``backend=`` is the switch for another
 lowering ("mosaic_gpu" is refused with the reason) and ``impl="triton"`` (official Triton + jax-triton, the road
 JAX's note recommends) keeps the same contract.
 """

@@ -24,8 +24,8 @@ class Launch:
     num_stages: int
 
 
-# Defaults for an H100/H200 (sm_90a), per kernel, dtype width and head dim. Chosen with `python -m
-# kernels.compile_check`: the largest tiles and most stages that fit Hopper's 227 KiB of shared memory and compile
+# Defaults for an H100/H200 (sm_90a), per kernel, dtype width and head dim. Chosen with `python
+# tools/compile_check.py`: the largest tiles and most stages that fit Hopper's 227 KiB of shared memory and compile
 # without register spills (no GPU timing yet; see README "Attention kernels"). 16-bit kernels run on wgmma;
 # float32 ones are exact float32 FMA loops (no tensor cores), so they get small tiles: they are for checking, not
 # for speed.

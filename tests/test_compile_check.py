@@ -1,4 +1,4 @@
-"""The offline sm_90a compile check (python -m kernels.compile_check).
+"""The offline sm_90a compile check (python tools/compile_check.py).
 
 The check needs Python 3.12 with the `compile-check` extra (jax 0.11.2, triton 3.6, jax-triton 0.3.1), which is
 not the test environment's Python: the tests that compile run it in the interpreter named by
@@ -24,8 +24,8 @@ needs_toolchain = pytest.mark.skipif(
 
 def run_check(python, *args, timeout=900):
     env = dict(os.environ, TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", "/tmp/jaxtrain-triton-cache"))
-    return subprocess.run([python, "-m", "kernels.compile_check", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run([python, os.path.join("tools", "compile_check.py"), *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,6 +1,7 @@
 """Offline compile check of the flash kernels for Hopper (sm_90a), on a machine without a GPU.
 
-``python -m kernels.compile_check [--json] [--subset full|ci] [--impl pallas,triton] [--jobs N]``
+``python tools/compile_check.py [--json] [--subset full|ci] [--impl pallas,triton] [--jobs N]`` (from the repository
+root or anywhere: it imports ``kernels`` from the checkout it sits in)
 
 Needs the ``compile-check`` extra on Python 3.12 (``pip install -e '.[compile-check]'``: jax 0.11.2, triton 3.6,
 jax-triton 0.3.1, the GPU machine's versions). For every configuration (impl x dtype x head_dim x causal x segments,
@@ -14,7 +15,7 @@ the launch:
 * ``impl="triton"``: jax-triton's own lowering compiles the Triton-language kernels to PTX (the real code path).
   Its launch objects (``jaxlib.gpu_triton``: TritonKernel, TritonKernelCall, ...) are C++ classes that need a
   GPU, so this process replaces that module with recording stubs; nothing is launched. The stubs exist only in
-  this process (``python -m kernels.compile_check``), never when the kernels are used.
+  this process (``python tools/compile_check.py``), never when the kernels are used.
 
 Each kernel's PTX then goes through the ``ptxas`` bundled in the Triton wheel (``-arch=sm_90a -v``). One row per
 kernel: tiles, warps, stages, registers, spill bytes, shared memory, number of ``wgmma.mma_async``, ``mma.sync``,
@@ -40,6 +41,12 @@ import tempfile
 import time
 import types
 import warnings
+
+# Run as a script, Python puts tools/ first on sys.path, not the repository root: put the root there so that
+# `kernels` is this checkout's (the spawned worker processes inherit sys.path), not another installed copy.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 SMEM_LIMIT = 227 * 1024  # sm_90 maximum dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 DTYPES = ("bfloat16", "float16", "float32")
@@ -372,7 +379,7 @@ def markdown_table(rows) -> str:
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/compile_check.py", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--subset", default="full", help="full (every configuration) or ci (a covering subset)")
     parser.add_argument("--impl", default=",".join(IMPLS), help="comma-separated: pallas, triton")
