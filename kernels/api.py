@@ -78,9 +78,9 @@ def validate(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, impl="pal
 
 
 def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segments: bool = False,
-                impl: str = "pallas", **block_sizes) -> dict:
-    """How each kernel of a call would be launched: {"fwd" | "dq" | "dkdv": {block_m, block_n, num_warps,
-    num_stages}} (block_m: query tile, block_n: key tile), for q_shape [batch, seq, heads, head_dim]."""
+                    impl: str = "pallas", **block_sizes) -> dict:
+    """How each kernel of a call would be launched: {"fwd" | "dq" | "dkdv": {block_q, block_k, num_warps,
+    num_stages}} (block_q: query tile, block_k: key tile), for q_shape [batch, seq, heads, head_dim]."""
     if impl == "pallas":
         cfg = flash_pallas.plan(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
                                 block_sizes=block_sizes, kv_heads=kv_heads)
@@ -110,11 +110,10 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale:
       interpret: run the Pallas kernels in the Pallas interpreter (CPU; slow, for testing).
       backend: GPU lowering of the Pallas kernels; "triton" is the one implemented.
       **block_sizes: overrides of the per-kernel tiles and launch parameters (defaults by dtype and head_dim in
-        ``kernels.tiling``). impl="pallas": block_q, block_k (forward), block_q_bwd, block_k_bwd (both backward
-        kernels), block_q_dq, block_k_dq, block_q_dkdv, block_k_dkdv, num_warps, num_stages, dkdv_splits.
-        impl="triton":
-        block_m, block_n, block_m_bwd, block_n_bwd, block_m_dq, block_n_dq, block_m_dkdv, block_n_dkdv,
-        num_warps, num_stages, dkdv_splits. Tiles are powers of two >= 16 and are clamped to the sequence.
+        ``kernels.tiling``), the same names for both impls: block_q (query tile), block_k (key tile) of the
+        forward kernel; block_q_bwd, block_k_bwd (both backward kernels); block_q_dq, block_k_dq, block_q_dkdv,
+        block_k_dkdv (one of them); num_warps, num_stages, dkdv_splits. Tiles are powers of two >= 16 and are
+        clamped to the sequence.
 
     Returns:
       [batch, seq, heads, head_dim] in q's dtype. Softmax statistics and accumulators are float32. Under

@@ -220,12 +220,12 @@ def tile_skip_report(seq: int, head_dims=(64, 128)) -> list[dict]:
     for d in head_dims:
         for kind in tiling.KINDS:
             launch = tiling.default_launch(kind, jnp.bfloat16, d)
-            computed, causal_tiles, all_tiles = tiling.tiles_computed(segments, launch.block_m, launch.block_n,
+            computed, causal_tiles, all_tiles = tiling.tiles_computed(segments, launch.block_q, launch.block_k,
                                                                       causal=True)
-            rows.append(dict(head_dim=d, kernel=kind, tiles=f"{launch.block_m}x{launch.block_n}",
+            rows.append(dict(head_dim=d, kernel=kind, tiles=f"{launch.block_q}x{launch.block_k}",
                              computed=computed, causal_tiles=causal_tiles,
                              fraction_of_causal=computed / causal_tiles, fraction_of_all=computed / all_tiles))
-            print(f"  d={d:<4} {kind:<5} tiles {launch.block_m}x{launch.block_n}: {computed} of {causal_tiles} "
+            print(f"  d={d:<4} {kind:<5} tiles {launch.block_q}x{launch.block_k}: {computed} of {causal_tiles} "
                   f"causal tiles computed ({100 * computed / causal_tiles:.1f}%; {100 * computed / all_tiles:.1f}% "
                   "of all tiles)")
     return rows

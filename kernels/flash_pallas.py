@@ -219,7 +219,7 @@ def _fwd_kernel(*refs, cfg: _Config):
     else:
         q_ref, k_ref, v_ref, o_ref, lse_ref = refs
         bounds_ref = seg_q_ref = seg_k_ref = None
-    block_q, block_k = cfg.fwd.block_m, cfg.fwd.block_n
+    block_q, block_k = cfg.fwd.block_q, cfg.fwd.block_k
     head_dim = q_ref.shape[-1]
     i = _tile_index(cfg, pl.program_id(0), cfg.padded_len // block_q)
     q = q_ref[...]  # [bq, D]; stays resident for the whole kv loop
@@ -263,15 +263,15 @@ def _fwd_kernel(*refs, cfg: _Config):
 def _tile_ranges(seg, cfg: _Config, launch: Launch, kv_major: bool):
     """Document-mask ranges for one kernel: [B, tiles, 2] in units of the tiles its loop walks."""
     if kv_major:
-        return segment_tile_ranges(seg, launch.block_n, launch.block_m)
-    return segment_tile_ranges(seg, launch.block_m, launch.block_n)
+        return segment_tile_ranges(seg, launch.block_k, launch.block_q)
+    return segment_tile_ranges(seg, launch.block_q, launch.block_k)
 
 
 def _forward(q, k, v, seg, cfg: _Config):
     """Padded inputs -> (o [B, Sp, H, D] in q.dtype, lse [B, H, Sp] float32, base 2)."""
     b, sp, h, d = q.shape
     group = h // k.shape[2]
-    bq = cfg.fwd.block_m
+    bq = cfg.fwd.block_q
     nq = sp // bq
     t = functools.partial(_tile_index, cfg, num_tiles=nq)
     in_specs = [
@@ -313,7 +313,7 @@ def _dq_kernel(*refs, cfg: _Config):
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
         bounds_ref = seg_q_ref = seg_k_ref = None
-    block_q, block_k = cfg.dq.block_m, cfg.dq.block_n
+    block_q, block_k = cfg.dq.block_q, cfg.dq.block_k
     head_dim = q_ref.shape[-1]
     i = _tile_index(cfg, pl.program_id(0), cfg.padded_len // block_q)
     q = q_ref[...]
@@ -356,7 +356,7 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
         bounds_ref = seg_q_ref = seg_k_ref = None
-    block_q, block_k = cfg.dkdv.block_m, cfg.dkdv.block_n
+    block_q, block_k = cfg.dkdv.block_q, cfg.dkdv.block_k
     head_dim = k_ref.shape[-1]
     j = pl.program_id(0)  # kv tile 0 sees the most query tiles under causal: natural order is heaviest first
     k = k_ref[...]  # [bk, D]
@@ -428,7 +428,7 @@ def _backward(cfg: _Config, res, do):
     group = h // kvh
     delta = row_dot(o, do)
 
-    bq, bk = cfg.dq.block_m, cfg.dq.block_n
+    bq, bk = cfg.dq.block_q, cfg.dq.block_k
     nq = sp // bq
     t = functools.partial(_tile_index, cfg, num_tiles=nq)
     dq_specs = [
@@ -460,7 +460,7 @@ def _backward(cfg: _Config, res, do):
 
     # Program (kv tile, batch, x) with x = kv head * splits + split takes the `per` = group // splits consecutive
     # query heads [x*per, (x+1)*per) of kv head x // splits: a block of `per` along the head axis, block index x.
-    bk, splits = cfg.dkdv.block_n, cfg.splits
+    bk, splits = cfg.dkdv.block_k, cfg.splits
     per = group // splits
     dkdv_specs = [
         pl.BlockSpec((None, sp, per, d), lambda kj, bi, x: (bi, 0, x, 0)),  # q
@@ -532,12 +532,12 @@ def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float,
     split of a GQA group."""
     batch, seq_len, heads, head_dim = q_shape
     launches = resolve_launches(sizes, _OVERRIDES, dtype, head_dim, seq_len)
-    padded_len = _round_up(seq_len, max(max(x.block_m, x.block_n) for x in launches.values()))
+    padded_len = _round_up(seq_len, max(max(x.block_q, x.block_k) for x in launches.values()))
     group = heads // kv_heads
     splits = sizes.dkdv_splits
     if splits is None:
         # Not in interpret mode (CPU): more programs gain nothing there and partial sums cost memory.
-        splits = 1 if interpret else choose_splits(batch, seq_len, kv_heads, group, launches["dkdv"].block_n)
+        splits = 1 if interpret else choose_splits(batch, seq_len, kv_heads, group, launches["dkdv"].block_k)
     elif not isinstance(splits, int) or splits < 1 or group % splits:
         raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
     return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len, splits=splits,

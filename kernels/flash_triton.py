@@ -57,29 +57,29 @@ _TL_MASK_VALUE = None  # tl.constexpr(MASK_VALUE)
 _fwd_inner = _dq_inner = _dkdv_inner = None  # the jitted *_inner_src helpers
 
 
-def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
-                   SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
+                   SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        ptrs = offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+    for start_k in range(lo, hi, BLOCK_K):
+        start_k = tl.multiple_of(start_k, BLOCK_K)
+        offs_k = start_k + tl.arange(0, BLOCK_K)
+        ptrs = offs_k[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
         if EVEN:
             k = tl.load(k_base + ptrs)
             v = tl.load(v_base + ptrs)
         else:
-            k = tl.load(k_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
-            v = tl.load(v_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+            k = tl.load(k_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
+            v = tl.load(v_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE
-        valid = tl.full((BLOCK_N,), 1, tl.int1)[None, :]
+        valid = tl.full((BLOCK_K,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_n[None, :] < SEQ)
+            valid = valid & (offs_k[None, :] < SEQ)
         if ON_DIAG:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            valid = valid & (offs_q[:, None] >= offs_k[None, :])
         if HAS_SEG:
-            k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
+            k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ, other=-1)
             valid = valid & (q_seg[:, None] == k_seg[None, :])
         if (not EVEN) or ON_DIAG or HAS_SEG:
             s = tl.where(valid, s, _TL_MASK_VALUE)
@@ -94,87 +94,87 @@ def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo
 
 def _fwd_kernel_src(Q, K, V, SEG, RANGES, O, LSE,
                     SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                     EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
     if CAUSAL:  # longest rows first
-        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        start_q = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
-        start_m = tl.program_id(0)
+        start_q = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64: batch offsets overflow int32 at long sequences
     h = bh % H
     kvh = h // (H // KVH)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_q = start_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    q_ptrs = Q + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
     k_base = K + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
     v_base = V + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
     seg_base = SEG + b * SEQ
     if EVEN:
         q = tl.load(q_ptrs)
     else:
-        q = tl.load(q_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
+        q = tl.load(q_ptrs, mask=offs_q[:, None] < SEQ, other=0.0)
     lo = 0
     hi = SEQ
     if HAS_SEG:
-        q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+        q_seg = tl.load(seg_base + offs_q, mask=offs_q < SEQ, other=-1)
         # Only kv tiles whose segment ids can match this tile's (document masking skips the rest).
-        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_M) + start_m) * 2
-        lo = tl.load(range_ptr) * BLOCK_N
-        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_N, SEQ)
+        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_Q) + start_q) * 2
+        lo = tl.load(range_ptr) * BLOCK_K
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_K, SEQ)
     else:
-        q_seg = offs_m  # unused placeholder: HAS_SEG is a constexpr
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
+        q_seg = offs_q  # unused placeholder: HAS_SEG is a constexpr
+    acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
+    m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), tl.float32)
     if CAUSAL:
         # Keys below the tile's first query row need no causal mask; keys past its last row are skipped.
-        full_hi = tl.minimum(((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, hi)
-        diag_hi = tl.minimum((start_m + 1) * BLOCK_M, hi)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo, full_hi,
-                                   SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base,
-                                   tl.maximum(full_hi, lo), diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True,
+        full_hi = tl.minimum(((start_q * BLOCK_Q + 1) // BLOCK_K) * BLOCK_K, hi)
+        diag_hi = tl.minimum((start_q + 1) * BLOCK_Q, hi)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, full_hi,
+                                   SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base,
+                                   tl.maximum(full_hi, lo), diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, True,
                                    EVEN, QK_SCALE, INPUT_PRECISION)
     else:
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
-                                   SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
+                                   SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
     out = acc / l_i[:, None]
     lse = m_i + tl.math.log2(l_i)
-    o_ptrs = O + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
-    lse_ptrs = LSE + (b * H + h) * SEQ + offs_m
+    o_ptrs = O + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    lse_ptrs = LSE + (b * H + h) * SEQ + offs_q
     if EVEN:
         tl.store(o_ptrs, out.to(O.dtype.element_ty))
         tl.store(lse_ptrs, lse)
     else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < SEQ)
-        tl.store(lse_ptrs, lse, mask=offs_m < SEQ)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=offs_q[:, None] < SEQ)
+        tl.store(lse_ptrs, lse, mask=offs_q < SEQ)
 
 
-def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
-                  SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
+                  SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                   HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        ptrs = offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+    for start_k in range(lo, hi, BLOCK_K):
+        start_k = tl.multiple_of(start_k, BLOCK_K)
+        offs_k = start_k + tl.arange(0, BLOCK_K)
+        ptrs = offs_k[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
         if EVEN:
             k = tl.load(k_base + ptrs)
             v = tl.load(v_base + ptrs)
         else:
-            k = tl.load(k_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
-            v = tl.load(v_base + ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+            k = tl.load(k_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
+            v = tl.load(v_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE
-        valid = tl.full((BLOCK_N,), 1, tl.int1)[None, :]
+        valid = tl.full((BLOCK_K,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_n[None, :] < SEQ)
+            valid = valid & (offs_k[None, :] < SEQ)
         if ON_DIAG:
-            valid = valid & (offs_m[:, None] >= offs_n[None, :])
+            valid = valid & (offs_q[:, None] >= offs_k[None, :])
         if HAS_SEG:
-            k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
+            k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ, other=-1)
             valid = valid & (q_seg[:, None] == k_seg[None, :])
         if (not EVEN) or ON_DIAG or HAS_SEG:
             s = tl.where(valid, s, _TL_MASK_VALUE)
@@ -187,21 +187,21 @@ def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base
 
 def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
                    SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                   BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                    EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr):
     if CAUSAL:
-        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        start_q = tl.num_programs(0) - 1 - tl.program_id(0)
     else:
-        start_m = tl.program_id(0)
+        start_q = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
     kvh = h // (H // KVH)
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_q = start_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ptrs = b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
-    stat_ptrs = (b * H + h) * SEQ + offs_m
+    row_ptrs = b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    stat_ptrs = (b * H + h) * SEQ + offs_q
     k_base = K + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
     v_base = V + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
     seg_base = SEG + b * SEQ
@@ -211,65 +211,65 @@ def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
         lse = tl.load(LSE + stat_ptrs)
         delta = tl.load(DELTA + stat_ptrs)
     else:
-        q = tl.load(Q + row_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
-        do = tl.load(DO + row_ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
-        lse = tl.load(LSE + stat_ptrs, mask=offs_m < SEQ, other=0.0)
-        delta = tl.load(DELTA + stat_ptrs, mask=offs_m < SEQ, other=0.0)
+        q = tl.load(Q + row_ptrs, mask=offs_q[:, None] < SEQ, other=0.0)
+        do = tl.load(DO + row_ptrs, mask=offs_q[:, None] < SEQ, other=0.0)
+        lse = tl.load(LSE + stat_ptrs, mask=offs_q < SEQ, other=0.0)
+        delta = tl.load(DELTA + stat_ptrs, mask=offs_q < SEQ, other=0.0)
     lo = 0
     hi = SEQ
     if HAS_SEG:
-        q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
-        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_M) + start_m) * 2
-        lo = tl.load(range_ptr) * BLOCK_N
-        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_N, SEQ)
+        q_seg = tl.load(seg_base + offs_q, mask=offs_q < SEQ, other=-1)
+        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_Q) + start_q) * 2
+        lo = tl.load(range_ptr) * BLOCK_K
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_K, SEQ)
     else:
-        q_seg = offs_m
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        q_seg = offs_q
+    dq = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     if CAUSAL:
-        full_hi = tl.minimum(((start_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N, hi)
-        diag_hi = tl.minimum((start_m + 1) * BLOCK_M, hi)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, lo, full_hi,
-                       SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, tl.maximum(full_hi, lo),
-                       diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
+        full_hi = tl.minimum(((start_q * BLOCK_Q + 1) // BLOCK_K) * BLOCK_K, hi)
+        diag_hi = tl.minimum((start_q + 1) * BLOCK_Q, hi)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, lo, full_hi,
+                       SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, tl.maximum(full_hi, lo),
+                       diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_m, k_base, v_base, seg_base, lo, hi,
-                       SEQ, KVH, HEAD_DIM, BLOCK_N, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
+                       SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
     dq = dq * SM_SCALE
     if EVEN:
         tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty))
     else:
-        tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_m[:, None] < SEQ)
+        tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_q[:, None] < SEQ)
 
 
-def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base, lo, hi,
-                    SEQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delta_base, seg_base, lo, hi,
+                    SEQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
     # Transposed: rows are this program's keys, columns the visited queries.
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        ptrs = offs_m[:, None] * (H * HEAD_DIM) + offs_d[None, :]
+    for start_q in range(lo, hi, BLOCK_Q):
+        start_q = tl.multiple_of(start_q, BLOCK_Q)
+        offs_q = start_q + tl.arange(0, BLOCK_Q)
+        ptrs = offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
         if EVEN:
             q = tl.load(q_base + ptrs)
             do = tl.load(do_base + ptrs)
-            lse = tl.load(lse_base + offs_m)
-            delta = tl.load(delta_base + offs_m)
+            lse = tl.load(lse_base + offs_q)
+            delta = tl.load(delta_base + offs_q)
         else:
-            q = tl.load(q_base + ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
-            do = tl.load(do_base + ptrs, mask=offs_m[:, None] < SEQ, other=0.0)
-            lse = tl.load(lse_base + offs_m, mask=offs_m < SEQ, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=offs_m < SEQ, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * QK_SCALE  # [BLOCK_N, BLOCK_M]
-        valid = tl.full((BLOCK_M,), 1, tl.int1)[None, :]
+            q = tl.load(q_base + ptrs, mask=offs_q[:, None] < SEQ, other=0.0)
+            do = tl.load(do_base + ptrs, mask=offs_q[:, None] < SEQ, other=0.0)
+            lse = tl.load(lse_base + offs_q, mask=offs_q < SEQ, other=0.0)
+            delta = tl.load(delta_base + offs_q, mask=offs_q < SEQ, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * QK_SCALE  # [BLOCK_K, BLOCK_Q]
+        valid = tl.full((BLOCK_Q,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_m[None, :] < SEQ) & (offs_n[:, None] < SEQ)
+            valid = valid & (offs_q[None, :] < SEQ) & (offs_k[:, None] < SEQ)
         if ON_DIAG:
-            valid = valid & (offs_m[None, :] >= offs_n[:, None])
+            valid = valid & (offs_q[None, :] >= offs_k[:, None])
         if HAS_SEG:
-            q_seg = tl.load(seg_base + offs_m, mask=offs_m < SEQ, other=-1)
+            q_seg = tl.load(seg_base + offs_q, mask=offs_q < SEQ, other=-1)
             valid = valid & (k_seg[:, None] == q_seg[None, :])
         if (not EVEN) or ON_DIAG or HAS_SEG:
             s_t = tl.where(valid, s_t, _TL_MASK_VALUE)
@@ -285,12 +285,12 @@ def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delt
 
 def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
                      SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                      EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, SPLITS: tl.constexpr, WANT_DK: tl.constexpr,
                      WANT_DV: tl.constexpr):
     # kv tile 0 sees the most query tiles under causal: the natural order already starts with the heaviest.
-    start_n = tl.program_id(0) * BLOCK_N
+    start_k = tl.program_id(0) * BLOCK_K
     pid = tl.program_id(1)
     split = pid % SPLITS
     bkv = pid // SPLITS
@@ -298,31 +298,31 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
     kvh = bkv % KVH
     GROUP: tl.constexpr = H // KVH
     PER_SPLIT: tl.constexpr = GROUP // SPLITS
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_k = start_k + tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_ptrs = b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_n[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+    kv_ptrs = b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_k[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
     if EVEN:
         k = tl.load(K + kv_ptrs)
         v = tl.load(V + kv_ptrs)
     else:
-        k = tl.load(K + kv_ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
-        v = tl.load(V + kv_ptrs, mask=offs_n[:, None] < SEQ, other=0.0)
+        k = tl.load(K + kv_ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
     seg_base = SEG + b * SEQ
     lo = 0
     hi = SEQ
     if HAS_SEG:
-        k_seg = tl.load(seg_base + offs_n, mask=offs_n < SEQ, other=-1)
-        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_N) + tl.program_id(0)) * 2
-        lo = tl.load(range_ptr) * BLOCK_M
-        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_M, SEQ)
+        k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ, other=-1)
+        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_K) + tl.program_id(0)) * 2
+        lo = tl.load(range_ptr) * BLOCK_Q
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_Q, SEQ)
     else:
-        k_seg = offs_n
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
-    dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+        k_seg = offs_k
+    dk = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
+    dv = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
     if CAUSAL:
         # Query tiles wholly before this kv tile are skipped; those wholly after it need no causal mask.
-        diag_lo = tl.maximum((start_n // BLOCK_M) * BLOCK_M, lo)
-        full_lo = tl.maximum(tl.minimum(((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, hi), lo)
+        diag_lo = tl.maximum((start_k // BLOCK_Q) * BLOCK_Q, lo)
+        full_lo = tl.maximum(tl.minimum(((start_k + BLOCK_K - 1 + BLOCK_Q - 1) // BLOCK_Q) * BLOCK_Q, hi), lo)
     else:
         diag_lo = lo
         full_lo = lo
@@ -334,12 +334,12 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
         lse_base = LSE + (b * H + h) * SEQ
         delta_base = DELTA + (b * H + h) * SEQ
         # Unmasked tiles first, then the masked diagonal ones.
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
-                             full_lo, hi, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, False, EVEN, QK_SCALE,
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delta_base, seg_base,
+                             full_lo, hi, SEQ, H, HEAD_DIM, BLOCK_Q, HAS_SEG, False, EVEN, QK_SCALE,
                              INPUT_PRECISION, WANT_DK, WANT_DV)
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_n, q_base, do_base, lse_base, delta_base, seg_base,
-                                 diag_lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_M, HAS_SEG, True, EVEN, QK_SCALE,
+            dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delta_base, seg_base,
+                                 diag_lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_Q, HAS_SEG, True, EVEN, QK_SCALE,
                                  INPUT_PRECISION, WANT_DK, WANT_DV)
     dk = dk * SM_SCALE
     if SPLITS > 1:  # float32 partial sums, one slab per split: [SPLITS, B, S, KVH, D]
@@ -349,12 +349,12 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
         if EVEN:
             tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty))
         else:
-            tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_n[:, None] < SEQ)
+            tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_k[:, None] < SEQ)
     if WANT_DV:
         if EVEN:
             tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty))
         else:
-            tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_n[:, None] < SEQ)
+            tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_k[:, None] < SEQ)
 
 
 @functools.cache

@@ -12,14 +12,14 @@ KINDS = ("fwd", "dq", "dkdv")
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One kernel's launch: ``block_m`` rows of queries by ``block_n`` keys per step, warps and pipeline stages.
+    """One kernel's launch: ``block_q`` rows of queries by ``block_k`` keys per step, warps and pipeline stages.
 
-    For ``fwd`` and ``dq`` a program owns a query tile (block_m) and loops over key tiles (block_n); for ``dkdv`` a
-    program owns a key tile (block_n) and loops over query tiles (block_m).
+    For ``fwd`` and ``dq`` a program owns a query tile (block_q) and loops over key tiles (block_k); for ``dkdv`` a
+    program owns a key tile (block_k) and loops over query tiles (block_q).
     """
 
-    block_m: int
-    block_n: int
+    block_q: int
+    block_k: int
     num_warps: int
     num_stages: int
 
@@ -30,7 +30,7 @@ class Launch:
 # float32 ones are exact float32 FMA loops (no tensor cores), so they get small tiles: they are for checking, not
 # for speed.
 _DEFAULTS = {
-    # (kind, 16-bit?, head_dim): (block_m, block_n, num_warps, num_stages)
+    # (kind, 16-bit?, head_dim): (block_q, block_k, num_warps, num_stages)
     ("fwd", True, 32): (128, 64, 4, 3), ("fwd", True, 64): (128, 64, 4, 3),
     ("fwd", True, 128): (128, 64, 8, 3), ("fwd", True, 256): (64, 32, 8, 2),
     ("dq", True, 32): (128, 32, 4, 3), ("dq", True, 64): (128, 32, 4, 3),
@@ -60,9 +60,9 @@ def clamp_tile(block: int, seq: int) -> int:
 TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs
 
 
-def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_n: int) -> int:
+def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_k: int) -> int:
     """Smallest divisor of ``group`` giving at least TARGET_PROGRAMS dk/dv programs (or ``group`` itself)."""
-    programs = -(-seq // block_n) * batch * kv_heads
+    programs = -(-seq // block_k) * batch * kv_heads
     for splits in range(1, group + 1):
         if group % splits == 0 and programs * splits >= TARGET_PROGRAMS:
             return splits
@@ -94,16 +94,16 @@ def checked_block_sizes(cls, kwargs: dict, tiles: tuple[str, ...], impl: str):
 def resolve_launches(sizes, names: dict, dtype, head_dim: int, seq: int) -> dict:
     """{kind: Launch} from user overrides over the defaults, tiles clamped to the sequence.
 
-    ``names`` maps each kind to the ``sizes`` fields that override its (block_m, block_n), most specific first,
+    ``names`` maps each kind to the ``sizes`` fields that override its (block_q, block_k), most specific first,
     e.g. {"dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd"))}.
     """
     out = {}
     for kind in KINDS:
         base = default_launch(kind, dtype, head_dim)
-        m_names, n_names = names[kind]
-        bm = next((getattr(sizes, n) for n in m_names if getattr(sizes, n) is not None), base.block_m)
-        bn = next((getattr(sizes, n) for n in n_names if getattr(sizes, n) is not None), base.block_n)
-        out[kind] = Launch(clamp_tile(bm, seq), clamp_tile(bn, seq), sizes.num_warps or base.num_warps,
+        q_names, k_names = names[kind]
+        bq = next((getattr(sizes, n) for n in q_names if getattr(sizes, n) is not None), base.block_q)
+        bk = next((getattr(sizes, n) for n in k_names if getattr(sizes, n) is not None), base.block_k)
+        out[kind] = Launch(clamp_tile(bq, seq), clamp_tile(bk, seq), sizes.num_warps or base.num_warps,
                            sizes.num_stages or base.num_stages)
     return out
 
@@ -143,16 +143,16 @@ def segment_tile_ranges(segment_ids, block_rows: int, block_cols: int, xp=None):
     return xp.stack([xp.where(any_, lo, 0), xp.where(any_, hi, 0)], axis=-1).astype(xp.int32)
 
 
-def tiles_computed(segment_ids, block_m: int, block_n: int, causal: bool) -> tuple[int, int, int]:
+def tiles_computed(segment_ids, block_q: int, block_k: int, causal: bool) -> tuple[int, int, int]:
     """Forward-kernel tile counts for numpy segment ids [batch, seq]: (computed with document-mask skipping,
     computed without it, all tiles). Causal tiles wholly above the diagonal are never computed."""
     b, s = segment_ids.shape
-    rows, cols = -(-s // block_m), -(-s // block_n)
-    ranges = segment_tile_ranges(np.asarray(segment_ids), block_m, block_n, xp=np)
+    rows, cols = -(-s // block_q), -(-s // block_k)
+    ranges = segment_tile_ranges(np.asarray(segment_ids), block_q, block_k, xp=np)
     i = np.arange(rows)[:, None]
     j = np.arange(cols)[None, :]
     visited = np.ones((rows, cols), bool)
-    if causal:  # key tile j holds a key <= the tile's last query (i+1)*bm - 1
-        visited = j * block_n <= np.minimum((i + 1) * block_m, s) - 1
+    if causal:  # key tile j holds a key <= the tile's last query (i+1)*block_q - 1
+        visited = j * block_k <= np.minimum((i + 1) * block_q, s) - 1
     with_skip = visited[None] & (j[None] >= ranges[..., :1]) & (j[None] < ranges[..., 1:])
     return int(with_skip.sum()), int(visited.sum()) * b, rows * cols * b

@@ -13,12 +13,12 @@ from kernels.tiling import Launch, checked_block_sizes, choose_splits, resolve_l
 LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
 
-_TILE_FIELDS = ("block_m", "block_n", "block_m_bwd", "block_n_bwd", "block_m_dq", "block_n_dq", "block_m_dkdv",
-                "block_n_dkdv")
+_TILE_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq", "block_q_dkdv",
+                "block_k_dkdv")
 _OVERRIDES = {
-    "fwd": (("block_m",), ("block_n",)),
-    "dq": (("block_m_dq", "block_m_bwd"), ("block_n_dq", "block_n_bwd")),
-    "dkdv": (("block_m_dkdv", "block_m_bwd"), ("block_n_dkdv", "block_n_bwd")),
+    "fwd": (("block_q",), ("block_k",)),
+    "dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd")),
+    "dkdv": (("block_q_dkdv", "block_q_bwd"), ("block_k_dkdv", "block_k_bwd")),
 }
 
 
@@ -26,19 +26,19 @@ _OVERRIDES = {
 class BlockSizes:
     """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
 
-    block_m/block_n: forward (query x key tile); block_m_bwd/block_n_bwd: both backward kernels; block_*_dq and
+    block_q/block_k: forward (query x key tile); block_q_bwd/block_k_bwd: both backward kernels; block_*_dq and
     block_*_dkdv: one of them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA
     group in dk/dv (None: as many as needed to fill the GPU; must divide heads // kv_heads).
     """
 
-    block_m: int | None = None
-    block_n: int | None = None
-    block_m_bwd: int | None = None
-    block_n_bwd: int | None = None
-    block_m_dq: int | None = None
-    block_n_dq: int | None = None
-    block_m_dkdv: int | None = None
-    block_n_dkdv: int | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    block_q_bwd: int | None = None
+    block_k_bwd: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    block_q_dkdv: int | None = None
+    block_k_dkdv: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     dkdv_splits: int | None = None
@@ -67,10 +67,10 @@ class Plan:
     splits: int  # dk/dv programs per GQA group
 
     def _common(self, launch: Launch) -> dict:
-        bm, bn = launch.block_m, launch.block_n
+        bq, bk = launch.block_q, launch.block_k
         return dict(
-            SEQ=self.seq, H=self.heads, KVH=self.kv_heads, HEAD_DIM=self.head_dim, BLOCK_M=bm, BLOCK_N=bn,
-            CAUSAL=self.causal, HAS_SEG=self.has_segments, EVEN=(self.seq % bm == 0 and self.seq % bn == 0),
+            SEQ=self.seq, H=self.heads, KVH=self.kv_heads, HEAD_DIM=self.head_dim, BLOCK_Q=bq, BLOCK_K=bk,
+            CAUSAL=self.causal, HAS_SEG=self.has_segments, EVEN=(self.seq % bq == 0 and self.seq % bk == 0),
             QK_SCALE=self.sm_scale * LOG2E, SM_SCALE=self.sm_scale,
             # float32 users get float32 matmuls; Triton's default for fp32 dots would be TF32.
             INPUT_PRECISION="ieee" if self.dtype == "float32" else "tf32",
@@ -79,16 +79,16 @@ class Plan:
     def forward(self):
         """-> (grid, constexprs, launch) for ``_fwd_kernel``."""
         launch = self.fwd_launch
-        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
+        return (_cdiv(self.seq, launch.block_q), self.batch * self.heads), self._common(launch), launch
 
     def dq(self):
         launch = self.dq_launch
-        return (_cdiv(self.seq, launch.block_m), self.batch * self.heads), self._common(launch), launch
+        return (_cdiv(self.seq, launch.block_q), self.batch * self.heads), self._common(launch), launch
 
     def dkdv(self):
         """-> [(grid, constexprs, launch)], one launch computing dk and dv, or one for each (see dkdv_passes)."""
         launch = self.dkdv_launch
-        grid = (_cdiv(self.seq, launch.block_n), self.batch * self.kv_heads * self.splits)
+        grid = (_cdiv(self.seq, launch.block_k), self.batch * self.kv_heads * self.splits)
         meta = dict(self._common(launch), SPLITS=self.splits)
         if dkdv_passes(self.head_dim) == 1:
             return [(grid, dict(meta, WANT_DK=True, WANT_DV=True), launch)]
@@ -100,8 +100,8 @@ class Plan:
         launch = getattr(self, f"{kind}_launch")
         xp = np if isinstance(seg, np.ndarray) else None
         if kind == "dkdv":
-            return segment_tile_ranges(seg, launch.block_n, launch.block_m, xp=xp)
-        return segment_tile_ranges(seg, launch.block_m, launch.block_n, xp=xp)
+            return segment_tile_ranges(seg, launch.block_k, launch.block_q, xp=xp)
+        return segment_tile_ranges(seg, launch.block_q, launch.block_k, xp=xp)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -123,7 +123,7 @@ def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | 
     group = h // kv_heads
     splits = sizes.dkdv_splits
     if splits is None:
-        splits = choose_splits(b, s, kv_heads, group, launches["dkdv"].block_n)
+        splits = choose_splits(b, s, kv_heads, group, launches["dkdv"].block_k)
     elif not isinstance(splits, int) or splits < 1 or group % splits:
         raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
     scale = d**-0.5 if sm_scale is None else float(sm_scale)

@@ -32,7 +32,7 @@ def run_check(python, *args, timeout=900):
     (["--subset", "most"], "--subset 'most' is not valid"),
     (["--impl", "cuda"], "--impl 'cuda' is not valid"),
     (["--cases", "triton:bfloat16:96:causal:seg"], "case 'triton:bfloat16:96:causal:seg' is not valid"),
-    (["--blocks", "block_m=big"], "--blocks 'block_m=big' is not valid"),
+    (["--blocks", "block_q=big"], "--blocks 'block_q=big' is not valid"),
     (["--jobs", "0"], "--jobs 0 is not valid"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):

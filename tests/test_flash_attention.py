@@ -256,13 +256,13 @@ def test_segment_tile_ranges_cover_every_tile_with_a_shared_id(kind):
 
 def test_tiles_computed_counts_causal_tiles_sharing_a_document():
     rng = np.random.default_rng(3)
-    s, bm, bn = 300, 32, 16
+    s, bq, bk = 300, 32, 16
     seg = np.cumsum(rng.random((2, s)) < 0.02, axis=1).astype(np.int32)
-    computed, causal_total, total = tiling.tiles_computed(seg, bm, bn, causal=True)
-    rows, cols = -(-s // bm), -(-s // bn)
-    want_causal = sum(1 for i in range(rows) for j in range(cols) if j * bn <= min((i + 1) * bm, s) - 1)
-    want = sum(int(_share_an_id(seg[b], bm, bn)[i, j]) for b in range(2) for i in range(rows) for j in range(cols)
-               if j * bn <= min((i + 1) * bm, s) - 1)
+    computed, causal_total, total = tiling.tiles_computed(seg, bq, bk, causal=True)
+    rows, cols = -(-s // bq), -(-s // bk)
+    want_causal = sum(1 for i in range(rows) for j in range(cols) if j * bk <= min((i + 1) * bq, s) - 1)
+    want = sum(int(_share_an_id(seg[b], bq, bk)[i, j]) for b in range(2) for i in range(rows) for j in range(cols)
+               if j * bk <= min((i + 1) * bq, s) - 1)
     assert (computed, causal_total, total) == (want, 2 * want_causal, 2 * rows * cols)
     assert computed < causal_total
 
@@ -450,7 +450,8 @@ BAD_INPUTS = [
     (_bad(block_x=32), r"unknown block-size keyword"),
     (_bad(backend="mosaic_gpu"), r"backend='mosaic_gpu' is not implemented"),
     (_bad(impl="triton", interpret=True), r"interpret=True is only available for impl='pallas'"),
-    (_bad(impl="triton", block_m=24), r"block_m=24 must be a power of two"),
+    (_bad(impl="triton", block_q=24), r"block_q=24 must be a power of two"),
+    (_bad(impl="triton", block_m=64), r"unknown block-size keyword.s. .'block_m'. for impl='triton'"),
     (_bad(sm_scale=float("nan")), r"sm_scale must be a finite"),
     (_bad(dkdv_splits=3), r"dkdv_splits=3 must be a positive divisor of heads // kv_heads = 2"),
     (_bad(impl="triton", dkdv_splits=0), r"dkdv_splits=0 must be a positive divisor"),
@@ -496,18 +497,18 @@ _NP_TO_TRITON = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.
 
 # (dtype, batch, seq, heads, kv_heads, head_dim, causal, segments, block sizes)
 TRITON_CASES = [
-    ("float32", 1, 64, 2, 2, 64, False, None, dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=16)),
-    ("float32", 2, 50, 4, 2, 64, True, "packed", dict(block_m=16, block_n=32, block_m_bwd=32, block_n_bwd=16)),
-    ("float32", 1, 40, 8, 1, 32, True, "scattered", dict(block_m=32, block_n=16, block_m_bwd=16, block_n_bwd=32)),
-    ("float16", 1, 33, 8, 2, 64, False, "packed", dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=16)),
+    ("float32", 1, 64, 2, 2, 64, False, None, dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)),
+    ("float32", 2, 50, 4, 2, 64, True, "packed", dict(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)),
+    ("float32", 1, 40, 8, 1, 32, True, "scattered", dict(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)),
+    ("float16", 1, 33, 8, 2, 64, False, "packed", dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)),
     # GQA 4 with the group in one dk/dv program (dkdv_splits=1) and in two (float32 partial sums), document
     # masking with tile skipping over packed documents, separate dq and dk/dv tiles
-    ("float32", 1, 96, 8, 2, 32, True, "packed", dict(block_m=16, block_n=16, block_m_dq=32, block_n_dq=16,
-                                                     block_m_dkdv=16, block_n_dkdv=32, dkdv_splits=1)),
-    ("float32", 2, 80, 8, 2, 32, False, "packed", dict(block_m=16, block_n=32, block_m_dq=16, block_n_dq=16,
-                                                      block_m_dkdv=32, block_n_dkdv=16, dkdv_splits=2)),
+    ("float32", 1, 96, 8, 2, 32, True, "packed", dict(block_q=16, block_k=16, block_q_dq=32, block_k_dq=16,
+                                                     block_q_dkdv=16, block_k_dkdv=32, dkdv_splits=1)),
+    ("float32", 2, 80, 8, 2, 32, False, "packed", dict(block_q=16, block_k=32, block_q_dq=16, block_k_dq=16,
+                                                      block_q_dkdv=32, block_k_dkdv=16, dkdv_splits=2)),
     # head_dim 256: dk and dv in two passes
-    ("float32", 1, 40, 4, 2, 256, True, "packed", dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=32)),
+    ("float32", 1, 40, 4, 2, 256, True, "packed", dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)),
 ]
 TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in TRITON_CASES]
 
@@ -564,7 +565,7 @@ def _triton_interpreter_errors() -> dict:
     for causal in (False, True):  # document-mask tile skipping: NaN in one document must not reach the other
         s, half, seg, q, k, v, do = (np.asarray(x) if hasattr(x, "shape") else x for x in _two_documents(causal))
         a, b = slice(0, half), slice(half, s)
-        blocks = dict(block_m=16, block_n=16, block_m_bwd=16, block_n_bwd=16)
+        blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
         plan = flash_triton.make_plan(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=None,
                                       has_segments=True, block_sizes=blocks)
         k_nan, v_nan = k.copy(), v.copy()

@@ -263,7 +263,7 @@ def _kind(name: str) -> str:
 
 
 def _planned_launch(case: Case) -> dict:
-    """{kind: {block_m, block_n, num_warps, num_stages}} as the kernels plan them, or {} where not available."""
+    """{kind: {block_q, block_k, num_warps, num_stages}} as the kernels plan them, or {} where not available."""
     try:
         from kernels import api
 
@@ -305,7 +305,7 @@ def analyse(case: Case, kernel: dict, workdir: str, plan: dict) -> dict:
     row = dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
                segments=case.segments, kernel=kind, name=kernel["name"])
     tiles = plan.get("dkdv" if kind in ("dk", "dv") else kind, {})
-    row["tiles"] = f"{tiles['block_m']}x{tiles['block_n']}" if "block_m" in tiles else "?"
+    row["tiles"] = f"{tiles['block_q']}x{tiles['block_k']}" if "block_q" in tiles else "?"
     row.update(warps=kernel["warps"], stages=kernel["stages"])
     row.update(run_ptxas(ptx, workdir, f"{case.impl}_{kernel['name'].replace(':', '_')}"))
     row.update(

@@ -277,12 +277,12 @@ MUTANTS = [
            "full = jnp.minimum(lax.div(q_block * block_q + 1, block_k), end)", "full = end",
            (PALLAS_CAUSAL,), "diagonal tiles treated as wholly visible: future keys leak"),
     Mutant("triton-fwd-causal-off-by-one", "kernels", "kernels/flash_triton.py",
-           "valid = valid & (offs_m[:, None] >= offs_n[None, :])",
-           "valid = valid & (offs_m[:, None] > offs_n[None, :])",
+           "valid = valid & (offs_q[:, None] >= offs_k[None, :])",
+           "valid = valid & (offs_q[:, None] > offs_k[None, :])",
            (TRITON_CAUSAL,), "forward kernel's diagonal mask off by one", occurrences=2, nth=0),
     Mutant("triton-dkdv-causal-off-by-one", "kernels", "kernels/flash_triton.py",
-           "valid = valid & (offs_m[None, :] >= offs_n[:, None])",
-           "valid = valid & (offs_m[None, :] > offs_n[:, None])",
+           "valid = valid & (offs_q[None, :] >= offs_k[:, None])",
+           "valid = valid & (offs_q[None, :] > offs_k[:, None])",
            (TRITON_CAUSAL,), "dk/dv kernel's diagonal mask off by one"),
 ]
 
