@@ -82,11 +82,11 @@ def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_s
     """How each kernel of a call would be launched: {"fwd" | "dq" | "dkdv": {block_q, block_k, num_warps,
     num_stages}} (block_q: query tile, block_k: key tile), for q_shape [batch, seq, heads, head_dim]."""
     if impl == "pallas":
-        cfg = flash_pallas.plan(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
+        cfg = flash_pallas.call_config(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
                                 block_sizes=block_sizes, kv_heads=kv_heads)
         launches = {kind: getattr(cfg, kind) for kind in ("fwd", "dq", "dkdv")}
     elif impl == "triton":
-        p = flash_triton.make_plan(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
+        p = flash_triton.call_config(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
                                    has_segments=has_segments, block_sizes=block_sizes)
         launches = {"fwd": p.fwd_launch, "dq": p.dq_launch, "dkdv": p.dkdv_launch}
     else:

@@ -574,15 +574,15 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm
     """
     if backend not in BACKENDS:
         raise ValueError(_backend_error(backend))
-    cfg = plan(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
-               interpret=interpret, backend=backend, block_sizes=block_sizes, kv_heads=k.shape[2])
+    cfg = call_config(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
+                      interpret=interpret, backend=backend, block_sizes=block_sizes, kv_heads=k.shape[2])
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids, jnp.int32)
     return _flash_attention(q, k, v, segment_ids, cfg)
 
 
-def plan(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
-         backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None) -> _Config:
+def call_config(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
+                backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None) -> _Config:
     """The static configuration of a call; ValueError on bad block sizes. q_shape [batch, seq, heads, head_dim]."""
     sizes = BlockSizes.from_kwargs(block_sizes or {})
     d = q_shape[-1]

@@ -43,7 +43,7 @@ import numpy as np
 # The launch settings are part of this module's interface (re-exported for callers and tests).
 from kernels.triton_launch import SUPPORTED_HEAD_DIMS as SUPPORTED_HEAD_DIMS
 from kernels.triton_launch import BlockSizes as BlockSizes
-from kernels.triton_launch import Plan, make_plan
+from kernels.triton_launch import CallConfig, call_config
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -376,43 +376,43 @@ def _kernels() -> types.SimpleNamespace:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Launch sequence, written against a `launch` callable so the same plan runs under jax-triton (GPU) or Triton's
-# CPU interpreter (tests): launch(kernel, inputs, out_shapes [(shape, dtype)], grid, constexprs, num_warps,
+# Launch sequence, written against a `launch` callable so the same call configuration runs under jax-triton (GPU)
+# or Triton's CPU interpreter (tests): launch(kernel, inputs, out_shapes [(shape, dtype)], grid, constexprs, num_warps,
 # num_stages) -> list of outputs.
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _ranges_arg(plan: Plan, seg, kind: str):
+def _ranges_arg(call: CallConfig, seg, kind: str):
     """The RANGES operand: document-mask tile ranges with segments, else a one-element dummy never read."""
-    if plan.has_segments:
-        return plan.tile_ranges(seg, kind)
+    if call.has_segments:
+        return call.tile_ranges(seg, kind)
     return seg  # the [1] int32 dummy
 
 
-def run_forward(launch, plan: Plan, q, k, v, seg):
+def run_forward(launch, call: CallConfig, q, k, v, seg):
     """-> (o [B, S, H, D] in q's dtype, lse [B, H, S] float32 base 2). ``seg`` is int32 [B, S] or a dummy [1]."""
-    grid, meta, lp = plan.forward()
-    o, lse = launch(_kernels().fwd, (q, k, v, seg, _ranges_arg(plan, seg, "fwd")),
-                    [(q.shape, q.dtype), ((plan.batch, plan.heads, plan.seq), np.float32)],
+    grid, meta, lp = call.forward()
+    o, lse = launch(_kernels().fwd, (q, k, v, seg, _ranges_arg(call, seg, "fwd")),
+                    [(q.shape, q.dtype), ((call.batch, call.heads, call.seq), np.float32)],
                     grid, meta, lp.num_warps, lp.num_stages)
     return o, lse
 
 
-def run_backward(launch, plan: Plan, q, k, v, seg, do, lse, delta):
+def run_backward(launch, call: CallConfig, q, k, v, seg, do, lse, delta):
     """-> (dq, dk, dv). ``delta`` = rowsum(o * do) as float32 [B, H, S]."""
     kern = _kernels()
-    grid, meta, lp = plan.dq()
-    (dq,) = launch(kern.dq, (q, k, v, seg, _ranges_arg(plan, seg, "dq"), do, lse, delta), [(q.shape, q.dtype)],
+    grid, meta, lp = call.dq()
+    (dq,) = launch(kern.dq, (q, k, v, seg, _ranges_arg(call, seg, "dq"), do, lse, delta), [(q.shape, q.dtype)],
                    grid, meta, lp.num_warps, lp.num_stages)
-    inputs = (q, k, v, seg, _ranges_arg(plan, seg, "dkdv"), do, lse, delta)
+    inputs = (q, k, v, seg, _ranges_arg(call, seg, "dkdv"), do, lse, delta)
     # With splits, float32 partial sums [splits, B, S, KVH, D] that XLA adds up.
-    outs = [(k.shape, k.dtype)] * 2 if plan.splits == 1 else [((plan.splits, *k.shape), np.float32)] * 2
+    outs = [(k.shape, k.dtype)] * 2 if call.splits == 1 else [((call.splits, *k.shape), np.float32)] * 2
     dk = dv = None
-    for grid, meta, lp in plan.dkdv():  # a pass leaves the output it does not compute unwritten
+    for grid, meta, lp in call.dkdv():  # a pass leaves the output it does not compute unwritten
         got = launch(kern.dkdv, inputs, outs, grid, meta, lp.num_warps, lp.num_stages)
         dk = got[0] if meta["WANT_DK"] else dk
         dv = got[1] if meta["WANT_DV"] else dv
-    if plan.splits > 1:
+    if call.splits > 1:
         dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
     return dq, dk, dv
 
@@ -456,20 +456,20 @@ def _custom_vjp():
 
     from kernels.flash_pallas import named_forward, row_dot
 
-    def forward(q, k, v, seg, plan):
-        return run_forward(_jax_triton_launch, plan, q, k, v, seg)
+    def forward(q, k, v, seg, call):
+        return run_forward(_jax_triton_launch, call, q, k, v, seg)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-    def attention(q, k, v, seg, plan):
-        return forward(q, k, v, seg, plan)[0]
+    def attention(q, k, v, seg, call):
+        return forward(q, k, v, seg, call)[0]
 
-    def fwd(q, k, v, seg, plan):
-        o, lse = named_forward(forward, q, k, v, seg, plan)  # checkpoint names attn_out / attn_lse
+    def fwd(q, k, v, seg, call):
+        o, lse = named_forward(forward, q, k, v, seg, call)  # checkpoint names attn_out / attn_lse
         return o, (q, k, v, seg, o, lse)
 
-    def bwd(plan, res, do):
+    def bwd(call, res, do):
         q, k, v, seg, o, lse = res
-        dq, dk, dv = run_backward(_jax_triton_launch, plan, q, k, v, seg, do, lse, row_dot(o, do))
+        dq, dk, dv = run_backward(_jax_triton_launch, call, q, k, v, seg, do, lse, row_dot(o, do))
         return dq, dk, dv, None
 
     attention.defvjp(fwd, bwd)
@@ -491,7 +491,7 @@ def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm
       [batch, seq, heads, head_dim] in q's dtype. Raises RuntimeError when no GPU / triton / jax_triton.
     """
     global _attention
-    plan = make_plan(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=sm_scale,
+    call = call_config(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=sm_scale,
                      has_segments=segment_ids is not None, block_sizes=block_sizes)
     reason = availability_error()
     if reason:
@@ -503,4 +503,4 @@ def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm
         _attention = _custom_vjp()
     # jax-triton passes arrays only; a kernel without segments gets a one-element dummy it never reads.
     seg = jnp.zeros((1,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return _attention(q, k, v, seg, plan)
+    return _attention(q, k, v, seg, call)

@@ -49,7 +49,7 @@ class BlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class CallConfig:
     """Static description of one attention call: shapes, per-kernel launches and the constexprs of every kernel."""
 
     batch: int
@@ -114,9 +114,9 @@ def dkdv_passes(head_dim: int) -> int:
     return 2 if head_dim >= 256 else 1
 
 
-def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
-              block_sizes: dict) -> Plan:
-    """The static plan of a call; raises ValueError on bad block sizes (names, values, dkdv_splits)."""
+def call_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,
+                block_sizes: dict) -> CallConfig:
+    """The static configuration of a call; raises ValueError on bad block sizes (names, values, dkdv_splits)."""
     b, s, h, d = q_shape
     sizes = BlockSizes.from_kwargs(block_sizes)
     launches = resolve_launches(sizes, _OVERRIDES, dtype, d, s)
@@ -127,6 +127,6 @@ def make_plan(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | 
     elif not isinstance(splits, int) or splits < 1 or group % splits:
         raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
     scale = d**-0.5 if sm_scale is None else float(sm_scale)
-    return Plan(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
+    return CallConfig(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
                 has_segments=has_segments, dtype=np.dtype(dtype).name, fwd_launch=launches["fwd"],
                 dq_launch=launches["dq"], dkdv_launch=launches["dkdv"], splits=splits)

@@ -514,7 +514,7 @@ TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in
 
 
 def _triton_interpreter_errors() -> dict:
-    """Child-process side: run every TRITON_CASES plan (forward and backward kernels) in Triton's interpreter on
+    """Child-process side: run every TRITON_CASES call (forward and backward kernels) in Triton's interpreter on
     numpy arrays; return {case id: {output name: error vs the oracle}}.
 
     Needs TRITON_INTERPRET=1 before triton is imported (Triton's own library functions are wrapped at import),
@@ -553,12 +553,12 @@ def _triton_interpreter_errors() -> dict:
         *arrays, seg = make_inputs(f"tri-{case_id}", b, s, h, kvh, d, jnp.float32, segments)
         q, k, v, do = (np.asarray(x).astype(dtype) for x in arrays)
         seg = None if seg is None else np.asarray(seg)
-        plan = flash_triton.make_plan(q.shape, kvh, q.dtype, causal=causal, sm_scale=None,
+        call = flash_triton.call_config(q.shape, kvh, q.dtype, causal=causal, sm_scale=None,
                                       has_segments=seg is not None, block_sizes=blocks)
         seg_arg = np.zeros(1, np.int32) if seg is None else seg
-        o, lse = flash_triton.run_forward(launch, plan, q, k, v, seg_arg)
+        o, lse = flash_triton.run_forward(launch, call, q, k, v, seg_arg)
         delta = (o.astype(np.float32) * do.astype(np.float32)).sum(-1).transpose(0, 2, 1)
-        dq, dk, dv = flash_triton.run_backward(launch, plan, q, k, v, seg_arg, do, lse, delta)
+        dq, dk, dv = flash_triton.run_backward(launch, call, q, k, v, seg_arg, do, lse, delta)
         want = oracle(q, k, v, seg, causal, d**-0.5, do)
         results[case_id] = {name: rel_err(got.astype(np.float32), ref)
                             for name, got, ref in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), want)}
@@ -566,17 +566,17 @@ def _triton_interpreter_errors() -> dict:
         s, half, seg, q, k, v, do = (np.asarray(x) if hasattr(x, "shape") else x for x in _two_documents(causal))
         a, b = slice(0, half), slice(half, s)
         blocks = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
-        plan = flash_triton.make_plan(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=None,
+        call = flash_triton.call_config(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=None,
                                       has_segments=True, block_sizes=blocks)
         k_nan, v_nan = k.copy(), v.copy()
         k_nan[:, a] = v_nan[:, a] = np.nan
-        o, _ = flash_triton.run_forward(launch, plan, q, k_nan, v_nan, seg)
+        o, _ = flash_triton.run_forward(launch, call, q, k_nan, v_nan, seg)
         want_b = oracle(q[:, b], k[:, b], v[:, b], None, causal, 32**-0.5, do[:, b])
         q_nan, do_nan = q.copy(), do.copy()
         q_nan[:, b] = do_nan[:, b] = np.nan
-        o_nan, lse = flash_triton.run_forward(launch, plan, q_nan, k, v, seg)
+        o_nan, lse = flash_triton.run_forward(launch, call, q_nan, k, v, seg)
         delta = (o_nan * do_nan).sum(-1).transpose(0, 2, 1)
-        dq, dk, dv = flash_triton.run_backward(launch, plan, q_nan, k, v, seg, do_nan, lse, delta)
+        dq, dk, dv = flash_triton.run_backward(launch, call, q_nan, k, v, seg, do_nan, lse, delta)
         want_a = oracle(q[:, a], k[:, a], v[:, a], None, causal, 32**-0.5, do[:, a])
         results[f"docs-causal{causal}"] = dict(
             o=rel_err(o[:, b], want_b[0]), dq=rel_err(dq[:, a], want_a[1]), dk=rel_err(dk[:, a], want_a[2]),
@@ -602,7 +602,7 @@ def triton_interpreter_results():
 
 @pytest.mark.parametrize("case_id", TRITON_CASE_IDS)
 def test_triton_kernels_in_triton_interpreter(case_id, triton_interpreter_results):
-    """The Triton-language kernels and their launch plan, run by Triton's CPU interpreter (float32 and float16;
+    """The Triton-language kernels and their launch call, run by Triton's CPU interpreter (float32 and float16;
     bf16 dots are not interpretable there: it multiplies the bf16 storage as uint16)."""
     tol = 1e-5 if case_id.startswith("float32") else 2e-3
     errors = triton_interpreter_results[case_id]
@@ -619,7 +619,7 @@ def test_triton_document_mask_skips_tiles_of_other_documents(causal, triton_inte
 
 @pytest.mark.parametrize("dtype,d,causal,segments", [("bfloat16", 128, True, True), ("float32", 64, False, False)])
 def test_triton_kernels_compile_for_sm90(dtype, d, causal, segments):
-    """Compile every Triton kernel of a forward+backward plan to a cubin for sm_90 (no GPU needed), with the
+    """Compile every Triton kernel of a forward+backward call to a cubin for sm_90 (no GPU needed), with the
     signature jax-triton would give them, and check the shared memory fits an H100/H200 (228 KiB per SM)."""
     triton = pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -644,10 +644,10 @@ def test_triton_kernels_compile_for_sm90(dtype, d, causal, segments):
     k = v = np.zeros((b, s, kvh, d), np_dtype)
     seg = np.zeros((b, s) if segments else (1,), np.int32)
     flash_triton._kernels.cache_clear()
-    plan = flash_triton.make_plan(q.shape, kvh, np_dtype, causal=causal, sm_scale=None, has_segments=segments,
+    call = flash_triton.call_config(q.shape, kvh, np_dtype, causal=causal, sm_scale=None, has_segments=segments,
                                   block_sizes={})
-    o, lse = flash_triton.run_forward(compile_launch, plan, q, k, v, seg)
-    flash_triton.run_backward(compile_launch, plan, q, k, v, seg, do, lse, np.zeros_like(lse))
+    o, lse = flash_triton.run_forward(compile_launch, call, q, k, v, seg)
+    flash_triton.run_backward(compile_launch, call, q, k, v, seg, do, lse, np.zeros_like(lse))
     assert len(compiled) == 3
     for name, result in compiled.items():
         assert "cubin" in result.asm, name

@@ -239,8 +239,8 @@ def _triton_kernels(case: Case) -> list[dict]:
     finally:
         flash_triton.availability_error = original
     seconds = (time.perf_counter() - start) / max(1, len(_Recorder.calls))
-    # The num_stages a kernel was compiled with is not kept on TritonKernel; take it from the kernels' own plan.
-    stages = _planned_launch(case)
+    # The num_stages a kernel was compiled with is not kept on TritonKernel: take it from the kernels' launch settings.
+    stages = _launch_settings(case)
     kernels = []
     dkdv_calls = [c for c in _Recorder.calls if _kind(c.kernel.name) == "dkdv"]
     for call in _Recorder.calls:
@@ -262,8 +262,8 @@ def _kind(name: str) -> str:
     return name
 
 
-def _planned_launch(case: Case) -> dict:
-    """{kind: {block_q, block_k, num_warps, num_stages}} as the kernels plan them, or {} where not available."""
+def _launch_settings(case: Case) -> dict:
+    """{kind: {block_q, block_k, num_warps, num_stages}} as the kernels set them, or {} where not available."""
     try:
         from kernels import api
 
@@ -299,12 +299,12 @@ def run_ptxas(ptx: str, workdir: str, name: str) -> dict:
     )
 
 
-def analyse(case: Case, kernel: dict, workdir: str, plan: dict) -> dict:
+def analyse(case: Case, kernel: dict, workdir: str, settings: dict) -> dict:
     ptx, ttir = kernel["ptx"], kernel["ttir"]
     kind = _kind(kernel["name"])
     row = dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
                segments=case.segments, kernel=kind, name=kernel["name"])
-    tiles = plan.get("dkdv" if kind in ("dk", "dv") else kind, {})
+    tiles = settings.get("dkdv" if kind in ("dk", "dv") else kind, {})
     row["tiles"] = f"{tiles['block_q']}x{tiles['block_k']}" if "block_q" in tiles else "?"
     row.update(warps=kernel["warps"], stages=kernel["stages"])
     row.update(run_ptxas(ptx, workdir, f"{case.impl}_{kernel['name'].replace(':', '_')}"))
@@ -344,8 +344,8 @@ def check_case(case: Case) -> list[dict]:
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:400]
             return [dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
                          segments=case.segments, kernel="-", name="-", problems=[f"compile error: {msg}"])]
-        plan = _planned_launch(case)
-        return [analyse(case, k, workdir, plan) for k in kernels]
+        settings = _launch_settings(case)
+        return [analyse(case, k, workdir, settings) for k in kernels]
 
 
 def _worker_init():
