@@ -9,8 +9,6 @@ Nothing in this module imports JAX: it must be usable before the runtime is conf
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -18,9 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxtrain import inputs
+from jaxtrain import locations
 from jaxtrain.errors import ConfigError
-from jaxtrain.schema import coerce, find_yaml, load_yaml
+from jaxtrain.schema import build, dotted_keys, find_yaml, load_yaml, set_dotted, unknown_key
 
 FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels.flash_pallas checks the same)
 # Mesh axes, outermost first: devices adjacent in a node differ in tensor first, then fsdp, stage, data.
@@ -115,12 +113,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # Compute dtype. "auto" is resolved once at start-up (resolve_auto): bfloat16 on accelerators, float32 on CPU.
+    # Compute dtype. "auto": resolved once at start-up (layout.resolve_auto): bfloat16 on accelerators, float32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # xla: reference einsum; cudnn: jax.nn.dot_product_attention's cuDNN kernel (GPU, 16-bit); pallas / triton:
     # jaxtrain's flash kernels (pallas runs interpreted, slowly, on CPU); auto: resolved once at start-up for the
-    # platform (resolve_auto), and recorded as the concrete choice in run.dir/config.yaml.
+    # platform (layout.resolve_auto), and recorded as the concrete choice in run.dir/config.yaml.
     attention: Literal["xla", "cudnn", "pallas", "triton", "auto"] = "xla"
     remat: Literal["none", "full", "save_matmuls"] = "none"
 
@@ -275,72 +273,19 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
-        _set_dotted(tree, key.strip(), value)
-    cfg = _build(Config(), tree, "")
+        set_dotted(tree, key.strip(), value)
+    cfg = build(Config(), tree, "", _unknown_key)
     validate(cfg)
     return cfg
 
 
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            nxt = node[p] = {}
-        node = nxt
-    node[parts[-1]] = value
-
-
-def all_keys(cls: Any = Config, prefix: str = "") -> list[str]:
+def all_keys() -> list[str]:
     """Every dotted key of the config tree, e.g. ``["run.dir", ...]`` (dict-valued options end at their name)."""
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            keys += all_keys(tp, name + ".")
-        else:
-            keys.append(name)
-    return keys
+    return dotted_keys(Config)
 
 
 def _unknown_key(name: str) -> ConfigError:
-    candidates = all_keys() + [f"mesh.rules.{k}" for k in _default_rules()]
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    return ConfigError(f"unknown config key {name!r}{hint}")
-
-
-def _first_leaf(key: str, value: Any) -> str:
-    while isinstance(value, dict) and value:
-        k, value = next(iter(value.items()))
-        key = f"{key}.{k}"
-    return key
-
-
-def _build(default: Any, tree: Any, prefix: str):
-    """A copy of the dataclass instance ``default`` with the values of the nested mapping ``tree`` applied."""
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
-    cls = type(default)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k, v in tree.items():
-        if k not in names:
-            raise _unknown_key(_first_leaf(prefix + str(k), v))
-    changes = {}
-    for name, value in tree.items():
-        tp, current, dotted = hints[name], getattr(default, name), prefix + name
-        if dataclasses.is_dataclass(tp):
-            changes[name] = _build(current, value, dotted + ".")
-        elif typing.get_origin(tp) is dict:
-            # Mappings merge into the defaults, so that one rule can be overridden alone.
-            changes[name] = {**current, **coerce(tp, value, dotted)}
-        else:
-            changes[name] = coerce(tp, value, dotted)
-    return dataclasses.replace(default, **changes)
+    return unknown_key(name, all_keys() + [f"mesh.rules.{k}" for k in _default_rules()], "config key")
 
 
 def to_dict(cfg: Config) -> dict:
@@ -362,6 +307,14 @@ def _require(ok: bool, msg: str) -> None:
 
 def _positive(name: str, value: float) -> None:
     _require(value > 0, f"{name}={value} must be > 0")
+
+
+def _fraction(name: str, value: float) -> None:
+    _require(0 <= value <= 1, f"{name}={value} must be in [0, 1]")
+
+
+def _not_negative(name: str, value: float, note: str = "") -> None:
+    _require(value >= 0, f"{name}={value} must be >= 0{note}")
 
 
 def validate(cfg: Config) -> None:
@@ -407,22 +360,22 @@ def validate(cfg: Config) -> None:
     _require(t.decay_steps > t.warmup_steps,
              f"train.decay_steps={t.decay_steps} must be > train.warmup_steps={t.warmup_steps} "
              "(it includes the warmup)")
-    _require(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _require(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _fraction("train.min_lr_ratio", t.min_lr_ratio)
+    _not_negative("train.weight_decay", t.weight_decay)
     _require(0 <= t.b1 < 1, f"train.b1={t.b1} must be in [0, 1)")
     _require(0 <= t.b2 < 1, f"train.b2={t.b2} must be in [0, 1)")
-    _require(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: only at the end)")
+    _not_negative("train.grad_clip", t.grad_clip, " (0 disables clipping)")
+    _not_negative("train.eval_every", t.eval_every, " (0: only at the end)")
     _require(t.global_batch % t.microbatches == 0,
              f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
 
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
-    _require(d.threads >= 0, f"data.threads={d.threads} must be >= 0")
-    _require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")
+    _not_negative("data.threads", d.threads)
+    _not_negative("data.prefetch", d.prefetch)
 
     c = cfg.checkpoint
-    _require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0: only at the last step)")
+    _not_negative("checkpoint.every", c.every, " (0: only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
 
     if cfg.runtime.cpu_devices is not None:
@@ -432,7 +385,7 @@ def validate(cfg: Config) -> None:
     _require(len(given) in (0, 3), f"dist.{', dist.'.join(given)} given without the others: set dist.coordinator, "
                                    "dist.num_processes and dist.process_id together, or none of them")
     if dist.coordinator is not None and dist.num_processes is not None and dist.process_id is not None:
-        inputs.host_port(dist.coordinator, "dist.coordinator")
+        locations.host_port(dist.coordinator, "dist.coordinator")
         _positive("dist.num_processes", dist.num_processes)
         _require(0 <= dist.process_id < dist.num_processes,
                  f"dist.process_id={dist.process_id} must be in [0, dist.num_processes={dist.num_processes})")
@@ -443,7 +396,7 @@ def validate(cfg: Config) -> None:
         _require(bool(ids) and all(isinstance(i, int) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
                  f"dist.local_device_ids={ids} must be a list of distinct GPU ordinals >= 0, e.g. [0,1,2,3]")
     if dist.bind_address is not None:
-        inputs.host_port(dist.bind_address, "dist.bind_address")
+        locations.host_port(dist.bind_address, "dist.bind_address")
     ck = cfg.check
     if ck.sizes_mb is not None:
         _require(bool(ck.sizes_mb) and all(isinstance(v, (int, float)) and v > 0 for v in ck.sizes_mb),
@@ -451,13 +404,12 @@ def validate(cfg: Config) -> None:
     _positive("check.iters", ck.iters)
     if ck.matmul_size is not None:
         _positive("check.matmul_size", ck.matmul_size)
-    _require(0 <= ck.min_peak_fraction <= 1, f"check.min_peak_fraction={ck.min_peak_fraction} must be in [0, 1]")
-    _require(0 <= ck.min_link_fraction <= 1, f"check.min_link_fraction={ck.min_link_fraction} must be in [0, 1]")
-    _require(ck.min_busbw_gbps >= 0, f"check.min_busbw_gbps={ck.min_busbw_gbps} must be >= 0")
-    _require(0 <= ck.min_matmul_fraction <= 1, f"check.min_matmul_fraction={ck.min_matmul_fraction} must be in [0, 1]")
+    for name in ("min_peak_fraction", "min_link_fraction", "min_matmul_fraction"):
+        _fraction(f"check.{name}", getattr(ck, name))
+    _not_negative("check.min_busbw_gbps", ck.min_busbw_gbps)
     _validate_observe(cfg.observe)
     _validate_mesh(cfg)
-    inputs.check_paths(cfg)  # files and directories last: value mistakes are reported first
+    locations.check_paths(cfg)  # files and directories last: value mistakes are reported first
 
 
 def _validate_observe(o: ObserveConfig) -> None:
@@ -465,13 +417,11 @@ def _validate_observe(o: ObserveConfig) -> None:
         _require(0 <= o.prometheus_port <= 65535, f"observe.prometheus_port={o.prometheus_port} must be a "
                 "TCP port in [0, 65535] (0: any free port)")
     _require(bool(o.prometheus_address), "observe.prometheus_address must not be empty (127.0.0.1 or 0.0.0.0)")
-    _require(o.straggler_every >= 0, f"observe.straggler_every={o.straggler_every} must be >= 0 (0: off)")
+    _not_negative("observe.straggler_every", o.straggler_every, " (0: off)")
     _require(o.straggler_ratio > 1, f"observe.straggler_ratio={o.straggler_ratio} must be > 1 (e.g. 1.5)")
-    _require(o.collective_probe_every >= 0,
-            f"observe.collective_probe_every={o.collective_probe_every} must be >= 0 (0: off)")
+    _not_negative("observe.collective_probe_every", o.collective_probe_every, " (0: off)")
     _require(o.probe_mb is None or o.probe_mb > 0, f"observe.probe_mb={o.probe_mb} must be > 0")
-    _require(0 <= o.min_bandwidth_fraction <= 1,
-            f"observe.min_bandwidth_fraction={o.min_bandwidth_fraction} must be in [0, 1]")
+    _fraction("observe.min_bandwidth_fraction", o.min_bandwidth_fraction)
     ps = o.profile_steps
     _require(ps is None or (len(ps) == 2 and all(isinstance(v, int) for v in ps) and 1 <= ps[0] <= ps[1]),
             f"observe.profile_steps={ps} must be [START, END] with 1 <= START <= END, e.g. [10, 12]")
@@ -544,28 +494,3 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
             _require(cfg.mesh.rules.get(logical) == "stage",
                      f"mesh.rules.{logical}={cfg.mesh.rules.get(logical)!r} must be 'stage' with {stages} pipeline "
                      "stages (the layer stack and the pipeline's buffers are split over the stage axis)")
-
-
-def resolve_auto(cfg: Config, platform: str) -> Config:
-    """``cfg`` with ``model.dtype=auto`` and ``model.attention=auto`` replaced by the concrete choice for
-    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``): the one place "auto" gets a meaning.
-
-    dtype: float32 on CPU, bfloat16 on accelerators. attention: on GPU, cuDNN's fused kernel for 16-bit compute
-    without document masking (its entry point takes no segment ids, and it has no float32 kernel), else
-    jaxtrain's flash kernel where it takes the head dim; the XLA reference everywhere else. Concrete values pass
-    through unchanged, so resolving twice is harmless.
-    """
-    m = cfg.model
-    dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
-    attention = m.attention
-    if attention == "auto":
-        attention = "xla"
-        if platform == "gpu":
-            if dtype != "float32" and not cfg.data.document_mask:
-                attention = "cudnn"
-            elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
-                # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
-                # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
-                # tiles and wgmma counts for sm_90a (README "Attention kernels").
-                attention = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention))

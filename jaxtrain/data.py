@@ -186,7 +186,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> dict:
     Byte-level by default (vocabulary 256, documents separated by NUL); with ``tokenizer`` a local Hugging Face
     ``tokenizer.json`` (needs the ``tokenizers`` package), documents separated by its end-of-text token if it has one.
     """
-    from jaxtrain.inputs import existing_file
+    from jaxtrain.locations import existing_file
 
     for path in inputs:
         existing_file(path, "input file")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -23,10 +24,35 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.config import Config, batch_mesh_axes, resolve_auto
+from jaxtrain.config import FLASH_HEAD_DIMS, Config, batch_mesh_axes
 from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
 from jaxtrain.model import Transformer
 from jaxtrain.state import TrainState, make_optimizer
+
+
+def resolve_auto(cfg: Config, platform: str) -> Config:
+    """``cfg`` with ``model.dtype=auto`` and ``model.attention=auto`` replaced by the concrete choice for
+    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``): the one place "auto" gets a meaning.
+
+    dtype: float32 on CPU, bfloat16 on accelerators. attention: on GPU, cuDNN's fused kernel for 16-bit compute
+    without document masking (its entry point takes no segment ids, and it has no float32 kernel), else
+    jaxtrain's flash kernel where it takes the head dim; the XLA reference everywhere else. Concrete values pass
+    through unchanged, so resolving twice is harmless.
+    """
+    m = cfg.model
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    attention = m.attention
+    if attention == "auto":
+        attention = "xla"
+        if platform == "gpu":
+            if dtype != "float32" and not cfg.data.document_mask:
+                attention = "cudnn"
+            elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
+                # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
+                # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
+                # tiles and wgmma counts for sm_90a (README "Attention kernels").
+                attention = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention))
 
 
 @dataclass(frozen=True)
@@ -62,7 +88,7 @@ def bytes_per_device(tree) -> int:
 class Layout:
     """One config on one mesh. Build with :meth:`build`; immutable afterwards."""
 
-    cfg: Config  # resolved for the platform: no "auto" left (config.resolve_auto)
+    cfg: Config  # resolved for the platform: no "auto" left (layout.resolve_auto)
     mesh: Mesh
     shape: MeshShape
     rules: Rules  # logical axis -> mesh axes, Flax's tuple form

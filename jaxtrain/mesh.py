@@ -2,7 +2,7 @@
 and the device mesh built from it.
 
 :class:`MeshShape` owns every fact about a shape: resolving the config's ``-1`` axis, the axis sizes, its label and
-JSON form, the ``key=value`` overrides that reproduce it, the config with it pinned, the divisibility rules, and
+JSON form, the ``key=value`` overrides that reproduce it, the config with it pinned, and
 which node each device sits on. :func:`build_mesh` lays devices out by the same node coordinates, so the planner's
 view of which collectives cross nodes is the mesh's own.
 """
@@ -74,10 +74,6 @@ class MeshShape:
     def devices_per_node(self) -> int:
         return math.prod(self.ici)
 
-    def check(self, cfg: Config) -> None:
-        """Raise ConfigError when the model or batch does not split evenly over these axis sizes."""
-        check_divisibility(cfg, self.axis_sizes)
-
     # -- renderings ----------------------------------------------------------------------------------------------
 
     @property
@@ -145,7 +141,7 @@ def build_mesh(cfg: Config, devices: list | None = None) -> tuple[Mesh, MeshShap
     model and batch against the axis sizes."""
     devices = list(jax.devices()) if devices is None else list(devices)
     shape = MeshShape.resolve(cfg.mesh, len(devices))
-    shape.check(cfg)
+    check_divisibility(cfg, shape.axis_sizes)
     n_proc = len({d.process_index for d in devices})
     if n_proc > 1:
         if shape.num_nodes != n_proc:

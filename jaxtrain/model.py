@@ -36,7 +36,7 @@ REMAT_POLICIES = {
 def attention(q, k, v, segment_ids, impl: str, interpret: bool = False) -> jax.Array:
     """Causal self-attention. q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim].
 
-    ``impl`` is the resolved ``model.attention`` (``config.resolve_auto`` gave "auto" its meaning at start-up);
+    ``impl`` is the resolved ``model.attention`` (``layout.resolve_auto`` gave "auto" its meaning at start-up);
     ``interpret`` runs the flash kernels in Pallas' interpreter (CPU). The flash kernels are custom calls that XLA
     cannot partition, so they run under ``shard_map`` on each device's shard: batch and heads split over the mesh
     axes their logical names map to (the config refuses a sharded sequence for them).
@@ -194,14 +194,14 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only transformer for a resolved model config (``config.resolve_auto``: no "auto" left).
+    """Decoder-only transformer for a resolved model config (``layout.resolve_auto``: no "auto" left).
 
     ``interpret_kernels``: run the flash kernels in Pallas' interpreter (the platform is a CPU).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, interpret_kernels: bool = False):
         if "auto" in (cfg.dtype, cfg.attention):
-            raise ValueError("the model needs a resolved config (config.resolve_auto): dtype and attention not auto")
+            raise ValueError("the model needs a resolved config (layout.resolve_auto): dtype and attention not auto")
         self.cfg = cfg
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,

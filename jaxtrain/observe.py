@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import hardware, log, rundir
-from jaxtrain.check import Measurement, node_name
 from jaxtrain.goodput import Goodput
+from jaxtrain.health import Measurement, node_name
 from jaxtrain.layout import compiled_need
 from jaxtrain.metrics import Throughput
 
@@ -224,7 +224,7 @@ class StragglerWatch:
 class CollectiveProbe:
     """A small all-reduce per mesh axis (size > 1), compiled once, timed every ``every`` steps.
 
-    Bus bandwidth as in ``jaxtrain.check`` (nccl-tests' definition, :class:`jaxtrain.check.Measurement`): the same
+    Bus bandwidth as in ``jaxtrain.health`` (nccl-tests' definition, :class:`jaxtrain.health.Measurement`): the same
     figure the pre-flight check reports, so the two compare. The expected rate is the link the axis runs over in
     the hardware file (``observe.hardware``, else the shipped file of these devices): the NIC where the axis
     crosses hosts, NVLink inside a node.

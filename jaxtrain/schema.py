@@ -9,10 +9,12 @@ against its dataclass field's type (:func:`coerce`, :func:`load_typed`); every m
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 import yaml
@@ -156,3 +158,74 @@ def coerce(tp: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be a mapping, got {value!r}")
         return dict(value)
     raise TypeError(f"unsupported config type {tp} for {name}")  # a bug in the schema, not a user error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataclass trees from nested mappings (the config's loading; generic, so that its rules are the same everywhere)
+
+
+def set_dotted(tree: dict, key: str, value: Any) -> None:
+    """``tree`` with ``a.b.c = value`` set, creating (or replacing non-mapping) intermediate levels."""
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            nxt = node[p] = {}
+        node = nxt
+    node[parts[-1]] = value
+
+
+def dotted_keys(cls: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass tree (dict-valued fields end at their name)."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        keys += dotted_keys(tp, prefix + f.name + ".") if dataclasses.is_dataclass(tp) else [prefix + f.name]
+    return keys
+
+
+def unknown_key(name: str, known: list[str], what: str) -> ConfigError:
+    """ConfigError for an unknown dotted key, suggesting the closest known key: one of its own section's (the
+    names compared, so that a stray name is not matched to an unrelated key), else, for a misspelt section, a key
+    of another section that is nearly the same as a whole."""
+    section, _, leaf = name.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    suggestion = siblings[close[0]] if close else next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)),
+                                                        None)
+    hint = f"; did you mean {suggestion!r}?" if suggestion else ""
+    return ConfigError(f"unknown {what} {name!r}{hint}")
+
+
+def _first_leaf(key: str, value: Any) -> str:
+    while isinstance(value, dict) and value:
+        k, value = next(iter(value.items()))
+        key = f"{key}.{k}"
+    return key
+
+
+def build(default: Any, tree: Any, prefix: str, unknown: Callable[[str], ConfigError]):
+    """A copy of the dataclass instance ``default`` with the values of the nested mapping ``tree`` applied (each
+    checked against its field's type by :func:`coerce`); ``unknown(dotted key)`` makes the error for a key that is
+    not a field."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {tree!r}")
+    cls = type(default)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k, v in tree.items():
+        if k not in names:
+            raise unknown(_first_leaf(prefix + str(k), v))
+    changes = {}
+    for name, value in tree.items():
+        tp, current, dotted = hints[name], getattr(default, name), prefix + name
+        if dataclasses.is_dataclass(tp):
+            changes[name] = build(current, value, dotted + ".", unknown)
+        elif typing.get_origin(tp) is dict:
+            # Mappings merge into the defaults, so that one rule can be overridden alone.
+            changes[name] = {**current, **coerce(tp, value, dotted)}
+        else:
+            changes[name] = coerce(tp, value, dotted)
+    return dataclasses.replace(default, **changes)

@@ -231,7 +231,7 @@ class Predictor:
         self._hardware: dict[int, Any] = {}
 
     def predict(self, cfg) -> dict:
-        from jaxtrain.config import resolve_auto
+        from jaxtrain.layout import resolve_auto
         from jaxtrain.mesh import MeshShape, cpu_devices_per_process
         from jaxtrain.planner import measure, search
 
@@ -241,7 +241,7 @@ class Predictor:
         devices = self.devices[:n]
         if n not in self._hardware:
             self._hardware[n] = measure.measure_cpu(devices)
-        cfg = resolve_auto(cfg, "cpu")  # as the run will (train.setup on CPU devices)
+        cfg = resolve_auto(cfg, "cpu")  # as the run will (Layout.build on CPU devices)
         shape = search.given_shape(cfg, n, nodes=MeshShape.resolve(cfg.mesh, n).num_nodes)
         return search.candidate_result(cfg, shape, self._hardware[n], search.compile_step(cfg, shape, devices))
 

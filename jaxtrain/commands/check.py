@@ -20,13 +20,13 @@ def run(args) -> int:
     cfg = start(args)
     import jax
 
-    from jaxtrain import check, log
+    from jaxtrain import health, log
 
-    failures = check.run(cfg)
+    failures = health.run(cfg)
     tag = log.process_tag()
     for failure in failures:
         print(f"check failed: {tag}{failure}", file=sys.stderr)
-    passed, failed = check.verdict(failures)  # every process agrees; process 0 says it
+    passed, failed = health.verdict(failures)  # every process agrees; process 0 says it
     if jax.process_index() == 0:
         if passed:
             print("\ncheck passed")

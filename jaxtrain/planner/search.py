@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxtrain import pipeline
-from jaxtrain.config import MESH_AXES, Config
+from jaxtrain.config import MESH_AXES, Config, check_divisibility
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
@@ -63,7 +63,7 @@ def search_shapes(cfg: Config, n_devices: int, nodes: int) -> tuple[list[MeshSha
         for dcn_dsf in _factorizations(nodes, len(MESH_AXES) - 1):
             shape = MeshShape(ici=ici, dcn=(*dcn_dsf, 1))
             try:
-                shape.check(cfg)
+                check_divisibility(cfg, shape.axis_sizes)
             except ConfigError as e:
                 rejected.setdefault(str(e), []).append(shape)
                 continue
@@ -99,7 +99,7 @@ def pipeline_note(cfg: Config, rejected: dict[str, list[MeshShape]], planned: li
 def given_shape(cfg: Config, n_devices: int, nodes: int) -> MeshShape:
     """The config's own mesh over ``n_devices`` (the -1 axis filled), checked against the node count."""
     shape = MeshShape.resolve(cfg.mesh, n_devices)
-    shape.check(cfg)
+    check_divisibility(cfg, shape.axis_sizes)
     devices_per_node(n_devices, nodes)
     if shape.num_nodes != nodes:
         raise ConfigError(f"mesh.dcn sizes multiply to {shape.num_nodes} but the plan is for {nodes} node(s); "

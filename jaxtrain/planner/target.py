@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from jaxtrain import hardware
-from jaxtrain.config import Config, resolve_auto, validate
+from jaxtrain.config import Config, validate
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
@@ -44,13 +44,15 @@ def as_on_gpu(cfg: Config) -> Config:
     """``cfg`` as it would run on GPUs, compilable by the CPU that makes the plan: the one place the planner's
     choices differ from the training run's.
 
-    "auto" means what it means on a GPU (``config.resolve_auto(cfg, "gpu")``). STAND-IN: where that choice (or the
+    "auto" means what it means on a GPU (``layout.resolve_auto(cfg, "gpu")``). STAND-IN: where that choice (or the
     config's) is cuDNN's fused attention, which XLA:CPU cannot compile, the plan compiles jaxtrain's Pallas flash
     kernel instead (interpreted on CPU): like cuDNN's, its memory grows with the sequence, not with its square as
     the XLA reference's scores do, and the collectives do not depend on the attention kernel. Where the flash
     kernel does not take the config (e.g. a head dim outside config.FLASH_HEAD_DIMS) the XLA reference stands in,
     and the plan's temporaries are then an upper bound.
     """
+    from jaxtrain.layout import resolve_auto  # imports JAX: only once the plan's XLA flags are set
+
     cfg = resolve_auto(cfg, "gpu")
     if cfg.model.attention != "cudnn":
         return cfg
@@ -94,6 +96,8 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
             raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} contradicts --hardware {hardware_name} "
                               f"--nodes {nodes} ({n_devices} devices); drop it")
         hw = dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
+        from jaxtrain.layout import resolve_auto  # imports JAX
+
         on_gpu, cfg = resolve_auto(cfg, "gpu"), as_on_gpu(cfg)
         if cfg.model.attention != on_gpu.model.attention:
             notes.append(f"attention {on_gpu.model.attention} (the choice on GPUs) is planned with "
@@ -126,6 +130,8 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         n_devices = len(devices)
         if nodes == 1 and jax.process_count() > 1:
             nodes = jax.process_count()
+        from jaxtrain.layout import resolve_auto
+
         cfg = resolve_auto(cfg, devices[0].platform)
         shapes = shapes_for(cfg, n_devices, nodes)
         hw = hardware_at_hand(devices, mem_fraction)

@@ -1,6 +1,6 @@
-"""Checks of the files, directories and addresses the command line is given, before anything is written.
+"""Locations in the config (files, directories, host:port addresses), checked before anything is written.
 
-Each failure is a :class:`~jaxtrain.config.ConfigError` (one line, exit status 2) that names the value and what would
+Each failure is a :class:`~jaxtrain.errors.ConfigError` (one line, exit status 2) that names the value and what would
 be valid. Kept apart from ``config`` (the typed tree and its value checks); like it, nothing here imports JAX.
 """
 
