@@ -5,6 +5,10 @@ shard by shard from the devices that hold it) and ``meta`` (JSON: the Grain iter
 mesh, versions and time). Orbax writes a step into a temporary directory and renames it when complete, so a save
 that was interrupted is never seen as a step. Restoring reads each array straight into the shardings of the
 *current* mesh: nothing is gathered on one host, and the mesh may differ from the one that saved.
+
+This module owns the on-disk format: finding steps (:func:`existing_steps`, :func:`resolve`), reading a step's
+``meta`` (:func:`read_meta`, :func:`saved_config`), naming leaves (:func:`leaf_name`), reading parameters alone
+(:func:`restore_params`) and writing a step outside training (:func:`write`); ``convert`` and ``generate`` use these.
 """
 
 from __future__ import annotations
@@ -20,12 +24,16 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxtrain import __version__
-from jaxtrain.config import Config, ConfigError
+from jaxtrain import __version__, rundir
+from jaxtrain.config import Config, to_dict
+from jaxtrain.errors import CheckpointError, ConfigError
 
-
-class CheckpointError(RuntimeError):
-    """A save failed (directory not writable, disk full, ...): training must not go on without checkpoints."""
+# A step directory <directory>/<step> holds these two Orbax items.
+STATE, META = "state", "meta"
+_META_FILE = os.path.join(META, "metadata")  # the JsonCheckpointHandler's file
+_STATE_METADATA = os.path.join(STATE, "_METADATA")  # the PyTree handler's tree of array metadata
+# Model settings that shape no array of a checkpoint (how it is computed, not what it holds).
+COMPUTE_ONLY = ("model.dtype", "model.attention", "model.remat")
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class RestoreSource:
 
 
 def checkpoint_dir(cfg: Config) -> str:
-    return os.path.abspath(cfg.checkpoint.dir or os.path.join(cfg.run.dir, "checkpoints"))
+    return os.path.abspath(cfg.checkpoint.dir or rundir.path(cfg.run.dir, rundir.CHECKPOINTS))
 
 
 def _manager(directory: str, cfg: Config | None = None, *, read_only: bool = False,
@@ -56,21 +64,12 @@ def _manager(directory: str, cfg: Config | None = None, *, read_only: bool = Fal
         # passed with force=True; Orbax decides what to keep.
         preservation_policy=ocp.checkpoint_managers.LatestN(c.keep) if c else None,
     )
-    handlers = {"state": ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler()}
+    handlers = {STATE: ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
+                META: ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
-def _step_dir(path: str) -> tuple[str, int | None]:
-    """A checkpoint path given by the user: a step directory (``.../40``) or a directory of steps."""
-    path = os.path.abspath(path.rstrip("/"))
-    base = os.path.basename(path)
-    if base.isdigit():
-        return os.path.dirname(path), int(base)
-    return path, None
-
-
-def _existing_steps(directory: str) -> list[int]:
+def existing_steps(directory: str) -> list[int]:
     """Complete steps in ``directory``, read from the file system alone: every process of a job must decide alike,
     and creating a CheckpointManager here would be a collective step that the processes could take unevenly."""
     if not os.path.isdir(directory):
@@ -78,10 +77,76 @@ def _existing_steps(directory: str) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(directory))
 
 
+def resolve(path: str, what: str = "checkpoint path") -> tuple[str, int]:
+    """(directory of steps, step) for a path given by the user: a run directory, its checkpoints directory, one
+    step inside it (``.../40``), or the output directory of ``convert from-hf``; the newest step unless a step
+    directory is named. ConfigError (naming ``what``) when it holds no complete checkpoint."""
+    given, path = path, os.path.abspath(path.rstrip("/") or "/")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{what} {given!r} {'is not a directory' if os.path.exists(path) else 'does not exist'}")
+    parent, base = os.path.split(path)
+    if base.isdigit() and int(base) in existing_steps(parent):
+        return parent, int(base)
+    for directory in (rundir.path(path, rundir.CHECKPOINTS), path):
+        steps = existing_steps(directory)
+        if steps:
+            return directory, steps[-1]
+    beside = existing_steps(parent) if base.isdigit() else []
+    raise ConfigError(f"{what} {given!r} holds no complete checkpoint (expected a run directory, its checkpoints "
+                      "directory, a step inside it, or the output of convert from-hf)"
+                      + (f"; steps in {parent}: {beside}" if beside else ""))
+
+
+def read_meta(directory: str, step: int) -> dict:
+    """The ``meta`` item of step ``directory/step``: the effective config (``"config"``) and what else its writer
+    recorded (versions, mesh, data iterator state, fingerprint; ``"hf"`` for an import)."""
+    path = os.path.join(directory, str(step), _META_FILE)
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint {directory}/{step} has no readable metadata ({type(e).__name__}); it was not "
+                          "written by jaxtrain") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"checkpoint {directory}/{step}: {_META_FILE} is not a JSON object")
+    return meta
+
+
+def saved_config(directory: str, step: int) -> dict | None:
+    """The config (as :func:`jaxtrain.config.to_dict` writes it: the effective config of the run that saved) stored
+    in the meta of step ``directory/step``; None when the meta cannot be read or holds no config."""
+    try:
+        config = read_meta(directory, step).get("config")
+    except ConfigError:
+        return None
+    return config if isinstance(config, dict) and config else None
+
+
+def changed_settings(saved: dict | None, current: dict, sections: tuple[str, ...] = ("model",),
+                     ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) for each setting of ``sections`` that differs between a saved config
+    (:func:`saved_config`) and ``current`` (``to_dict`` of a config); keys only one side has are skipped (a config
+    written before the key existed). Compare effective configs (``Layout.effective_config``) where ``auto`` or a
+    -1 mesh axis would otherwise differ from what the saving run resolved."""
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(prefix: str, a: Any, b: Any) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in b:
+                if k in a:
+                    walk(f"{prefix}.{k}", a[k], b[k])
+        elif a != b and prefix not in ignore:
+            out.append((prefix, a, b))
+
+    for section in sections:
+        walk(section, (saved or {}).get(section, {}), current.get(section, {}))
+    return out
+
+
 def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
     """Decide what to restore and check it fits ``abstract_state``, without reading any array or writing anything."""
     c, own = cfg.checkpoint, checkpoint_dir(cfg)
-    own_steps = _existing_steps(own)
+    own_steps = existing_steps(own)
     source = RestoreSource("fresh")
     if c.resume == "never":
         if own_steps:
@@ -96,24 +161,11 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
             raise ConfigError(f"checkpoint.resume={step}: no such step in {own}; steps there: {own_steps or 'none'}")
         source = RestoreSource("resume", own, step)
     else:
-        directory, named = _step_dir(c.resume)
-        steps = _existing_steps(directory)
-        if named is None and steps:
-            named = steps[-1]
-        if named is None or named not in steps:
-            raise ConfigError(f"checkpoint.resume={c.resume!r} holds no complete checkpoint; steps there: "
-                              f"{steps or 'none'}")
-        source = RestoreSource("resume", directory, named)
+        source = RestoreSource("resume", *resolve(c.resume, "checkpoint.resume"))
     if source.kind == "fresh" and c.init_from:
-        directory, named = _step_dir(c.init_from)
-        steps = _existing_steps(directory)
-        named = steps[-1] if named is None and steps else named
-        if named is None or named not in steps:
-            raise ConfigError(f"checkpoint.init_from={c.init_from!r} holds no complete checkpoint; steps there: "
-                              f"{steps or 'none'}")
-        source = RestoreSource("params", directory, named)
+        source = RestoreSource("params", *resolve(c.init_from, "checkpoint.init_from"))
     if source.kind != "fresh":
-        source = _first_readable(source, _target(source, abstract_state))
+        source = _first_readable(source, _target(source, abstract_state), cfg)
     if source.kind == "resume" and source.step > cfg.train.steps:
         raise ConfigError(f"the checkpoint to resume is at step {source.step}, beyond train.steps={cfg.train.steps}; "
                           f"raise train.steps or set checkpoint.resume")
@@ -131,9 +183,9 @@ def _damaged(source: RestoreSource, step: int, damage: str, tried: list[str]) ->
     if not (source.kind == "resume" and (source.older or len(tried) > 1)):
         what = "checkpoint.init_from" if source.kind == "params" else "the checkpoint to resume"
         raise ConfigError(f"{what} {where} is damaged: {damage}; name another step, or move it aside")
-    from jaxtrain.metrics import log_info
+    from jaxtrain import log
 
-    log_info(f"warning: skipping damaged checkpoint {where}: {damage}")
+    log.info(f"warning: skipping damaged checkpoint {where}: {damage}")
 
 
 def _none_readable(source: RestoreSource, tried: list[str]) -> ConfigError:
@@ -141,7 +193,7 @@ def _none_readable(source: RestoreSource, tried: list[str]) -> ConfigError:
                        "(nothing was deleted) or resume from another directory")
 
 
-def _first_readable(source: RestoreSource, target: Any) -> RestoreSource:
+def _first_readable(source: RestoreSource, target: Any, cfg: Config) -> RestoreSource:
     """``source``, or under resume=auto the newest step whose metadata reads, warning once per damaged newer step.
     A checkpoint of another model shape is a ConfigError, not damage."""
     tried: list[str] = []
@@ -149,7 +201,7 @@ def _first_readable(source: RestoreSource, target: Any) -> RestoreSource:
     for i, step in enumerate(candidates):
         damage = _metadata_damage(source.directory, step)
         if damage is None:
-            _check_shapes(replace(source, step=step), target)
+            _check_shapes(replace(source, step=step), target, cfg)
             return replace(source, step=step, older=candidates[i + 1:])
         _damaged(source, step, damage, tried)
     raise _none_readable(source, tried)
@@ -160,19 +212,19 @@ def _metadata_damage(directory: str, step: int) -> str | None:
     path = os.path.join(directory, str(step))
     if not os.listdir(path):
         return "the step directory is empty"
-    for rel in ("state/_METADATA", "meta/metadata"):
+    for rel in (_STATE_METADATA, _META_FILE):
         if not os.path.isfile(os.path.join(path, rel)):
             return f"{rel} is missing"
     try:
-        with open(os.path.join(path, "meta", "metadata"), "rb") as f:
+        with open(os.path.join(path, _META_FILE), "rb") as f:
             if not isinstance(json.loads(f.read().decode("utf-8")), dict):
-                return "meta/metadata is not a JSON object"
+                return f"{_META_FILE} is not a JSON object"
     except (ValueError, OSError) as e:
-        return f"meta/metadata cannot be read: {_reason(e)}"
+        return f"{_META_FILE} cannot be read: {_reason(e)}"
     try:
         _saved_tree(path)
     except Exception as e:  # Orbax raises whatever its JSON and TensorStore readers raise
-        return f"state/_METADATA cannot be read: {_reason(e)}"
+        return f"{_STATE_METADATA} cannot be read: {_reason(e)}"
     return None
 
 
@@ -180,27 +232,63 @@ def _saved_tree(step_path: str) -> Any:
     """The array metadata tree of a step's ``state`` item (no array is read)."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
-        return handler.metadata(epath.Path(step_path) / "state").tree
+        return handler.metadata(epath.Path(step_path) / STATE).tree
     finally:
         handler.close()  # its background event loop, else it complains at exit
 
 
-def _leaf_name(path) -> str:
+def leaf_path(path) -> tuple[str, ...]:
+    """A leaf's key path (``jax.tree_util`` keys) as names, NNX's ``value`` wrappers left out:
+    ``("model", "blocks", "mlp", "down", "kernel")``."""
     keys = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-    return ".".join(k for k in keys if k not in ("value", ".value"))
+    return tuple(k for k in keys if k not in ("value", ".value"))
 
 
-def _check_shapes(source: RestoreSource, target: Any) -> None:
+def leaf_name(path) -> str:
+    """A leaf's name in messages and fingerprints: :func:`leaf_path` joined by dots."""
+    return ".".join(leaf_path(path))
+
+
+def _check_shapes(source: RestoreSource, target: Any, cfg: Config | None) -> None:
+    """ConfigError, saying what differs and what to do, when ``target`` does not fit the step's arrays."""
     saved = _saved_tree(os.path.join(source.directory, str(source.step)))
-    saved_shapes = {_leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    saved_shapes = {leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        name = _leaf_name(path)
+        name = leaf_name(path)
         if name not in saved_shapes:
-            raise ConfigError(f"checkpoint {source.directory}/{source.step} has no {name!r} (the model or optimizer "
-                              "differs from the one that saved it)")
+            raise _mismatch(source, f"has no {name!r} (the model or optimizer differs from the one that saved it)",
+                            cfg)
         if saved_shapes[name] != tuple(leaf.shape):
-            raise ConfigError(f"checkpoint {source.directory}/{source.step} does not fit this model: {name} has shape "
-                              f"{saved_shapes[name]} there but {tuple(leaf.shape)} here")
+            raise _mismatch(source, f"does not fit this model: {name} has shape {saved_shapes[name]} there but "
+                                    f"{tuple(leaf.shape)} here", cfg)
+
+
+def _mismatch(source: RestoreSource, differs: str, cfg: Config | None) -> ConfigError:
+    """The one-line error for a checkpoint of another model: where, what differs (the first leaf, and the model
+    settings that differ from the config saved with the step), and what to do."""
+    where = f"{source.directory}/{source.step}"
+    own = cfg is not None and source.kind == "resume" and source.directory == checkpoint_dir(cfg)
+    head = (f"run.dir {os.path.abspath(cfg.run.dir)} cannot resume: its checkpoint {where}" if own and cfg
+            else f"checkpoint {where}")
+    text = f"{head} {differs}"
+    if cfg is not None:
+        changed = changed_settings(saved_config(source.directory, source.step), to_dict(cfg), ("model",),
+                                   ignore=COMPUTE_ONLY)
+        if changed:
+            text += "; settings that differ from the checkpoint's config: " + ", ".join(
+                f"{key}={json.dumps(here)} here, {json.dumps(there)} there" for key, there, here in changed)
+    if source.kind == "params":
+        todo = ("point checkpoint.init_from at a checkpoint of this model, or set the changed settings to the "
+                "checkpoint's")
+    elif own:
+        todo = (f"to train this model, use another run.dir (or checkpoint.dir), or move {source.directory} aside; "
+                "to continue the saved run, set the changed settings back to the checkpoint's. "
+                "checkpoint.resume=never does not start afresh here: it refuses a checkpoint directory that holds "
+                "steps (and deletes none)")
+    else:
+        todo = ("point checkpoint.resume at a checkpoint of this model, or set the changed settings back to the "
+                "checkpoint's")
+    return ConfigError(f"{text}. What to do: {todo}")
 
 
 def restore(source: RestoreSource, abstract_state: Any, fresh_state):
@@ -219,7 +307,7 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
             if damage is not None:
                 _damaged(source, step, damage, tried)
                 continue
-            _check_shapes(replace(source, step=step), target)
+            _check_shapes(replace(source, step=step), target, None)
         try:
             out, error = _restore_step(source, step, abstract_state, fresh_state), None
         except Exception as e:  # TensorStore/Orbax raise plain Exception, ValueError, OSError, JSONDecodeError
@@ -248,14 +336,61 @@ def _read_step(manager, source: RestoreSource, step: int, abstract_state: Any, f
     # Parameters only: read the model subtree, keep the fresh optimizer state.
     # restore_args carry the target shardings: without them Orbax restores onto the mesh that saved the
     # checkpoint (e.g. an import sharded fsdp=8), which the train step compiled for this mesh then rejects.
-    item = {"model": abstract_state["model"]}
-    out = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True),
-        meta=ocp.args.JsonRestore()))
+    out = manager.restore(step, args=ocp.args.Composite(state=_partial({"model": abstract_state["model"]}),
+                                                      meta=ocp.args.JsonRestore()))
     _verify({"model": out["state"]["model"]}, out["meta"])
     state = fresh_state()
     state["model"] = out["state"]["model"]
     return state, 0, None
+
+
+def _partial(item: Any) -> ocp.args.PyTreeRestore:
+    """Restore just ``item``'s subtree of a step's ``state`` (a manager made with ``partial=True``), each array into
+    its ShapeDtypeStruct's sharding."""
+    return ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=True)
+
+
+def restore_params(directory: str, step: int, abstract_params: Any, only: tuple[str, ...] | None = None) -> Any:
+    """The parameters (``state["model"]``) of step ``directory/step``, a train state's or an import's, read straight
+    into the shardings of ``abstract_params`` (``Layout.abstract_params``); ``only``: just the parameter at that path
+    inside the model (:func:`leaf_path` less ``"model"``), as a single array. The optimizer state is not read."""
+    if only is not None:
+        leaf = next(leaf for p, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+                    if leaf_path(p) == only)
+        item: Any = {"value": leaf}
+        for key in reversed(only):
+            item = {key: item}
+    else:
+        item = abstract_params
+    manager = _manager(directory, read_only=True, partial=True)
+    try:
+        out = manager.restore(step, args=ocp.args.Composite(state=_partial({"model": item})))["state"]["model"]
+    finally:
+        manager.close()
+    if only is None:
+        return out
+    for key in only:
+        out = out[key]
+    return out["value"]
+
+
+def write(directory: str, step: int, state: Any, meta: dict) -> None:
+    """Save ``state`` (e.g. ``{"model": params}``) and ``meta`` (with the versions, step and time added) as step
+    ``directory/step`` in the format ``train`` writes, synchronously: a checkpoint made outside training (``convert
+    from-hf``)."""
+    manager = _manager(os.path.abspath(directory))
+    try:
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            meta=ocp.args.JsonSave({**_versions(), "step": step, "time": time.time(), **meta})), force=True)
+        manager.wait_until_finished()
+    finally:
+        manager.close()
+
+
+def _versions() -> dict:
+    return {"jaxtrain_version": __version__, "jax_version": jax.__version__}
 
 
 def _verify(state: Any, meta: dict) -> None:
@@ -287,7 +422,7 @@ def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
     deleted (Orbax ignores such names). Called by every process: process 0 renames, then all meet, so that no
     process lists the old names afterwards. Returns the new names (on process 0)."""
     moved = []
-    for step in _existing_steps(directory) if jax.process_index() == 0 else []:
+    for step in existing_steps(directory) if jax.process_index() == 0 else []:
         if step > restored_step:
             new, n = os.path.join(directory, f"{step}.damaged"), 1
             while os.path.exists(new):
@@ -317,7 +452,7 @@ class Checkpointer:
         except OSError as e:
             raise ConfigError(f"checkpoint directory {self.directory!r} is not writable: {e.strerror}") from None
         self._manager = _manager(self.directory, cfg)
-        self._meta = {**metadata, "jaxtrain_version": __version__, "jax_version": jax.__version__}
+        self._meta = {**metadata, **_versions()}
 
     def should_save(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -410,7 +545,7 @@ def _fingerprint(state: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
             exponent = ((1 << info.nexp) - 1) << info.nmant
             x = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
             finite.append(jnp.all((x & exponent) != exponent))
-        sums[_leaf_name(path)] = jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
+        sums[leaf_name(path)] = jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
     return (jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)), sums
 
 

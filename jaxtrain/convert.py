@@ -16,46 +16,12 @@ import time
 
 import numpy as np
 
-from jaxtrain import hf
-from jaxtrain.config import ConfigError
+from jaxtrain import checkpoint as ckpt
+from jaxtrain import hf, rundir
+from jaxtrain.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
-# Checkpoints: where they are, what they say
-
-
-def existing_steps(directory: str) -> list[int]:
-    """Complete (committed) Orbax steps in ``directory``."""
-    import orbax.checkpoint as ocp
-
-    return sorted(ocp.utils.checkpoint_steps(directory)) if os.path.isdir(directory) else []
-
-
-def resolve_checkpoint(path: str) -> tuple[str, int]:
-    """(checkpoints directory, step) for a run directory, its checkpoints directory, one step inside it, or the
-    output directory of ``convert from-hf``; the newest step unless a step directory is given."""
-    path = os.path.abspath(path.rstrip("/") or "/")
-    if not os.path.isdir(path):
-        raise ConfigError(f"checkpoint path {path!r} does not exist")
-    base = os.path.basename(path)
-    if base.isdigit() and int(base) in existing_steps(os.path.dirname(path)):
-        return os.path.dirname(path), int(base)
-    for directory in (os.path.join(path, "checkpoints"), path):
-        steps = existing_steps(directory)
-        if steps:
-            return directory, steps[-1]
-    raise ConfigError(f"{path!r} holds no complete checkpoint (expected a run directory, its checkpoints directory, "
-                      "a step inside it, or the output of convert from-hf)")
-
-
-def read_meta(directory: str, step: int) -> dict:
-    """The ``meta`` item of a checkpoint step: the effective config and what else its writer recorded."""
-    path = os.path.join(directory, str(step), "meta", "metadata")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"checkpoint {directory}/{step} has no readable metadata ({type(e).__name__}); it was not "
-                          "written by jaxtrain") from None
+# What a checkpoint says (the format itself, steps and meta, is checkpoint.py's)
 
 
 def model_overrides(meta: dict) -> list[str]:
@@ -80,7 +46,7 @@ def hf_origin(meta: dict, depth: int = 4) -> dict:
     init = (meta.get("config") or {}).get("checkpoint", {}).get("init_from")
     if init and depth > 0:
         try:
-            return hf_origin(read_meta(*resolve_checkpoint(init)), depth - 1)
+            return hf_origin(ckpt.read_meta(*ckpt.resolve(init)), depth - 1)
         except ConfigError:
             return {}
     return {}
@@ -102,78 +68,13 @@ def tokenizer_source(meta: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Model layout on a mesh
-
-
-def model_setup(cfg):
-    """(config resolved for this platform, mesh, logical rules) on all devices, for reading or writing a model."""
-    import jax
-
-    from jaxtrain.config import resolve_auto
-    from jaxtrain.mesh import build_mesh, rules_from_config
-
-    cfg = resolve_auto(cfg, jax.devices()[0].platform)
-    mesh, _ = build_mesh(cfg)
-    return cfg, mesh, rules_from_config(cfg.mesh.rules)
-
-
-def _transformer(cfg):
-    import jax
-    from flax import nnx
-
-    from jaxtrain.model import Transformer
-
-    return Transformer(cfg.model, rngs=nnx.Rngs(0), interpret_kernels=jax.default_backend() == "cpu")
-
-
-def _name(path) -> tuple[str, ...]:
-    keys = (str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-    return tuple(k for k in keys if k not in ("value", ".value"))
-
-
-def abstract_params(cfg, mesh, rules):
-    """The model's parameter state as ShapeDtypeStructs carrying their shardings on ``mesh`` (nnx.State); ``cfg``
-    resolved (:func:`model_setup`)."""
-    import jax
-    from flax import nnx
-
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        state = nnx.state(nnx.eval_shape(lambda: _transformer(cfg)))
-        shardings = nnx.get_named_sharding(state, mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+# The model on a mesh (Layout.build: the config resolved for the devices, mesh, rules, abstract parameters)
 
 
 def _leaf_shapes(abstract) -> dict[tuple[str, ...], tuple[int, ...]]:
     import jax
 
-    return {_name(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-
-
-def restore_params(directory: str, step: int, abstract, only: tuple[str, ...] | None = None):
-    """Parameters of checkpoint ``directory/step`` in the shardings of ``abstract`` (the model's state, as from
-    :func:`abstract_params`); ``only``: just the parameter at that path, as a single array."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    if only is not None:
-        leaf = next(leaf for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0] if _name(p) == only)
-        item = {"value": leaf}
-        for key in reversed(only):
-            item = {key: item}
-        item = {"model": item}
-    else:
-        item = {"model": abstract}
-    manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
-                                    item_handlers={"state": ocp.PyTreeCheckpointHandler()})
-    restore = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                     partial_restore=True)
-    out = manager.restore(step, args=ocp.args.Composite(state=restore))["state"]["model"]
-    manager.close()
-    if only is None:
-        return out
-    for key in only:
-        out = out[key]
-    return out["value"]
+    return {ckpt.leaf_path(p): tuple(leaf.shape) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,6 +86,13 @@ def _discard(out: str, existed: bool) -> None:
     shutil.rmtree(out, ignore_errors=True)
     if existed:
         os.makedirs(out, exist_ok=True)
+
+
+def import_run_dir(out: str) -> str:
+    """The run.dir an import's config.yaml names: ``<out>/run``, absolute. Unique to the import (``out`` was new or
+    empty), and the same wherever ``train --config <out>/config.yaml`` is started; a relative ``runs/<name>`` would be
+    the directory of any other job of that name (``runs/tiny`` is the default job's), which training would resume."""
+    return os.path.join(os.path.abspath(out), "run")
 
 
 def hf_import_config(src: str, out: str, overrides: list[str]):
@@ -202,7 +110,7 @@ def hf_import_config(src: str, out: str, overrides: list[str]):
     base = [f"{k}={json.dumps(v)}" for k, v in fields.items()]
     if isinstance(eos, int):
         base.append(f"data.eos_id={eos}")
-    base.append(f"run.dir={json.dumps(os.path.join('runs', os.path.basename(os.path.abspath(out))))}")
+    base.append(f"run.dir={json.dumps(import_run_dir(out))}")
     cfg = load_config(None, base + list(overrides))
     return cfg, hf_cfg, tensors
 
@@ -211,18 +119,18 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
     """Write ``out/checkpoints/0`` (Orbax: parameters in the mesh's shardings + meta), ``out/config.yaml`` and the
     tokenizer files. JAX must be configured (devices) for ``cfg`` already. Returns a summary."""
     import jax
-    import orbax.checkpoint as ocp
 
-    from jaxtrain import __version__
     from jaxtrain.config import to_dict
+    from jaxtrain.layout import Layout
+
     user_cfg = cfg  # config.yaml keeps "auto" choices for the machine that trains
-    cfg, mesh, rules = model_setup(cfg)
-    abstract = abstract_params(cfg, mesh, rules)
+    layout = Layout.build(cfg)
+    cfg, abstract = layout.cfg, layout.abstract_params
     maps = {tm.path: tm for tm in hf.tensor_maps(cfg.model)}
     hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.n_layers, cfg.model.tie_embeddings)
 
     def build(path, leaf):
-        tm = maps[_name(path)]
+        tm = maps[ckpt.leaf_path(path)]
         per_layer = leaf.shape[1:] if tm.layered else leaf.shape
 
         def read(index):
@@ -240,22 +148,16 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
         params = jax.tree_util.tree_map_with_path(build, abstract)
         tokenizer = hf.copy_tokenizer(src, out)
         eos = hf_cfg.get("eos_token_id")
-        meta = {"config": to_dict(cfg), "mesh": str(dict(mesh.shape)), "step": 0, "time": time.time(),
-                "jaxtrain_version": __version__, "jax_version": jax.__version__,
+        meta = {"config": to_dict(cfg), "mesh": str(dict(layout.mesh.shape)),
                 "hf": {"source": os.path.abspath(src), "bos_token_id": hf_cfg.get("bos_token_id"),
                        "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
                        "max_position_embeddings": hf_cfg.get("max_position_embeddings"),
                        "tokenizer_dir": os.path.abspath(out) if "tokenizer.json" in tokenizer else None}}
-        manager = ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")),
-                                        item_handlers={"state": ocp.StandardCheckpointHandler(),
-                                                       "meta": ocp.JsonCheckpointHandler()})
-        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"model": params}),
-                                                meta=ocp.args.JsonSave(meta)), force=True)
-        manager.wait_until_finished()
-        manager.close()
+        checkpoints = os.path.abspath(rundir.path(out, rundir.CHECKPOINTS))
+        ckpt.write(checkpoints, 0, {"model": params}, meta)
         yaml_cfg = to_dict(user_cfg)
-        yaml_cfg["checkpoint"]["init_from"] = os.path.abspath(os.path.join(out, "checkpoints"))
-        with open(os.path.join(out, "config.yaml"), "w") as f:
+        yaml_cfg["checkpoint"]["init_from"] = checkpoints
+        with open(rundir.path(out, rundir.CONFIG), "w") as f:
             f.write(f"# Imported from {os.path.abspath(src)}: train with --config this_file data.source=... "
                     "(parameters from checkpoint.init_from)\n")
             import yaml
@@ -278,10 +180,12 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     import jax
     from safetensors.numpy import save_file
 
-    cfg, mesh, rules = model_setup(cfg)
-    abstract = abstract_params(cfg, mesh, rules)
+    from jaxtrain.layout import Layout
+
+    layout = Layout.build(cfg)
+    cfg, abstract = layout.cfg, layout.abstract_params
     shapes = _leaf_shapes(abstract)
-    dtypes = {_name(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    dtypes = {ckpt.leaf_path(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     maps = hf.tensor_maps(cfg.model)
     # Parameter by parameter (all layers of q, then of k, ...): each parameter is restored from the checkpoint once.
     # The index maps names to files, so readers do not depend on the order.
@@ -304,7 +208,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
         def fetch(tm, i):
             if cache.get("path") != tm.path:
                 cache.clear()
-                cache.update(path=tm.path, array=restore_params(directory, step, abstract, only=tm.path))
+                cache.update(path=tm.path, array=ckpt.restore_params(directory, step, abstract, only=tm.path))
             x = cache["array"][i] if tm.layered else cache["array"]
             return tm.to_hf(np.asarray(jax.device_get(x)))
 
@@ -338,14 +242,13 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     return {"files": files, "bytes": sum(sizes.values()), "seconds": time.perf_counter() - t0, "tokenizer": copied}
 
 
-def load_model(cfg, directory: str, step: int):
-    """(model, mesh, rules): the checkpoint's parameters restored into an NNX model on ``cfg``'s mesh; the model's
-    config is ``cfg`` resolved for this platform."""
-    import jax
+def load_model(cfg, directory: str, step: int, devices: list | None = None):
+    """(model, layout): the parameters of checkpoint ``directory/step`` restored into an NNX model laid out on
+    ``devices`` (all by default) as ``cfg`` says; ``layout.cfg`` is ``cfg`` resolved for their platform."""
     from flax import nnx
 
-    cfg, mesh, rules = model_setup(cfg)
-    params = restore_params(directory, step, abstract_params(cfg, mesh, rules))
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: _transformer(cfg)))
-    return nnx.merge(graphdef, params), mesh, rules
+    from jaxtrain.layout import Layout
+
+    layout = Layout.build(cfg, devices)
+    params = ckpt.restore_params(directory, step, layout.abstract_params)
+    return nnx.merge(layout.model_graphdef(), params), layout

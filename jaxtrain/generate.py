@@ -19,7 +19,8 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtrain.config import ConfigError
+from jaxtrain.errors import ConfigError
+from jaxtrain.layout import Layout
 from jaxtrain.model import CACHE_AXES
 
 
@@ -57,17 +58,11 @@ def _spec(names: tuple, rules) -> PartitionSpec:
     return spec
 
 
-def _batch_multiple(mesh, rules) -> int:
-    """The data-parallel size the batch dimension is split over (the batch is padded to a multiple of it)."""
-    spec = _spec(("batch",), rules)[0]
-    axes = spec if isinstance(spec, tuple) else (spec,)
-    return int(np.prod([mesh.shape[a] for a in axes if a is not None]))
-
-
-def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
+def generate(model, layout: Layout, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_ids: tuple[int, ...] = ()) -> Result:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens, stopping a row at an id in
-    ``eos_ids``; all rows decode together."""
+    ``eos_ids``; all rows decode together. ``model`` lives on ``layout``'s mesh (``convert.load_model``); the batch
+    is padded to a multiple of its data-parallel size."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     vocab = model.cfg.vocab_size
@@ -77,7 +72,8 @@ def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: in
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 1")
     n = len(prompts)
-    batch = -(-n // _batch_multiple(mesh, rules)) * _batch_multiple(mesh, rules)
+    mesh, rules = layout.mesh, layout.rules
+    batch = -(-n // layout.data_parallel) * layout.data_parallel
     longest = max(len(p) for p in prompts)
     max_len = longest + max_new_tokens
     tokens = np.zeros((batch, longest), np.int32)
@@ -105,7 +101,7 @@ def generate(model, mesh, rules, prompts: list[list[int]], *, max_new_tokens: in
 
     key = jax.random.key(seed)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    with layout.scope():
         tokens_d = jax.device_put(tokens, tok_sharding)
         lengths_d = jax.device_put(lengths, row_sharding)
         prefill_c = jax.jit(prefill, out_shardings=(row_sharding, cache_sharding)).lower(

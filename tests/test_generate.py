@@ -11,9 +11,9 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import run_cli  # noqa: E402
-from test_hf import BASE, import_dir, make_hf_model  # noqa: E402
 
+from helpers import HF_BASE, import_dir, make_hf_model, run_cli  # noqa: E402
+from jaxtrain import checkpoint as ckpt  # noqa: E402
 from jaxtrain import convert, generate  # noqa: E402
 
 torch.set_num_threads(1)
@@ -24,7 +24,7 @@ PROMPTS = [[5, 17, 3, 44, 9, 71, 30, 12, 8, 61, 22], [40, 6], [9, 9, 81, 13, 50,
 def hf_greedy(model, prompt, n, use_cache=True):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, use_cache=use_cache,
-                             pad_token_id=BASE["eos_token_id"], eos_token_id=BASE["eos_token_id"])
+                             pad_token_id=HF_BASE["eos_token_id"], eos_token_id=HF_BASE["eos_token_id"])
     return out[0, len(prompt):].tolist()
 
 
@@ -38,8 +38,8 @@ def test_greedy_matches_transformers_batched_prompts_of_different_lengths(tmp_pa
                                                   low_freq_factor=1.0, high_freq_factor=4.0,
                                                   original_max_position_embeddings=16))
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt", *mesh)
-    model, m, rules = convert.load_model(cfg, *convert.resolve_checkpoint(str(tmp_path / "jt")))
-    res = generate.generate(model, m, rules, PROMPTS, max_new_tokens=32, eos_ids=(BASE["eos_token_id"],))
+    model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
+    res = generate.generate(model, layout, PROMPTS, max_new_tokens=32, eos_ids=(HF_BASE["eos_token_id"],))
     for prompt, got in zip(PROMPTS, res.new_ids):
         want = hf_greedy(hf_model, prompt, 32)
         assert got == want, (prompt, got, want)
@@ -51,29 +51,29 @@ def test_eos_stops_a_row(tmp_path):
     """A row stops at its eos id (kept as its last id) while the others go on."""
     hf_model = make_hf_model(tmp_path / "hf", seed=4)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
-    model, m, rules = convert.load_model(cfg, *convert.resolve_checkpoint(str(tmp_path / "jt")))
-    free = generate.generate(model, m, rules, PROMPTS, max_new_tokens=12)
+    model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
+    free = generate.generate(model, layout, PROMPTS, max_new_tokens=12)
     stop = free.new_ids[1][4]  # make the 5th token of the second row an eos id
-    res = generate.generate(model, m, rules, PROMPTS, max_new_tokens=12, eos_ids=(stop,))
+    res = generate.generate(model, layout, PROMPTS, max_new_tokens=12, eos_ids=(stop,))
     assert res.new_ids[1] == free.new_ids[1][:free.new_ids[1].index(stop) + 1]
     for got, full in zip(res.new_ids, free.new_ids):
         cut = full.index(stop) + 1 if stop in full else len(full)
         assert got == full[:cut]
-    assert hf_greedy(hf_model, PROMPTS[0], 12) == free.new_ids[0] or BASE["eos_token_id"] in free.new_ids[0]
+    assert hf_greedy(hf_model, PROMPTS[0], 12) == free.new_ids[0] or HF_BASE["eos_token_id"] in free.new_ids[0]
 
 
 def test_sampling_is_seeded_and_top_p_small_is_greedy(tmp_path):
     make_hf_model(tmp_path / "hf", seed=5)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
-    model, m, rules = convert.load_model(cfg, *convert.resolve_checkpoint(str(tmp_path / "jt")))
+    model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
     kw = dict(max_new_tokens=16)
-    a = generate.generate(model, m, rules, PROMPTS, temperature=1.0, seed=1, **kw).new_ids
-    b = generate.generate(model, m, rules, PROMPTS, temperature=1.0, seed=1, **kw).new_ids
-    c = generate.generate(model, m, rules, PROMPTS, temperature=1.0, seed=2, **kw).new_ids
-    greedy = generate.generate(model, m, rules, PROMPTS, **kw).new_ids
+    a = generate.generate(model, layout, PROMPTS, temperature=1.0, seed=1, **kw).new_ids
+    b = generate.generate(model, layout, PROMPTS, temperature=1.0, seed=1, **kw).new_ids
+    c = generate.generate(model, layout, PROMPTS, temperature=1.0, seed=2, **kw).new_ids
+    greedy = generate.generate(model, layout, PROMPTS, **kw).new_ids
     assert a == b and a != c and a != greedy
     # top_p this small keeps only the most likely token: sampling becomes greedy.
-    assert generate.generate(model, m, rules, PROMPTS, temperature=1.0, top_p=1e-6, seed=1, **kw).new_ids == greedy
+    assert generate.generate(model, layout, PROMPTS, temperature=1.0, top_p=1e-6, seed=1, **kw).new_ids == greedy
 
 
 def test_sample_top_p_against_numpy():

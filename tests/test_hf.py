@@ -13,16 +13,13 @@ import pytest  # noqa: E402
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import run_cli  # noqa: E402
-
+from helpers import HF_BASE, import_dir, make_hf_model, run_cli  # noqa: E402
+from jaxtrain import checkpoint as ckpt  # noqa: E402
 from jaxtrain import convert  # noqa: E402
 from jaxtrain.config import ConfigError  # noqa: E402
 
 torch.set_num_threads(1)
 
-BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            initializer_range=0.1, bos_token_id=1, eos_token_id=2)
 CASES = {
     "gqa_untied": {},
     "mha_tied": dict(num_key_value_heads=4, tie_word_embeddings=True),
@@ -33,35 +30,16 @@ CASES = {
 }
 
 
-def make_hf_model(path, seed=0, **overrides):
-    """A random float32 LlamaForCausalLM saved at ``path``; norm scales randomised too so that each one matters."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**{**BASE, **overrides})
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return model
-
-
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
 
 
-def import_dir(src, out, *overrides):
-    cfg, hf_cfg, tensors = convert.hf_import_config(str(src), str(out), ["data.threads=0", *overrides])
-    convert.import_hf(cfg, hf_cfg, tensors, str(src), str(out))
-    return cfg
-
-
 def jax_logits(cfg, directory, tokens) -> np.ndarray:
     from flax import nnx
 
-    model, mesh, rules = convert.load_model(cfg, *convert.resolve_checkpoint(str(directory)))
-    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    model, layout = convert.load_model(cfg, *ckpt.resolve(str(directory)))
+    with jax.set_mesh(layout.mesh), nnx.logical_axis_rules(layout.rules):
         return np.asarray(nnx.jit(lambda m, t: m(t))(model, np.asarray(tokens, np.int32)))
 
 
@@ -76,14 +54,14 @@ def test_import_logits_match_transformers_and_round_trip(tmp_path, case):
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")  # default mesh: fsdp over all 8 test devices
     if case == "llama3_rope_scaling":
         assert cfg.model.rope_scaling.type == "llama3" and cfg.model.rope_scaling.original_max_len == 16
-    toks = tokens(BASE["vocab_size"], (2, 40))  # 40 > original_max_position_embeddings: scaling matters
+    toks = tokens(HF_BASE["vocab_size"], (2, 40))  # 40 > original_max_position_embeddings: scaling matters
     want = hf_logits(hf_model, toks)
     got = jax_logits(cfg, tmp_path / "jt", toks)
     assert want.std() > 0.1  # logits that vary, so that the comparison can fail
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
-    directory, step = convert.resolve_checkpoint(str(tmp_path / "jt"))
-    meta = convert.read_meta(directory, step)
+    directory, step = ckpt.resolve(str(tmp_path / "jt"))
+    meta = ckpt.read_meta(directory, step)
     convert.export_hf(cfg, directory, step, meta, str(tmp_path / "out"))
     back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True,
                                                                    dtype=torch.float32)
@@ -100,7 +78,7 @@ def test_no_rotary_permutation_needed(tmp_path):
 
     hf_model = make_hf_model(tmp_path / "hf")
     w = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    hd = BASE["hidden_size"] // BASE["num_attention_heads"]
+    hd = HF_BASE["hidden_size"] // HF_BASE["num_attention_heads"]
     for name in list(w):
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             x = w[name]
@@ -111,7 +89,7 @@ def test_no_rotary_permutation_needed(tmp_path):
     save_file(w, str(tmp_path / "perm" / "model.safetensors"), metadata={"format": "pt"})
     os.link(tmp_path / "hf" / "config.json", tmp_path / "perm" / "config.json")
     cfg = import_dir(tmp_path / "perm", tmp_path / "jt")
-    toks = tokens(BASE["vocab_size"])
+    toks = tokens(HF_BASE["vocab_size"])
     assert np.abs(jax_logits(cfg, tmp_path / "jt", toks) - hf_logits(hf_model, toks)).max() > 1e-2
 
 
@@ -123,8 +101,8 @@ def test_bfloat16_weights_round_trip_bit_exact(tmp_path):
     make_hf_model(tmp_path / "f32").to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
     assert cfg.model.param_dtype == "bfloat16"
-    directory, step = convert.resolve_checkpoint(str(tmp_path / "jt"))
-    convert.export_hf(cfg, directory, step, convert.read_meta(directory, step), str(tmp_path / "out"))
+    directory, step = ckpt.resolve(str(tmp_path / "jt"))
+    convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
     before = load_file(str(tmp_path / "hf" / "model.safetensors"))
     after = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert sorted(before) == sorted(after)
@@ -141,11 +119,11 @@ def test_sharded_input_and_output_with_index(tmp_path):
     assert os.path.isfile(tmp_path / "hf_sharded" / "model.safetensors.index.json")
     cfg = import_dir(tmp_path / "hf_sharded", tmp_path / "jt", "runtime.cpu_devices=8", "mesh.ici.fsdp=4",
                      "mesh.ici.tensor=2")
-    toks = tokens(BASE["vocab_size"])
+    toks = tokens(HF_BASE["vocab_size"])
     want = hf_logits(hf_model, toks)
     np.testing.assert_allclose(jax_logits(cfg, tmp_path / "jt", toks), want, atol=1e-4, rtol=0)
-    directory, step = convert.resolve_checkpoint(str(tmp_path / "jt" / "checkpoints" / "0"))
-    summary = convert.export_hf(cfg, directory, step, convert.read_meta(directory, step), str(tmp_path / "out"),
+    directory, step = ckpt.resolve(str(tmp_path / "jt" / "checkpoints" / "0"))
+    summary = convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"),
                                 max_shard_bytes=30_000)
     assert len(summary["files"]) > 2
     index = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
@@ -177,7 +155,7 @@ def _bad_inputs(tmp):
     os.makedirs(tmp / "no_config")
     cases.append(("no config.json", tmp / "no_config", "no config.json"))
 
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_BASE))
     model.save_pretrained(tmp / "missing_shard", max_shard_size="20KB")
     index = json.load(open(tmp / "missing_shard" / "model.safetensors.index.json"))
     gone = sorted(set(index["weight_map"].values()))[1]
@@ -245,9 +223,9 @@ def test_finetune_imported_checkpoint_on_8_devices_then_export(tmp_path):
     result = train.train(cfg)
     assert result.start_step == 0 and 3 in result.eval_losses
 
-    directory, step = convert.resolve_checkpoint(str(tmp_path / "run"))
+    directory, step = ckpt.resolve(str(tmp_path / "run"))
     assert step == 3
-    convert.export_hf(cfg, directory, step, convert.read_meta(directory, step), str(tmp_path / "out"))
+    convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     tokens_ = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     batches = data_lib.eval_batches(tokens_, cfg.data, global_batch=8, num_batches=2, rows=(0, 8))
@@ -259,3 +237,22 @@ def test_finetune_imported_checkpoint_on_8_devices_then_export(tmp_path):
     assert abs(np.mean(losses) - result.eval_losses[3]) < 1e-4, (np.mean(losses), result.eval_losses[3])
     # Training moved the weights: the exported model is not the imported one.
     assert np.abs(hf_logits(tuned, batches[0][:, :-1]) - hf_logits(original, batches[0][:, :-1])).max() > 1e-2
+
+
+def test_import_config_names_its_own_run_dir(tmp_path, monkeypatch):
+    """An import to imports/tiny must not name runs/tiny in its config.yaml: that is another job's run.dir (the
+    default job's), which `train --config imports/tiny/config.yaml` would then resume. It names <out>/run, absolute,
+    so two imports of the same name never share one either."""
+    from jaxtrain.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "tiny" / "checkpoints").mkdir(parents=True)  # an existing run with the import's name
+    (tmp_path / "runs" / "tiny" / "config.yaml").write_text("run:\n  dir: runs/tiny\n")
+    make_hf_model(tmp_path / "hf")
+    import_dir(tmp_path / "hf", "imports/tiny")
+    out = tmp_path / "imports" / "tiny"
+    run_dir = load_config(str(out / "config.yaml")).run.dir
+    assert run_dir != os.path.join("runs", "tiny") and os.path.abspath(run_dir) != str(tmp_path / "runs" / "tiny")
+    assert os.path.isabs(run_dir) and os.path.dirname(run_dir) == str(out) and not os.path.exists(run_dir)
+    other, _, _ = convert.hf_import_config(str(tmp_path / "hf"), "elsewhere/tiny", [])
+    assert other.run.dir == str(tmp_path / "elsewhere" / "tiny" / "run") != run_dir

@@ -27,7 +27,7 @@ def add_arguments(p):
 
 
 def _size(text: str) -> int:
-    from jaxtrain.config import ConfigError
+    from jaxtrain.errors import ConfigError
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*", text, re.IGNORECASE)
     if not m or float(m.group(1)) <= 0:
@@ -55,11 +55,13 @@ def run(args) -> int:
         print(f"imported {s['params'] / 1e6:.2f}M parameters in {s['seconds']:.1f} s to {os.path.abspath(args.out)} "
               f"(config.yaml, checkpoints/0{', ' + ', '.join(s['tokenizer']) if s['tokenizer'] else ''})")
         return 0
-    from jaxtrain.config import ConfigError, load_config
+    from jaxtrain import checkpoint as ckpt
+    from jaxtrain.config import load_config
+    from jaxtrain.errors import ConfigError
 
     max_bytes = _size(args.max_shard_size)
-    directory, step = convert.resolve_checkpoint(args.checkpoint)
-    meta = convert.read_meta(directory, step)
+    directory, step = ckpt.resolve(args.checkpoint)
+    meta = ckpt.read_meta(directory, step)
     data = meta["config"].get("data", {})
     shape = convert.model_overrides(meta) + [f"data.eos_id={data.get('eos_id', 0)}",
                                              f"data.seq_len={data.get('seq_len', 128)}"]

@@ -23,7 +23,7 @@ def _tokenizer(meta):
     import os
 
     from jaxtrain import convert, generate
-    from jaxtrain.config import ConfigError
+    from jaxtrain.errors import ConfigError
 
     path = convert.tokenizer_source(meta)
     if path == "bytes":
@@ -40,8 +40,10 @@ def run(args) -> int:
     import os
     import sys
 
+    from jaxtrain import checkpoint as ckpt
     from jaxtrain import convert
-    from jaxtrain.config import ConfigError, load_config
+    from jaxtrain.config import load_config
+    from jaxtrain.errors import ConfigError
 
     if args.temperature < 0:
         raise ConfigError(f"--temperature={args.temperature} must be >= 0")
@@ -49,8 +51,8 @@ def run(args) -> int:
         raise ConfigError(f"--top-p={args.top_p} must be in (0, 1]")
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
-    directory, step = convert.resolve_checkpoint(args.checkpoint)
-    meta = convert.read_meta(directory, step)
+    directory, step = ckpt.resolve(args.checkpoint, "--checkpoint")
+    meta = ckpt.read_meta(directory, step)
     tok = _tokenizer(meta)
     if args.prompt_ids is not None:
         try:
@@ -78,8 +80,8 @@ def run(args) -> int:
 
     runtime.quiet_logs()
     runtime.configure(cfg)
-    model, mesh, rules = convert.load_model(cfg, directory, step)
-    res = generate.generate(model, mesh, rules, prompts, max_new_tokens=args.max_new_tokens,
+    model, layout = convert.load_model(cfg, directory, step)
+    res = generate.generate(model, layout, prompts, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, seed=args.seed, eos_ids=eos)
     for prompt, new in zip(prompts, res.new_ids):
         text = tok.decode(new) if tok is not None else None
