@@ -16,7 +16,7 @@ coordinator, num_processes, process_id (all three from one place):
   3. Slurm, inside an ``srun`` step with more than one task: JAX's own rule (``slurm_cluster.py``): the first host
      of ``SLURM_STEP_NODELIST``, port ``JAX_COORDINATOR_PORT`` or 61440 + ``SLURM_JOB_ID`` % 4096;
      ``SLURM_STEP_NUM_TASKS`` processes, id ``SLURM_PROCID``;
-  4. a single process, with its coordinator on a free local port.
+  4. a single process, which starts no coordination service (no coordinator).
 local_device_ids (GPU ordinals as this process's CUDA numbers them, i.e. after ``CUDA_VISIBLE_DEVICES``):
   1. the config: ``dist.local_device_ids``;
   2. the environment: ``JAX_LOCAL_DEVICE_IDS`` (JAX's own variable, comma-separated);
@@ -54,7 +54,7 @@ SLURM_BASE_PORT = 65535 - 2**12 + 1  # = 61440, JAX's slurm_cluster.py: port = b
 class Settings:
     """Exactly what this process passes to ``jax.distributed.initialize``, and where each value came from."""
 
-    coordinator: str  # host:port of process 0's coordination service
+    coordinator: str | None  # host:port of process 0's coordination service; None: a single process, none
     num_processes: int
     process_id: int
     local_device_ids: tuple[int, ...] | None  # None: every device the process sees
@@ -75,12 +75,6 @@ class Settings:
         return {"coordinator": self.coordinator, "num_processes": self.num_processes, "process_id": self.process_id,
                 "local_device_ids": None if self.local_device_ids is None else list(self.local_device_ids),
                 "platform": self.platform, "coordinator_bind_address": self.bind_address, "sources": self.sources}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env_int(environ, name: str) -> int:
@@ -214,9 +208,9 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
             else "slurm: SLURM_NTASKS"
         sources["process_id"] = "slurm: SLURM_PROCID"
     else:
-        coordinator, n, i = f"127.0.0.1:{_free_port()}", 1, 0
-        sources.update(coordinator="single process: a free local port", num_processes="single process",
-                       process_id="single process")
+        coordinator, n, i = None, 1, 0
+        sources.update(coordinator="single process: no coordination service is started",
+                       num_processes="single process", process_id="single process")
 
     config_ids = getattr(dist, "local_device_ids", None)  # a key of DistConfig once config.py has it
     ids: tuple[int, ...] | None
@@ -248,6 +242,7 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
 
 
 def _wait_for_coordinator(settings: Settings, timeout_s: int) -> None:
+    assert settings.coordinator is not None  # several processes always have one
     host, _, port = settings.coordinator.rpartition(":")
     deadline = time.monotonic() + timeout_s
     while True:

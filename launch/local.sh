@@ -8,7 +8,8 @@
 # and checkpoint it). If any process fails, the others are stopped and the launcher exits with the failing status.
 # PYTHON (default python3) picks the interpreter; GRACE_S (default 20) is how long stopped processes get before
 # SIGKILL. Gloo's "[Gloo] Rank i is connected to j peer ranks" lines (printed by the C++ library on every CPU job's
-# start, one per process and peer group) are dropped: they say nothing a user can act on.
+# start, one per process and peer group) are dropped: they say nothing a user can act on. Ctrl-C stops the job as it
+# stops one process: every process checkpoints the step they agree on, and the launcher exits 0.
 #
 # On a GPU host each process gets its own GPUs: the G GPUs this shell sees (CUDA_VISIBLE_DEVICES, else
 # `nvidia-smi -L`; JAXTRAIN_LOCAL_GPUS=G overrides) are split into N equal blocks, and process i gets
@@ -43,6 +44,18 @@ if ! [[ "$gpus" =~ ^[0-9]+$ ]] || { [ "$gpus" -gt 0 ] && [ $((gpus % n)) -ne 0 ]
   exit 2
 fi
 
+# Each process's output filter: drops gloo's connection lines (also where the C++ library wrote one into the middle
+# of a Python line, both writing to the same pipe) and prefixes the rest with "[i] ". It ignores SIGINT and SIGTERM:
+# Ctrl-C in a terminal signals the whole foreground process group, filters included, and a filter that died would
+# leave its process writing into a closed pipe (a broken-pipe exit instead of the clean stop the signal asks for).
+# A filter ends when its process's output closes.
+prefix() {
+  trap '' INT TERM
+  exec sed -u -e '/\[Gloo\] Rank/{' \
+    -e 's/\[Gloo\] Rank [0-9]* is connected to [0-9]* peer ranks\. Expected number of connected peer ranks is : [0-9]*//g' \
+    -e '/^[[:space:]]*$/d' -e '}' -e "s/^/[$1] /"
+}
+
 pids=()
 for ((i = 0; i < n; i++)); do
   ids=${JAX_LOCAL_DEVICE_IDS:-}
@@ -51,7 +64,7 @@ for ((i = 0; i < n; i++)); do
     ids=$(seq -s, $((i * per)) $((i * per + per - 1)))
   fi
   JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i JAX_LOCAL_DEVICE_IDS=$ids \
-    "$python" -u -m jaxtrain "$@" > >(sed -u -e '/^\[Gloo\] Rank [0-9]* is connected to/d' -e "s/^/[$i] /") 2>&1 &
+    "$python" -u -m jaxtrain "$@" > >(prefix "$i") 2>&1 &
   pids+=($!)
 done
 

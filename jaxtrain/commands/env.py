@@ -34,6 +34,7 @@ def run(args) -> int:
             ("CUDA_VISIBLE_DEVICES", out["cuda_visible_devices"] or "(unset)", "environment")]
     rows += [(key, "every visible device" if key == "local_device_ids" and ids is None else
               ",".join(map(str, ids)) if key == "local_device_ids" else
+              "none" if key == "coordinator" and out[key] is None else
               "JAX default" if out[key] is None else out[key], settings.sources[key])
              for key in ("coordinator", "num_processes", "process_id", "local_device_ids", "platform",
                          "coordinator_bind_address")]
