@@ -27,14 +27,15 @@ def main(argv):
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         cfg = load_config("configs/125m.yaml", [f"run.dir={tmp}/x", *overrides])
         from jaxtrain import checkpoint as ckpt
-        from jaxtrain import runtime, train
+        from jaxtrain import loop, runtime
+        from jaxtrain import step as step_lib
 
         runtime.configure(cfg)
         runtime.quiet_logs()
         import jax
 
-        trainer = train.setup(cfg)
-        state = trainer.init_state()
+        trainer = step_lib.setup(cfg)
+        state = trainer.layout.init_state()
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         rows = []
         for async_save in (True, False):
@@ -54,7 +55,7 @@ def main(argv):
         for label, n in ((f"every {every}", every), ("end only", 0)):
             c = load_config("configs/125m.yaml", [f"run.dir={tmp}/run-{n}", *overrides, f"train.steps={steps}",
                                                   f"checkpoint.every={n}"])
-            result = train.train(c)
+            result = loop.train(c)
             runs[label] = (sum(result.step_times), statistics.median(result.step_times), result.save_block_seconds)
 
     print(f"\nmachine: {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "

@@ -11,7 +11,7 @@ import time
 import jax
 
 from jaxtrain import checkpoint as ckpt
-from jaxtrain import train as train_lib
+from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
 
 
@@ -21,8 +21,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     cfg = load_config(args.config, ["runtime.cpu_devices=1", "mesh.ici.fsdp=1", "model.dtype=float32"])
-    ts = train_lib.setup(cfg, jax.devices()[:1])
-    state = jax.block_until_ready(ts.init_state())
+    ts = step_lib.setup(cfg, jax.devices()[:1])
+    state = jax.block_until_ready(ts.layout.init_state())
     size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     t0 = time.perf_counter()
     ckpt.fingerprint(state)

@@ -29,12 +29,12 @@ if mode == "gloo":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 from jaxtrain.config import load_config
-from jaxtrain import train
-ts = train.setup(load_config(None, overrides))
-state = ts.init_state()
+from jaxtrain import step as step_lib
+ts = step_lib.setup(load_config(None, overrides))
+state = ts.layout.init_state()
 step, _, _ = ts.compile(state)
 rng = np.random.default_rng(0)
-batch = ts.to_device(rng.integers(0, 256, (16, 257)).astype(np.int32))
+batch = ts.layout.to_device(rng.integers(0, 256, (16, 257)).astype(np.int32))
 state, m = step(state, batch); jax.block_until_ready(m)
 times = []
 for _ in range(steps):

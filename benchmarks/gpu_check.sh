@@ -127,7 +127,7 @@ for impl in ("xla", "cudnn", "pallas", "triton"):
     s = json.load(open(path))
     mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "-"
     print(f"{impl:10} {'ok':8} {s['compile_seconds']:9.1f} {1e3 * s['step_seconds']['median']:8.1f} "
-          f"{s['tokens_per_sec']:10.0f} {mfu:>6}")
+          f"{s['tokens_per_second']:10.0f} {mfu:>6}")
 EOF
 
 section "done: $FAILED section(s) failed; reports in $OUT"

@@ -32,8 +32,7 @@ jax.config.update("jax_num_cpu_devices", 2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from jaxtrain import log  # noqa: E402
-from jaxtrain import train as train_lib  # noqa: E402
+from jaxtrain import log, loop  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 
 CONFIGS = {
@@ -68,7 +67,7 @@ def one_run(name: str, steps: int, tmp: str, i: int) -> float:
     t = threading.Thread(target=scraper, args=(stop, os.path.join(run_dir, "logs", "process_0.log")), daemon=True)
     t.start()
     try:
-        result = train_lib.train(cfg, devices=jax.devices()[:2])
+        result = loop.train(cfg, devices=jax.devices()[:2])
     finally:
         stop.set()
         t.join()
@@ -81,13 +80,15 @@ def hook_costs(tmp: str, n: int = 2000) -> dict[str, float]:
     import jax.numpy as jnp
 
     from jaxtrain import observe
+    from jaxtrain.layout import Layout
+    from jaxtrain.metrics import Throughput
 
     cfg = load_config(None, [f"run.dir={tmp}/hooks", "observe.prometheus_port=0", "observe.straggler_every=0",
                              "observe.collective_probe_every=1"])
-    ts = train_lib.setup(cfg, jax.devices()[:2])
-    obs = observe.Observer(ts, cfg.run.dir, tokens_per_step=2048, flops_per_step=1e9, peak=None)
+    layout = Layout.build(cfg, jax.devices()[:2])
+    obs = observe.Observer(layout, cfg.run.dir, Throughput(2048, 1e9, layout.num_devices, None))
     probe, obs.probe = obs.probe, None
-    values = {"loss": 3.2, "grad_norm": 0.9, "lr": 1e-3, "nonfinite_steps": 0.0}
+    values = {"loss": 3.2, "grad_norm": 0.9, "learning_rate": 1e-3, "nonfinite_steps": 0.0}
     t0 = time.perf_counter()
     for step in range(1, n + 1):
         t_begin = obs.step_begin(step)

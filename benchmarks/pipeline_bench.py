@@ -6,8 +6,8 @@ stage 2 and 4. Prints a Markdown table; asserts nothing.
 
 Stage 1 is plain FSDP over 8 devices with the same microbatches accumulated (train.accumulate as configured), so
 each row does the same arithmetic on the same global batch. Every row compiles the real train step
-(jaxtrain.train.setup + TrainSetup.compile), reads the per-device temporaries from XLA's memory analysis, then runs
-the compiled step on device-resident state (TrainSetup.init_state) and one random int32 batch placed with the
+(jaxtrain.step.setup + Step.compile), reads the per-device temporaries from XLA's memory analysis, then runs
+the compiled step on device-resident state (Layout.init_state) and one random int32 batch placed with the
 batch sharding: warm-up steps, then the median of the timed ones, each waited for.
 
 CPU figures say how the schedule's shape costs here (emulated devices share the host's cores, so the bubble is not
@@ -29,7 +29,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from jaxtrain import pipeline  # noqa: E402
-from jaxtrain import train as train_lib  # noqa: E402
+from jaxtrain import step as step_lib  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 
 # A tiny float32 model; global_batch 128 splits into 16 microbatches of 8 rows, which divide over fsdp = 8.
@@ -42,13 +42,13 @@ def measure(stages: int, microbatches: int, virtual: int, steps: int, warmup: in
         cfg = load_config(None, [f"run.dir={tmp}/run", *BASE, f"mesh.ici.stage={stages}",
                                  f"mesh.ici.fsdp={8 // stages}", f"train.microbatches={microbatches}",
                                  f"train.virtual_stages={virtual}", *extra])
-    ts = train_lib.setup(cfg, jax.devices()[:8])
-    step, _, compile_s = ts.compile(ts.abstract_state, with_eval=False)
+    ts = step_lib.setup(cfg, jax.devices()[:8])
+    step, _, compile_s = ts.compile(ts.layout.abstract_state, with_eval=False)
     temp = step.memory_analysis().temp_size_in_bytes
-    state = ts.init_state()
+    state = ts.layout.init_state()
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.train.global_batch,
                                                                          cfg.data.seq_len + 1), dtype=np.int32)
-    batch = jax.device_put(tokens, ts.batch_sharding)
+    batch = jax.device_put(tokens, ts.layout.batch_sharding)
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -56,7 +56,7 @@ def measure(stages: int, microbatches: int, virtual: int, steps: int, warmup: in
         jax.block_until_ready((state, metrics))
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return {"stages": stages, "microbatches": microbatches, "virtual": virtual, "mesh": ts.shape.label,
+    return {"stages": stages, "microbatches": microbatches, "virtual": virtual, "mesh": ts.layout.shape.label,
             "bubble": pipeline.bubble_fraction(stages, microbatches, virtual) if stages > 1 else 0.0,
             "step_ms": statistics.median(times) * 1e3, "temp_mb": temp / 2**20, "compile_s": compile_s,
             "loss": float(metrics["loss"])}
