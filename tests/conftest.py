@@ -6,7 +6,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
-from helpers import FAST, REPO, run_cli  # noqa: E402,F401  (re-exported for tests not yet moved to helpers)
+from helpers import FAST  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 
 

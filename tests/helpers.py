@@ -1,8 +1,13 @@
-"""What tests share: the repository root, the fast float32 overrides, and running the real CLI in a subprocess.
+"""What tests share: the repository root, the fast float32 overrides, running the real CLI and the local launcher in
+subprocesses, the losses a run logged, the hand FLOP count, a model with random weights, and the small Hugging Face
+models built with ``transformers``.
 
-Tests import these from here (``from helpers import run_cli``); conftest.py only configures JAX and fixtures.
+Tests import these from here (``from helpers import run_cli``), never from one another; conftest.py only configures
+JAX and fixtures. jax, jaxtrain, torch and transformers are imported inside the helpers that need them, so that
+importing this module initialises nothing and needs neither torch nor transformers (the ``hf-parity`` extra).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +17,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small and float32, so that sharded and unsharded runs can be compared to 1e-4.
 FAST = ["model.dtype=float32", "model.param_dtype=float32", "train.eval_batches=1", "data.threads=0"]
 
+# float32 with every step logged and no evaluation: the multi-process runs (launch_local) and their references.
+F32 = ["model.dtype=float32", "model.param_dtype=float32", "train.eval_every=0", "train.eval_batches=1",
+       "train.log_every=1"]
+
+# The meshes that sharded training (and the data each process reads) is checked on, 8 devices each.
+MESHES = {
+    "data=8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
+    "fsdp=8": ["mesh.ici.fsdp=8"],
+    "data=2,fsdp=2,tensor=2": ["mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"],
+    "fsdp=4,tensor=2": ["mesh.ici.fsdp=4", "mesh.ici.tensor=2"],
+    "data=2,tensor=4": ["mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=4"],
+    "dcn data=2 x ici fsdp=4": ["mesh.dcn.data=2", "mesh.ici.fsdp=4"],
+}
+
 
 def run_cli(*args, cwd=None, timeout=300, env=None):
     """``python -m jaxtrain ARGS`` in a subprocess; returns CompletedProcess with text output."""
@@ -20,3 +39,116 @@ def run_cli(*args, cwd=None, timeout=300, env=None):
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "jaxtrain", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=timeout)
+
+
+def launcher_env():
+    """The environment for launch/local.sh and the processes it starts: no XLA_FLAGS, this checkout first on the
+    path, this interpreter as $PYTHON."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHON"] = sys.executable
+    return env
+
+
+def launch_local(n, *args, timeout=600):
+    """``launch/local.sh N ARGS``: N processes of ``python -m jaxtrain ARGS`` on 127.0.0.1."""
+    return subprocess.run([os.path.join(REPO, "launch/local.sh"), str(n), *args], capture_output=True, text=True,
+                          cwd=REPO, env=launcher_env(), timeout=timeout)
+
+
+def logged_losses(run_dir):
+    """step -> loss from run_dir/metrics.jsonl (JSON floats round-trip exactly, so equality here is bit equality)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def hand_forward_flops_per_token(m, seq):
+    """(matmul FLOPs, causal attention FLOPs) of one token's forward pass of model config ``m``."""
+    hd = m.resolved_head_dim
+    per_layer = {
+        "q": 2 * m.d_model * m.n_heads * hd,
+        "k": 2 * m.d_model * m.n_kv_heads * hd,
+        "v": 2 * m.d_model * m.n_kv_heads * hd,
+        "o": 2 * m.n_heads * hd * m.d_model,
+        "gate": 2 * m.d_model * m.d_ff,
+        "up": 2 * m.d_model * m.d_ff,
+        "down": 2 * m.d_ff * m.d_model,
+    }
+    output = 2 * m.d_model * m.vocab_size
+    # Scores q.k and the weighted sum p.v, 2 * hd FLOPs each per (query, key) pair; a token sees (seq + 1) / 2 keys
+    # on average under the causal mask, counted as seq / 2 (the convention of PaLM's and Megatron's MFU).
+    attention = 2 * (2 * hd) * (seq / 2) * m.n_heads
+    return m.n_layers * sum(per_layer.values()) + output, m.n_layers * attention
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A model with random weights, for the float64 NumPy references (test_reference_model, test_reference_optim)
+
+# d_model 48 with 4 heads of 16 would make head_dim = d_model / heads; 24 breaks that coincidence on purpose.
+REFERENCE_SMALL = ["model.d_model=48", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                   "model.head_dim=24", "model.d_ff=80", "model.vocab_size=61", "model.rope_theta=300",
+                   "model.norm_eps=0.05", "model.dtype=float32", "model.param_dtype=float32", "model.attention=xla",
+                   "mesh.ici.fsdp=1", "data.seq_len=12", "train.global_batch=3", "data.threads=0"]
+
+
+def random_model(tmp_path, *overrides, seed=0, devices=1):
+    """(TrainSetup, state with random weights, the weights as a float64 nested dict), for REFERENCE_SMALL."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxtrain import train as train_lib
+    from jaxtrain.config import load_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", *REFERENCE_SMALL, *overrides])
+    ts = train_lib.setup(cfg, jax.devices()[:devices])
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:  # norm scales far from 1: a dropped or misapplied scale shows
+            value = rng.uniform(0.3, 2.0, leaf.shape)
+        else:
+            fan_in = leaf.shape[-3] * leaf.shape[-2] if "['o']" in name else leaf.shape[-2]
+            value = rng.normal(0, 1.0 if "embedding" in name else fan_in ** -0.5, leaf.shape)
+        return jax.device_put(value.astype(leaf.dtype), leaf.sharding)
+
+    # Built from the abstract state (shapes and shardings), not init_state: no initialiser to compile. The
+    # optimizer's part is zeros; only eval_step reads this state, and it reads the parameters alone.
+    state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), ts.abstract_state)
+    state["model"] = jax.tree_util.tree_map_with_path(draw, ts.abstract_state["model"])
+    weights = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(state["model"]))
+    return ts, state, weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small random Llama models from transformers (test_hf, test_generate: the hf-parity extra)
+
+HF_BASE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+
+
+def make_hf_model(path, seed=0, **overrides):
+    """A random float32 LlamaForCausalLM saved at ``path``; norm scales randomised too so that each one matters."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{**HF_BASE, **overrides})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return model
+
+
+def import_dir(src, out, *overrides):
+    """``convert.import_hf`` of the Hugging Face directory ``src`` into ``out``; returns the imported config."""
+    from jaxtrain import convert
+
+    cfg, hf_cfg, tensors = convert.hf_import_config(str(src), str(out), ["data.threads=0", *overrides])
+    convert.import_hf(cfg, hf_cfg, tensors, str(src), str(out))
+    return cfg

@@ -1,6 +1,5 @@
 """Checkpoints: exact resume after SIGKILL, elastic resume onto another mesh, preemption, faults, bad input."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,8 +9,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
 
+from helpers import REPO, logged_losses, run_cli
 from jaxtrain import train as train_lib
 from jaxtrain.config import ConfigError
 
@@ -25,12 +24,6 @@ def _env():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-def _losses(run_dir):
-    """step -> loss from metrics.jsonl (JSON floats round-trip exactly, so equality here is bit equality)."""
-    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    return {r["step"]: r["loss"] for r in records}
 
 
 def start_and_wait_for_step(args, step, timeout=120):
@@ -65,7 +58,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
     assert 5 <= restored <= 12 and restored % 5 == 0
     first_logged = int(resumed.stdout.split("step ")[1].split("/")[0])
     assert first_logged == restored + 1
-    expected, got = _losses(tmp_path / "ref"), _losses(run_dir)
+    expected, got = logged_losses(tmp_path / "ref"), logged_losses(run_dir)
     assert sorted(got) == list(range(1, 25))  # the steps the killed run logged after its checkpoint were dropped
     assert {s: got[s] for s in range(restored + 1, 25)} == {s: expected[s] for s in range(restored + 1, 25)}
 
@@ -244,7 +237,7 @@ def test_acceptance_sigkill_after_step_45_of_120_on_fsdp8(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     first = int(resumed.stdout.split("step ")[1].split("/")[0])
     assert first in (31, 41)  # the last complete checkpoint, 40 (or 30 if 40's write was still in flight)
-    expected, got = _losses(tmp_path / "ref"), _losses(run_dir)
+    expected, got = logged_losses(tmp_path / "ref"), logged_losses(run_dir)
     assert {s: got[s] for s in range(first, 121)} == {s: expected[s] for s in range(first, 121)}
 
 

@@ -4,7 +4,8 @@ import json
 import os
 
 import pytest
-from conftest import run_cli
+
+from helpers import run_cli
 
 BAD = {
     "unknown key": (["train.stpes=3"], "did you mean 'train.steps'"),

@@ -2,9 +2,9 @@ import os
 
 import jax
 import pytest
-from conftest import REPO
 from flax import nnx
 
+from helpers import REPO
 from jaxtrain.config import Config, ConfigError, dump_yaml, load_config, resolve_auto
 from jaxtrain.mesh import cpu_devices_per_process
 from jaxtrain.model import Transformer, count_params

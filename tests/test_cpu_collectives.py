@@ -3,7 +3,6 @@ corrupts the end of rank 0's chunk from ~4 MiB). One process keeps its collectiv
 jax.distributed); several processes must go through gloo, so the training step must not need the affected
 collective, and a run with large per-device chunks must still match one process."""
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import FAST, REPO, run_cli
+from helpers import FAST, REPO, logged_losses, run_cli
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
 
@@ -35,10 +34,6 @@ LARGE = [*FAST, "model.d_model=1024", "model.d_ff=4096", "model.n_layers=2", "mo
          "checkpoint.every=0"]
 
 
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
-
-
 @pytest.mark.slow
 def test_two_processes_with_large_chunks_match_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -51,5 +46,5 @@ def test_two_processes_with_large_chunks_match_one(tmp_path):
     one = tmp_path / "one"
     ref = run_cli("train", f"run.dir={one}", "runtime.cpu_devices=8", "mesh.ici.fsdp=8", *LARGE, timeout=1200)
     assert ref.returncode == 0, ref.stderr
-    got, want = _losses(two), _losses(one)
+    got, want = logged_losses(two), logged_losses(one)
     np.testing.assert_allclose([got[s] for s in (1, 2, 3)], [want[s] for s in (1, 2, 3)], rtol=1e-4)

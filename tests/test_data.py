@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
-from test_sharded_training import MESHES
 
+from helpers import MESHES
 from jaxtrain import data as data_lib
 from jaxtrain.config import ConfigError, check_divisibility, load_config
 

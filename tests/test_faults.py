@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import REPO, run_cli
+from helpers import REPO, logged_losses, run_cli
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import guards
 from jaxtrain import train as train_lib
@@ -110,16 +110,12 @@ def test_every_step_damaged_is_an_error_naming_each(trained, tmp_path):
         ckpt.choose_restore(ts.cfg, ts.abstract_state)
 
 
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
-
-
 @pytest.mark.slow
 def test_cli_resume_past_a_damaged_step_and_a_torn_metrics_line(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     os.truncate(_largest_array_file(run / "checkpoints" / "10"), 1000)
-    expected = _losses(run)
+    expected = logged_losses(run)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"step": 11, "loss": 2.5')  # a crash in the middle of a write
     config_before = (run / "config.yaml").read_bytes()
@@ -138,7 +134,7 @@ def test_cli_resume_past_a_damaged_step_and_a_torn_metrics_line(trained, tmp_pat
     assert proc.stderr.count("skipping damaged checkpoint") == 1
     assert f"resumed from {run}/checkpoints/5" in proc.stderr
     assert sorted(os.listdir(run / "checkpoints")) == ["10", "10.damaged", "12", "5"]  # kept aside, not deleted
-    got = _losses(run)
+    got = logged_losses(run)
     assert sorted(got) == list(range(1, 13))
     assert {s: got[s] for s in range(6, 11)} == {s: expected[s] for s in range(6, 11)}  # bit-exact resume
 

@@ -13,40 +13,21 @@ import time
 import numpy as np
 import pytest
 
-from helpers import REPO, run_cli
-
-F32 = ["model.dtype=float32", "model.param_dtype=float32", "train.eval_every=0", "train.eval_batches=1",
-       "train.log_every=1"]
-
-
-def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHON"] = sys.executable
-    return env
-
-
-def local(n, *args, timeout=600):
-    return subprocess.run([os.path.join(REPO, "launch/local.sh"), str(n), *args], capture_output=True, text=True,
-                          cwd=REPO, env=_env(), timeout=timeout)
-
-
-def _losses(run_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))}
+from helpers import F32, REPO, launch_local, launcher_env, logged_losses, run_cli
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
     two = tmp_path / "two"
-    proc = local(2, "train", f"run.dir={two}", "runtime.cpu_devices=4", "mesh.dcn.data=2", "mesh.ici.fsdp=4", *F32,
-                 "train.steps=6", "checkpoint.every=3")
+    proc = launch_local(2, "train", f"run.dir={two}", "runtime.cpu_devices=4", "mesh.dcn.data=2", "mesh.ici.fsdp=4",
+                        *F32, "train.steps=6", "checkpoint.every=3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one = tmp_path / "one"
     ref = run_cli("train", f"run.dir={one}", "runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=4", *F32,
                   "train.steps=9", "checkpoint.every=3")
     assert ref.returncode == 0, ref.stderr
-    expected = _losses(one)
-    got = _losses(two)
+    expected = logged_losses(one)
+    got = logged_losses(two)
     np.testing.assert_allclose([got[s] for s in range(1, 7)], [expected[s] for s in range(1, 7)], rtol=1e-4)
 
     # Only process 0 writes metrics and progress; each process has its own log; their data rows are disjoint.
@@ -62,15 +43,15 @@ def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
     resumed = run_cli("train", f"run.dir={two}", "runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=4", *F32,
                       "train.steps=9", "checkpoint.every=3")
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr
-    got = _losses(two)
+    got = logged_losses(two)
     np.testing.assert_allclose([got[s] for s in range(7, 10)], [expected[s] for s in range(7, 10)], rtol=1e-4)
     # ... and one written by 1 process resumes in 2.
     shutil.rmtree(one / "checkpoints" / "9")
-    again = local(2, "train", f"run.dir={one}", "runtime.cpu_devices=4", "mesh.dcn.data=2", "mesh.ici.fsdp=4", *F32,
-                  "train.steps=9", "checkpoint.every=3")
+    again = launch_local(2, "train", f"run.dir={one}", "runtime.cpu_devices=4", "mesh.dcn.data=2", "mesh.ici.fsdp=4",
+                         *F32, "train.steps=9", "checkpoint.every=3")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout + again.stderr
-    final = _losses(one)
+    final = logged_losses(one)
     np.testing.assert_allclose([final[s] for s in range(7, 10)], [expected[s] for s in range(7, 10)], rtol=1e-4)
 
 
@@ -78,8 +59,8 @@ def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
 def test_launcher_stops_the_job_when_a_process_is_killed(tmp_path):
     proc = subprocess.Popen([os.path.join(REPO, "launch/local.sh"), "2", "train", f"run.dir={tmp_path}",
                              "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=2000",
-                             *F32], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=_env(),
-                            start_new_session=True)
+                             *F32], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=launcher_env(), start_new_session=True)
     deadline = time.time() + 300
     for line in proc.stdout:  # until process 0 has logged a step (steps are right-aligned: "step    2/2000")
         if re.match(r"\[0\] step +[2-9]/", line) or time.time() > deadline:
@@ -114,7 +95,7 @@ def test_distributed_settings_errors():
 
 def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_path):
     # A worker whose coordinator never comes up: jaxtrain's own one-line error.
-    env = _env() | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    env = launcher_env() | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'a'}",
                            "dist.init_timeout_s=3"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
@@ -123,7 +104,7 @@ def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_p
     last = proc.stderr.strip().splitlines()[-1]
     assert "process 1 of 2 could not reach the coordinator 127.0.0.1:1 within dist.init_timeout_s=3 s" in last
     # A coordinator whose peer never arrives: JAX ends it at the deadline (it aborts; jaxtrain said what it awaited).
-    env = _env() | {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2",
+    env = launcher_env() | {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "2",
                     "JAX_PROCESS_ID": "0"}
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'b'}",
@@ -160,8 +141,8 @@ def test_health_check_on_8_devices(tmp_path):
 
 @pytest.mark.slow
 def test_health_check_with_two_processes():
-    proc = local(2, "check", "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "check.sizes_mb=[0.25]",
-                 "check.iters=2", "check.matmul_size=256")
+    proc = launch_local(2, "check", "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2",
+                        "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[0] axis data: 2 devices (crosses hosts)" in proc.stdout
     # One verdict for the job: process 0 says it, process 1 agrees silently (same exit status).
@@ -178,7 +159,7 @@ def slurm(tmp_path_factory):
     up = subprocess.run([script, "start", str(cluster), "8"], capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr
     # CPU JAX here: the launcher's environment file says JAX_PLATFORMS=cuda, and the user's value wins.
-    yield _env() | {"SLURM_CONF": str(cluster / "slurm.conf"), "JAX_PLATFORMS": "cpu"}
+    yield launcher_env() | {"SLURM_CONF": str(cluster / "slurm.conf"), "JAX_PLATFORMS": "cpu"}
     subprocess.run([script, "stop", str(cluster)], timeout=60)
 
 
@@ -205,7 +186,7 @@ def test_real_slurm_runs_the_sbatch_script(slurm, tmp_path):
     state = job_state(slurm, job)
     assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state
     assert log.count("check passed") == 1  # the health check step: one verdict for the job, from process 0
-    assert sorted(_losses(run_dir)) == [1, 2, 3, 4]
+    assert sorted(logged_losses(run_dir)) == [1, 2, 3, 4]
     assert "[process 1/2]" in log and "[process 0/2]" in log  # two processes really ran under srun
     assert sorted(os.listdir(run_dir / "logs")) == ["process_0.log", "process_1.log"]
     assert "jax-cache" in log and (run_dir / "jax-cache").is_dir()  # the compilation cache lives in the run
@@ -272,7 +253,7 @@ def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
     saved = int(found.group(1)) if found else None
     assert saved is not None and 0 < saved < steps, log[-3000:]
     assert "restart 1;" in log and "stopped for preemption or the time limit (step exit 0)" in log
-    assert max(_losses(run_dir)) == steps
+    assert max(logged_losses(run_dir)) == steps
     # Both starts compiled through the persistent cache in the run directory (the second one loads from it; the
     # times are printed, not asserted: README, Multi-host, has the measured figures).
     assert any((run_dir / "jax-cache").iterdir())
@@ -311,7 +292,7 @@ def test_health_check_names_nodes_with_pairwise_sub_checks(tmp_path):
         [sys.executable, "-m", "jaxtrain", "check", "runtime.cpu_devices=2", "mesh.dcn.data=4", "mesh.ici.fsdp=2",
          "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256", "check.min_busbw_gbps=1000000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-        env=_env() | {"SLURMD_NODENAME": f"gpu{i:03d}", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        env=launcher_env() | {"SLURMD_NODENAME": f"gpu{i:03d}", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
                       "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": str(i)}) for i in range(4)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs)):

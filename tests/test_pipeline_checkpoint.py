@@ -5,9 +5,8 @@ stages (mesh.dcn.stage=2) train like one device."""
 import jax
 import numpy as np
 import pytest
-from test_multihost import F32, _losses, local
 
-from helpers import run_cli
+from helpers import F32, launch_local, logged_losses, run_cli
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
 
@@ -41,9 +40,9 @@ def test_two_processes_as_two_stages_match_one_device(tmp_path, virtual):
     one = run_cli("train", f"run.dir={tmp_path / 'one'}", "runtime.cpu_devices=1", "mesh.ici.fsdp=1", *F32, *PIPE,
                   *steps)
     assert one.returncode == 0, one.stderr
-    two = local(2, "train", f"run.dir={tmp_path / 'two'}", "runtime.cpu_devices=4", "mesh.dcn.stage=2",
-                "mesh.ici.fsdp=4", f"train.virtual_stages={virtual}", *F32, *PIPE, *steps)
+    two = launch_local(2, "train", f"run.dir={tmp_path / 'two'}", "runtime.cpu_devices=4", "mesh.dcn.stage=2",
+                       "mesh.ici.fsdp=4", f"train.virtual_stages={virtual}", *F32, *PIPE, *steps)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert "stage2(dcn)" in two.stdout or "dcn stage2" in two.stdout, two.stdout[-2000:]
-    expected, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    expected, got = logged_losses(tmp_path / "one"), logged_losses(tmp_path / "two")
     np.testing.assert_allclose([got[s] for s in range(1, 9)], [expected[s] for s in range(1, 9)], rtol=1e-4)

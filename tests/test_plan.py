@@ -12,8 +12,8 @@ import math
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, run_cli
 
+from helpers import FAST, run_cli
 from jaxtrain import hardware, model
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.mesh import MeshShape, build_mesh

@@ -1,11 +1,11 @@
 """Model FLOPs against a hand count and against XLA's own count of the compiled step; the microbatch split's HLO.
 
-The hand count lists every matmul of one Llama training token (forward 2 FLOPs per multiply-add, backward twice
-the forward): q, k, v, o projections, the SwiGLU's three matrices, the output projection (also when tied), and
-attention's scores and weighted sum over the causal half of the sequence. XLA's ``cost_analysis`` counts what the
-compiled program executes, which differs from model FLOPs in known ways that the test states: it runs the full
-(masked) S x S attention rather than the causal half, it adds elementwise work (softmax, norms, AdamW), and it
-counts a ``lax.scan`` body once whatever the trip count (hence one layer).
+The hand count (helpers.hand_forward_flops_per_token) lists every matmul of one Llama training token (forward 2
+FLOPs per multiply-add, backward twice the forward): q, k, v, o projections, the SwiGLU's three matrices, the output
+projection (also when tied), and attention's scores and weighted sum over the causal half of the sequence. XLA's
+``cost_analysis`` counts what the compiled program executes, which differs from model FLOPs in known ways that the
+test states: it runs the full (masked) S x S attention rather than the causal half, it adds elementwise work
+(softmax, norms, AdamW), and it counts a ``lax.scan`` body once whatever the trip count (hence one layer).
 """
 
 import re
@@ -13,28 +13,10 @@ import re
 import jax
 import pytest
 
+from helpers import hand_forward_flops_per_token
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
 from jaxtrain.model import count_params, train_flops_per_token
-
-
-def hand_forward_flops_per_token(m, seq):
-    """(matmul FLOPs, causal attention FLOPs) of one token's forward pass."""
-    hd = m.resolved_head_dim
-    per_layer = {
-        "q": 2 * m.d_model * m.n_heads * hd,
-        "k": 2 * m.d_model * m.n_kv_heads * hd,
-        "v": 2 * m.d_model * m.n_kv_heads * hd,
-        "o": 2 * m.n_heads * hd * m.d_model,
-        "gate": 2 * m.d_model * m.d_ff,
-        "up": 2 * m.d_model * m.d_ff,
-        "down": 2 * m.d_ff * m.d_model,
-    }
-    output = 2 * m.d_model * m.vocab_size
-    # Scores q.k and the weighted sum p.v, 2 * hd FLOPs each per (query, key) pair; a token sees (seq + 1) / 2 keys
-    # on average under the causal mask, counted as seq / 2 (the convention of PaLM's and Megatron's MFU).
-    attention = 2 * (2 * hd) * (seq / 2) * m.n_heads
-    return m.n_layers * sum(per_layer.values()) + output, m.n_layers * attention
 
 
 @pytest.mark.parametrize("config, seq", [(None, 128), ("125m", 512), ("7b", 4096), ("70b", 2048)])

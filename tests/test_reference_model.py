@@ -14,16 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import REFERENCE_SMALL, random_model
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
 from jaxtrain.model import rope_frequencies, rotary
-
-# d_model 48 with 4 heads of 16 would make head_dim = d_model / heads; 24 breaks that coincidence on purpose.
-SMALL = ["model.d_model=48", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=24",
-         "model.d_ff=80", "model.vocab_size=61", "model.rope_theta=300", "model.norm_eps=0.05",
-         "model.dtype=float32", "model.param_dtype=float32", "model.attention=xla", "mesh.ici.fsdp=1",
-         "data.seq_len=12", "train.global_batch=3", "data.threads=0"]
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # NumPy reference (float64)
@@ -113,7 +107,7 @@ def np_next_token_loss(logits, targets):
 
 
 def test_rope_frequencies_match_the_llama_formula():
-    m = load_config(None, SMALL).model
+    m = load_config(None, REFERENCE_SMALL).model
     np.testing.assert_allclose(np.asarray(rope_frequencies(m)), np_inv_freq(24, 300.0), rtol=1e-6)
 
 
@@ -162,29 +156,6 @@ def test_rotary_scores_depend_only_on_relative_position():
 # Whole model
 
 
-def _random_model(tmp_path, *overrides, seed=0, devices=1):
-    """(TrainSetup, state with random weights, the weights as a float64 nested dict)."""
-    cfg = load_config(None, [f"run.dir={tmp_path}", *SMALL, *overrides])
-    ts = train_lib.setup(cfg, jax.devices()[:devices])
-    rng = np.random.default_rng(seed)
-
-    def draw(path, leaf):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name:  # norm scales far from 1: a dropped or misapplied scale shows
-            value = rng.uniform(0.3, 2.0, leaf.shape)
-        else:
-            fan_in = leaf.shape[-3] * leaf.shape[-2] if "['o']" in name else leaf.shape[-2]
-            value = rng.normal(0, 1.0 if "embedding" in name else fan_in ** -0.5, leaf.shape)
-        return jax.device_put(value.astype(leaf.dtype), leaf.sharding)
-
-    # Built from the abstract state (shapes and shardings), not init_state: no initialiser to compile. The
-    # optimizer's part is zeros; only eval_step reads this state, and it reads the parameters alone.
-    state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), ts.abstract_state)
-    state["model"] = jax.tree_util.tree_map_with_path(draw, ts.abstract_state["model"])
-    weights = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(state["model"]))
-    return ts, state, weights
-
-
 def _logits(ts, state, tokens, segments=None):
     def forward(state, tokens, segments):
         return nnx.merge(ts.graphdef, state).model(tokens, segments)
@@ -196,7 +167,7 @@ def _logits(ts, state, tokens, segments=None):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_match_numpy_float64_forward(tmp_path, tied):
-    ts, state, w = _random_model(tmp_path, f"model.tie_embeddings={str(tied).lower()}")
+    ts, state, w = random_model(tmp_path, f"model.tie_embeddings={str(tied).lower()}")
     assert ("unembed" in w) != tied
     tokens = np.random.default_rng(2).integers(0, 61, size=(3, 12))
     expected = np_forward(w, ts.cfg.model, tokens)
@@ -208,7 +179,7 @@ def test_logits_match_numpy_float64_forward(tmp_path, tied):
 
 
 def test_document_masked_logits_match_numpy(tmp_path):
-    ts, state, w = _random_model(tmp_path, "model.tie_embeddings=false", seed=3)
+    ts, state, w = random_model(tmp_path, "model.tie_embeddings=false", seed=3)
     tokens = np.array([[5, 9, 0, 7, 7, 3, 0, 0, 12, 40, 2, 8], [0, 4, 4, 4, 9, 11, 0, 13, 14, 0, 60, 1],
                        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
     segments = np_segments(tokens, 0)
@@ -222,7 +193,7 @@ def test_document_masked_logits_match_numpy(tmp_path):
 @pytest.mark.parametrize("document_mask", [False, True])
 def test_eval_loss_is_next_token_cross_entropy_of_the_reference_logits(tmp_path, document_mask):
     """eval_step on a batch int [b, seq+1]: inputs tokens[:, :-1], targets tokens[:, 1:], segments cut after eos."""
-    ts, state, w = _random_model(tmp_path, f"data.document_mask={str(document_mask).lower()}", "data.eos_id=3",
+    ts, state, w = random_model(tmp_path, f"data.document_mask={str(document_mask).lower()}", "data.eos_id=3",
                                  seed=4)
     rng = np.random.default_rng(5)
     batch = rng.integers(0, 61, size=(3, 13))

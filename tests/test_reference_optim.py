@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_reference_model import _random_model
 
+from helpers import random_model
 from jaxtrain.config import load_config
 from jaxtrain.train import make_optimizer
 
@@ -124,7 +124,7 @@ def test_train_steps_apply_clipped_adamw_to_the_model_gradients(tmp_path, layout
     after each step equal the hand reference fed with the gradient of the model's next-token loss on the whole
     batch (computed here with jax.grad of a loss written in this test)."""
     devices, overrides = STEP_LAYOUTS[layout]
-    ts, state, _ = _random_model(tmp_path, *OPT, "model.tie_embeddings=false", *overrides, seed=7, devices=devices)
+    ts, state, _ = random_model(tmp_path, *OPT, "model.tie_embeddings=false", *overrides, seed=7, devices=devices)
     t = ts.cfg.train
     with ts.scope():
         train_step, _, _ = ts.compile(state)

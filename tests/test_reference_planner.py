@@ -3,8 +3,8 @@ test_reference_flops.py) per device over peak x efficiency, with rematerialisati
 optimizer update is memory-bound (gradients, parameters and both moments read, parameters and moments written)."""
 
 import pytest
-from test_reference_flops import hand_forward_flops_per_token
 
+from helpers import hand_forward_flops_per_token
 from jaxtrain.config import load_config
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape

@@ -5,18 +5,10 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_reference_flops import hand_forward_flops_per_token
 
+from helpers import FAST, MESHES, hand_forward_flops_per_token
 from jaxtrain import train as train_lib
 
-MESHES = {
-    "data=8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],
-    "fsdp=8": ["mesh.ici.fsdp=8"],
-    "data=2,fsdp=2,tensor=2": ["mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"],
-    "fsdp=4,tensor=2": ["mesh.ici.fsdp=4", "mesh.ici.tensor=2"],
-    "data=2,tensor=4": ["mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=4"],
-    "dcn data=2 x ici fsdp=4": ["mesh.dcn.data=2", "mesh.ici.fsdp=4"],
-}
 STEPS = ["train.steps=8", "train.warmup_steps=2", "train.eval_every=0"]
 
 
@@ -28,8 +20,6 @@ def _losses(make_config, overrides, n_devices):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from conftest import FAST
-
     from jaxtrain.config import load_config
 
     cfg = load_config(None, [f"run.dir={tmp_path_factory.mktemp('ref')}", *FAST, *STEPS, "mesh.ici.fsdp=1"])

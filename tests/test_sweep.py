@@ -7,8 +7,8 @@ import os
 
 import pytest
 import yaml
-from conftest import REPO, run_cli
 
+from helpers import REPO, run_cli
 from jaxtrain import sweep
 from jaxtrain.config import ConfigError, load_config
 

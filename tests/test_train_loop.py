@@ -4,8 +4,8 @@ import json
 
 import jax
 import pytest
-from test_reference_flops import hand_forward_flops_per_token
 
+from helpers import hand_forward_flops_per_token
 from jaxtrain import train as train_lib
 from jaxtrain.config import load_config
 
