@@ -241,6 +241,55 @@ def test_acceptance_sigkill_after_step_45_of_120_on_fsdp8(tmp_path):
     assert {s: got[s] for s in range(first, 121)} == {s: expected[s] for s in range(first, 121)}
 
 
+def _named_leaves(tree):
+    """{"opt.opt_state....mu.embed.embedding": numpy array} of a state tree or of Orbax's raw read of one."""
+    def name(path):
+        keys = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        return ".".join(k for k in keys if k not in ("value", ".value"))
+
+    return {name(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_resume_restores_adamw_moments_and_continues_bit_exact(tmp_path):
+    """Six steps in one run, and the same six as three (saved at step 3) plus a second ``train`` call on that
+    run.dir: the second call restores step 3's whole state, AdamW's moments included, as the uninterrupted run
+    saved it, and logs the same losses bit for bit (one CPU device, float32: the run is deterministic)."""
+    import orbax.checkpoint as ocp
+
+    from jaxtrain import checkpoint as ckpt
+    from jaxtrain.config import load_config
+
+    def cfg(run, steps):
+        return load_config(None, [f"run.dir={tmp_path / run}", *SMALL, "mesh.ici.fsdp=1", "data.threads=0",
+                                  "data.seq_len=32", "train.global_batch=4", f"train.steps={steps}",
+                                  "checkpoint.every=3"])
+
+    one_device = jax.devices()[:1]
+    full = train_lib.train(cfg("full", 6), devices=one_device)
+    first = train_lib.train(cfg("resumed", 3), devices=one_device)
+    assert sorted(full.losses) == [1, 2, 3, 4, 5, 6] and sorted(first.losses) == [1, 2, 3]
+
+    # What the second call restores (its own path: choose_restore, then restore) against the uninterrupted run's
+    # step 3 as written, read by Orbax alone.
+    ts = train_lib.setup(cfg("resumed", 6), one_device)
+    source = ckpt.choose_restore(ts.cfg, ts.abstract_state)
+    assert (source.kind, source.step) == ("resume", 3)
+    state, start, data_state = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    assert start == 3 and data_state["next_index"] == 3
+    restored = _named_leaves(state)
+    saved = _named_leaves(ocp.PyTreeCheckpointer().restore(str(tmp_path / "full" / "checkpoints" / "3" / "state")))
+    assert sorted(restored) == sorted(saved)
+    moments = [n for n in saved if ".mu." in n or ".nu." in n]
+    assert len(moments) >= 2 and all(np.any(saved[n]) for n in moments)  # three updates: non-zero moments
+    for name in saved:
+        np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
+
+    resumed = train_lib.train(cfg("resumed", 6), devices=one_device)
+    assert resumed.start_step == 3 and sorted(resumed.losses) == [4, 5, 6]
+    assert {**first.losses, **resumed.losses} == full.losses  # Python floats of float32 values: bit equality
+    assert logged_losses(tmp_path / "resumed") == logged_losses(tmp_path / "full")
+
+
 @pytest.mark.parametrize("every, keep, expected", [(0, 3, [7]), (2, 2, [6, 7]), (3, 5, [3, 6, 7])])
 def test_save_schedule_and_retention(tmp_path, every, keep, expected):
     from jaxtrain.config import load_config
