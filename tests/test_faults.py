@@ -4,6 +4,7 @@ test_checkpoint.py.)"""
 
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -148,6 +149,7 @@ def test_a_non_finite_step_changes_nothing(tmp_path):
     assert float(first["nonfinite_steps"]) == 0
     poisoned = jax.tree.map(lambda x: x, clean)
     table = poisoned["model"]["embed"]["embedding"]
+    weight = float(table[...][3, 0])
     table[...] = table[...].at[3, 0].set(np.inf)  # one inf weight: the loss and every gradient become NaN
     poisoned_before = jax.tree.map(np.asarray, poisoned)
     after, m = step(poisoned, batch)
@@ -166,6 +168,78 @@ def test_a_non_finite_step_changes_nothing(tmp_path):
     counts = [x for p, x in flat_after if "['count']" in jax.tree_util.keystr(p)
               and not any(c in jax.tree_util.keystr(p) for c in counters)]
     assert len(counts) >= 2 and all(int(c) == 1 for c in counts), counts
+    # The learning rate each step reports is the schedule at the update it applies: the skipped step does not
+    # advance it. Warmup 5 (SMALL): step 1 at lr/5, the skipped step 2 at 2 lr/5, and step 3, the second update
+    # applied, at 2 lr/5 again (not 3 lr/5).
+    lr, warmup = ts.cfg.train.lr, ts.cfg.train.warmup_steps
+    table = after["model"]["embed"]["embedding"]
+    table[...] = table[...].at[3, 0].set(weight)  # the weight back: step 3's loss is finite again
+    _, third = step(after, batch)
+    assert float(third["nonfinite_steps"]) == 0 and np.isfinite(float(third["loss"]))
+    assert [float(x["lr"]) for x in (first, m, third)] == pytest.approx([lr / warmup, 2 * lr / warmup,
+                                                                          2 * lr / warmup], rel=1e-6)
+
+
+def _schedule_lr(t, count):
+    """The learning rate of the count-th applied update (1-based), from the formula: linear warmup to lr over
+    warmup_steps, then a cosine from lr down to lr * min_lr_ratio at decay_steps, flat after."""
+    if count <= t.warmup_steps:
+        return t.lr * count / t.warmup_steps
+    end = t.lr * t.min_lr_ratio
+    progress = min(count - t.warmup_steps, t.decay_steps - t.warmup_steps) / (t.decay_steps - t.warmup_steps)
+    return end + (t.lr - end) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class _PoisonedSteps:
+    """A fresh run's train_batches iterator in which the batches of ``bad`` steps (1-based) hold only the token id
+    vocab_size: outside the embedding table, whose lookup (jnp.take, mode "fill") gives NaN, so that each of those
+    steps has a non-finite loss and every other step trains on its real batch."""
+
+    def __init__(self, dataset, bad, vocab_size):
+        self._it, self._bad, self._vocab, self._step = iter(dataset), bad, vocab_size, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._it)
+        self._step += 1
+        return np.full_like(batch, self._vocab) if self._step in self._bad else batch
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state):
+        raise AssertionError("a fresh run: nothing to resume")
+
+
+def test_non_finite_steps_are_skipped_do_not_advance_the_schedule_and_stop_the_run_exactly(tmp_path, monkeypatch):
+    """Two bad steps in a row (3, 4) are skipped and training goes on; the third in a row of the next streak (8, 9,
+    10, ...) stops the run at step 10 with train.max_nonfinite_steps=3, naming step 8 as the first and step 7's as
+    the state. The lr logged for each step is the schedule at the count of updates applied so far, plus one."""
+    from jaxtrain import data as data_lib
+
+    bad = {3, 4, 8, 9, 10, 11, 12}
+    cfg = _cfg(tmp_path / "run", "data.seq_len=32", "train.global_batch=4", "train.steps=14", "train.warmup_steps=3",
+               "train.decay_steps=10", "train.max_nonfinite_steps=3", "checkpoint.every=0")
+    real = data_lib.train_batches
+    monkeypatch.setattr(data_lib, "train_batches",
+                        lambda *a, **k: _PoisonedSteps(real(*a, **k), bad, cfg.model.vocab_size))
+    with pytest.raises(RuntimeError, match=r"training stopped: .*") as stopped:
+        train_lib.train(cfg, devices=jax.devices()[:1])
+    assert type(stopped.value).__name__ == "NonFiniteError"
+    assert str(stopped.value).split(" (checkpoints in ")[0] == (
+        "training stopped: 3 steps in a row (train.max_nonfinite_steps=3) had a non-finite loss or gradients, the "
+        "first at step 8; their updates were skipped, so the state is that of step 7")
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in records] == list(range(1, 11))  # stopped at step 10, the third bad one in a row
+    assert [r["nonfinite_steps"] for r in records] == [0, 0, 1, 2, 0, 0, 0, 1, 2, 3]
+    assert [not np.isfinite(r["loss"]) for r in records] == [s in bad for s in range(1, 11)]
+    applied = [sum(1 for s in range(1, step) if s not in bad) for step in range(1, 11)]  # updates before the step
+    assert applied == [0, 1, 2, 2, 2, 3, 4, 5, 5, 5]
+    assert [r["lr"] for r in records] == pytest.approx([_schedule_lr(cfg.train, n + 1) for n in applied], rel=1e-6)
+    # The figures differ where an off-by-one would show: warmup lr/3, 2lr/3, lr, then the cosine.
+    assert len({round(_schedule_lr(cfg.train, c), 9) for c in range(1, 7)}) == 6
 
 
 @pytest.mark.slow
