@@ -284,8 +284,13 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
     matmul_weights = l * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff) + d * cfg.vocab_size
-    attention = l * 2 * 2 * seq_len * cfg.n_heads * hd / 2
-    return 3 * (2 * matmul_weights + attention)
+    return 3 * (2 * matmul_weights + attention_flops_per_token(cfg, seq_len))
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs of attention's two [seq x seq] matmuls per token, all layers: 2 * 2 * seq * heads * head_dim
+    per layer, halved for causal masking (part of :func:`train_flops_per_token`; the planner's remat cost too)."""
+    return cfg.n_layers * 2 * 2 * seq_len * cfg.n_heads * cfg.resolved_head_dim / 2
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

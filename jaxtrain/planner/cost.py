@@ -21,7 +21,7 @@ import numpy as np
 from jaxtrain.config import MESH_AXES, Config
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
-from jaxtrain.model import train_flops_per_token
+from jaxtrain.model import attention_flops_per_token, train_flops_per_token
 from jaxtrain.pipeline import bubble_fraction
 from jaxtrain.planner.collectives import Collective
 
@@ -75,8 +75,7 @@ def remat_factor(cfg: Config) -> float:
     if m.remat == "full":
         return 4 / 3  # forward + backward (2x forward) + the forward again
     if m.remat == "save_matmuls":  # weight matmuls saved; attention's S x S matmuls (batched dots) recomputed
-        attention_fwd = m.n_layers * 2 * 2 * seq * m.n_heads * m.resolved_head_dim / 2
-        return 1 + attention_fwd / train_flops_per_token(m, seq)
+        return 1 + attention_flops_per_token(m, seq) / train_flops_per_token(m, seq)
     return 1.0
 
 
