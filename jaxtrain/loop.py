@@ -9,6 +9,8 @@ has been dispatched, so the host never waits for the device in between.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import resource
 import statistics
@@ -23,11 +25,11 @@ from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
 from jaxtrain import guards, hardware, log, observe, rundir, runtime
 from jaxtrain.config import Config, dump_yaml, to_dict
-from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
+from jaxtrain.errors import CheckpointError, NonFiniteError
 from jaxtrain.layout import Layout
 from jaxtrain.metrics import MetricsWriter, Throughput, summary_line
 from jaxtrain.model import count_params, train_flops_per_token
-from jaxtrain.step import Step
+from jaxtrain.step import Step, compiled_with_microbatches
 
 
 @dataclasses.dataclass
@@ -58,10 +60,9 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     source = ckpt.choose_restore(cfg, layout.abstract_state)
     if source.kind == "resume" and source.step >= cfg.train.steps:
-        _refuse_changed_settings(layout, source)
         log.info(f"nothing to do: the checkpoint in {source.directory} is already at step {source.step} = "
-                 f"train.steps; results are in {run_dir} (train.steps=N continues it; another run.dir, or "
-                 "checkpoint.resume=never with a fresh one, trains anew)")
+                 f"train.steps; results are in {run_dir} (a larger train.steps continues this run; another run.dir "
+                 f"trains anew){_changed_settings_note(layout, source)}")
         return RunResult({}, {}, 0.0, [], start_step=source.step)
     # Compiled from the abstract state, before any array exists: a step that cannot fit stops here (exit 2).
     m = cfg.model
@@ -72,11 +73,7 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     compiled = step.compile()
     log.info(f"compiled in {compiled[2]:.2f} s")
 
-    def recompile(microbatches: int):
-        trial = layout.replace(train=dataclasses.replace(cfg.train, microbatches=microbatches))
-        return Step(trial).compile(with_eval=False)[0]
-
-    guards.check_memory_fit(layout, compiled[0], recompile)
+    guards.check_memory_fit(layout, compiled[0], functools.partial(compiled_with_microbatches, layout))
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
     # config.yaml and metrics.jsonl as they were.
     restored = ckpt.restore(source, layout.abstract_state, layout.init_state)
@@ -94,19 +91,16 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
         return _Loop(step, source, checkpointer, compiled).run(tokens, restored)
 
 
-def _refuse_changed_settings(layout: Layout, source: ckpt.RestoreSource) -> None:
-    """A finished run asked again with another model or mesh would silently do nothing: say what to do instead."""
-    saved = ckpt.saved_config(source.directory, source.step)
-    if not saved:
-        return
-    mine = to_dict(layout.effective_config())
-    changed = [f"{section}.{k}" for section in ("model", "mesh") for k, v in mine[section].items()
-               if k in saved.get(section, {}) and saved[section][k] != v]
-    if changed:
-        raise ConfigError(
-            f"run.dir {os.path.abspath(layout.cfg.run.dir)} already finished train.steps={layout.cfg.train.steps} "
-            f"with other settings ({', '.join(changed)} differ from its checkpoint {source.directory}/{source.step});"
-            " use another run.dir for the new settings, or raise train.steps to continue this run as it was")
+def _changed_settings_note(layout: Layout, source: ckpt.RestoreSource) -> str:
+    """For a finished run asked again with another model or mesh (which would otherwise do nothing silently): what
+    differs, and what to do to train the new settings."""
+    changed = ckpt.changed_settings(ckpt.saved_config(source.directory, source.step),
+                                    to_dict(layout.effective_config()), ("model", "mesh"))
+    if not changed:
+        return ""
+    listing = ", ".join(f"{key}={json.dumps(here)} here, {json.dumps(there)} there" for key, there, here in changed)
+    return (f". It finished with other settings ({listing}); nothing was trained with the new ones: to train them, "
+            "use another run.dir (this one's checkpoints and results are kept)")
 
 
 class PendingMetrics:

@@ -7,6 +7,7 @@ regions) comes from the :class:`jaxtrain.layout.Layout`; this module derives non
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -183,6 +184,13 @@ class Step:
                 evaluate = jax.jit(self.eval_step, in_shardings=(lay.state_sharding, lay.batch_sharding),
                                    out_shardings=replicated).lower(state, batch).compile()
         return train, evaluate, time.perf_counter() - t0
+
+
+def compiled_with_microbatches(layout: Layout, microbatches: int):
+    """The train step of ``layout``'s config with another ``train.microbatches``, compiled from abstract shapes
+    (what ``guards.check_memory_fit`` tries before it suggests a count)."""
+    trial = layout.replace(train=dataclasses.replace(layout.cfg.train, microbatches=microbatches))
+    return Step(trial).compile(with_eval=False)[0]
 
 
 def setup(cfg: Config, devices: list | None = None) -> Step:

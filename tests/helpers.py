@@ -97,11 +97,11 @@ def random_model(tmp_path, *overrides, seed=0, devices=1):
     import numpy as np
     from flax import nnx
 
-    from jaxtrain import train as train_lib
+    from jaxtrain import step as step_lib
     from jaxtrain.config import load_config
 
     cfg = load_config(None, [f"run.dir={tmp_path}", *REFERENCE_SMALL, *overrides])
-    ts = train_lib.setup(cfg, jax.devices()[:devices])
+    ts = step_lib.setup(cfg, jax.devices()[:devices])
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
@@ -115,8 +115,8 @@ def random_model(tmp_path, *overrides, seed=0, devices=1):
 
     # Built from the abstract state (shapes and shardings), not init_state: no initialiser to compile. The
     # optimizer's part is zeros; only eval_step reads this state, and it reads the parameters alone.
-    state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), ts.abstract_state)
-    state["model"] = jax.tree_util.tree_map_with_path(draw, ts.abstract_state["model"])
+    state = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), ts.layout.abstract_state)
+    state["model"] = jax.tree_util.tree_map_with_path(draw, ts.layout.abstract_state["model"])
     weights = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(state["model"]))
     return ts, state, weights
 

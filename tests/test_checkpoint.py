@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import REPO, logged_losses, run_cli
-from jaxtrain import train as train_lib
+from jaxtrain import loop
+from jaxtrain import step as step_lib
 from jaxtrain.config import ConfigError
 
 # Small and float32 so that runs are quick and comparisons exact.
@@ -70,10 +71,10 @@ def test_elastic_resume(tmp_path):
     def cfg(run, *extra):
         return load_config(None, [f"run.dir={tmp_path / run}", *SMALL, "checkpoint.every=10", *extra])
 
-    full = train_lib.train(cfg("full", "train.steps=30", "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
-    first = train_lib.train(cfg("elastic", "train.steps=20", "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
+    full = loop.train(cfg("full", "train.steps=30", "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
+    first = loop.train(cfg("elastic", "train.steps=20", "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
     assert max(first.losses) == 20
-    second = train_lib.train(cfg("elastic", "train.steps=30", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"),
+    second = loop.train(cfg("elastic", "train.steps=30", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"),
                              devices=jax.devices()[:4])
     assert second.start_step == 20 and sorted(second.losses) == list(range(21, 31))
     np.testing.assert_allclose([second.losses[s] for s in range(21, 31)], [full.losses[s] for s in range(21, 31)],
@@ -199,28 +200,28 @@ def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
 
     src = tmp_path / "pretrain"
     base = [*SMALL, "mesh.ici.fsdp=1"]
-    train_lib.train(load_config(None, [f"run.dir={src}", *base, "train.steps=5"]), devices=jax.devices()[:1])
+    loop.train(load_config(None, [f"run.dir={src}", *base, "train.steps=5"]), devices=jax.devices()[:1])
     cfg = load_config(None, [f"run.dir={tmp_path / 'finetune'}", *base, "train.steps=1",
                              f"checkpoint.init_from={src / 'checkpoints'}"])
-    trainer = train_lib.setup(cfg, jax.devices()[:1])
+    trainer = step_lib.setup(cfg, jax.devices()[:1])
     from jaxtrain import checkpoint as ckpt
 
-    plan = ckpt.choose_restore(cfg, trainer.abstract_state)
+    plan = ckpt.choose_restore(cfg, trainer.layout.abstract_state)
     assert plan.kind == "params" and plan.step == 5
-    state, start, _ = ckpt.restore(plan, trainer.abstract_state, trainer.init_state)
-    full, _, _ = ckpt.restore(ckpt.RestoreSource("resume", str(src / "checkpoints"), 5), trainer.abstract_state,
-                              trainer.init_state)
+    state, start, _ = ckpt.restore(plan, trainer.layout.abstract_state, trainer.layout.init_state)
+    full, _, _ = ckpt.restore(ckpt.RestoreSource("resume", str(src / "checkpoints"), 5), trainer.layout.abstract_state,
+                              trainer.layout.init_state)
     assert start == 0 and int(state["opt"]["step"][...]) == 0 and int(full["opt"]["step"][...]) == 5
     for a, b in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(full["model"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    fresh = trainer.init_state()
+    fresh = trainer.layout.init_state()
     mu = [x for x in jax.tree.leaves(state["opt"]["opt_state"]) if x.ndim > 1]
     assert all(not np.any(np.asarray(x)) for x in mu)  # zero moments
     first = (np.asarray(jax.tree.leaves(tree["model"])[0]) for tree in (fresh, state))
     assert not np.array_equal(*first)
     with pytest.raises(ConfigError, match="holds no complete checkpoint"):
         ckpt.choose_restore(load_config(None, [f"run.dir={tmp_path / 'x'}", *base,
-                                             f"checkpoint.init_from={tmp_path}"]), trainer.abstract_state)
+                                             f"checkpoint.init_from={tmp_path}"]), trainer.layout.abstract_state)
 
 
 @pytest.mark.slow
@@ -265,16 +266,16 @@ def test_resume_restores_adamw_moments_and_continues_bit_exact(tmp_path):
                                   "checkpoint.every=3"])
 
     one_device = jax.devices()[:1]
-    full = train_lib.train(cfg("full", 6), devices=one_device)
-    first = train_lib.train(cfg("resumed", 3), devices=one_device)
+    full = loop.train(cfg("full", 6), devices=one_device)
+    first = loop.train(cfg("resumed", 3), devices=one_device)
     assert sorted(full.losses) == [1, 2, 3, 4, 5, 6] and sorted(first.losses) == [1, 2, 3]
 
     # What the second call restores (its own path: choose_restore, then restore) against the uninterrupted run's
     # step 3 as written, read by Orbax alone.
-    ts = train_lib.setup(cfg("resumed", 6), one_device)
-    source = ckpt.choose_restore(ts.cfg, ts.abstract_state)
+    ts = step_lib.setup(cfg("resumed", 6), one_device)
+    source = ckpt.choose_restore(ts.cfg, ts.layout.abstract_state)
     assert (source.kind, source.step) == ("resume", 3)
-    state, start, data_state = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    state, start, data_state = ckpt.restore(source, ts.layout.abstract_state, ts.layout.init_state)
     assert start == 3 and data_state["next_index"] == 3
     restored = _named_leaves(state)
     saved = _named_leaves(ocp.PyTreeCheckpointer().restore(str(tmp_path / "full" / "checkpoints" / "3" / "state")))
@@ -284,7 +285,7 @@ def test_resume_restores_adamw_moments_and_continues_bit_exact(tmp_path):
     for name in saved:
         np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
 
-    resumed = train_lib.train(cfg("resumed", 6), devices=one_device)
+    resumed = loop.train(cfg("resumed", 6), devices=one_device)
     assert resumed.start_step == 3 and sorted(resumed.losses) == [4, 5, 6]
     assert {**first.losses, **resumed.losses} == full.losses  # Python floats of float32 values: bit equality
     assert logged_losses(tmp_path / "resumed") == logged_losses(tmp_path / "full")
@@ -296,5 +297,5 @@ def test_save_schedule_and_retention(tmp_path, every, keep, expected):
 
     cfg = load_config(None, [f"run.dir={tmp_path}", *SMALL, "train.steps=7", "mesh.ici.fsdp=1",
                              f"checkpoint.every={every}", f"checkpoint.keep={keep}"])
-    train_lib.train(cfg, devices=jax.devices()[:1])
+    loop.train(cfg, devices=jax.devices()[:1])
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == expected

@@ -5,7 +5,8 @@ import pytest
 from flax import nnx
 
 from helpers import REPO
-from jaxtrain.config import Config, ConfigError, dump_yaml, load_config, resolve_auto
+from jaxtrain.config import Config, ConfigError, dump_yaml, load_config
+from jaxtrain.layout import resolve_auto
 from jaxtrain.mesh import cpu_devices_per_process
 from jaxtrain.model import Transformer, count_params
 

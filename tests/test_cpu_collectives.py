@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import FAST, REPO, logged_losses, run_cli
-from jaxtrain import train as train_lib
+from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
 
 
@@ -21,8 +21,8 @@ def test_the_cpu_train_step_has_no_reduce_scatter(tmp_path, microbatches):
     """XLA:CPU reduces fsdp gradients with all-reduce (then slices); a reduce-scatter appearing here would route
     gradients through gloo's faulty path in multi-process CPU jobs."""
     cfg = load_config(None, [f"run.dir={tmp_path}", *FAST, "mesh.ici.fsdp=8", f"train.microbatches={microbatches}"])
-    ts = train_lib.setup(cfg, jax.devices()[:8])
-    step, _, _ = ts.compile(ts.abstract_state)
+    ts = step_lib.setup(cfg, jax.devices()[:8])
+    step, _, _ = ts.compile(ts.layout.abstract_state)
     hlo = step.as_text()
     assert "all-gather" in hlo and "all-reduce" in hlo  # the fsdp collectives are there...
     assert "reduce-scatter" not in hlo  # ...but not the one gloo corrupts

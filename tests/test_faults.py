@@ -2,6 +2,7 @@
 fit, parameters restored onto another mesh. (Bad command-line input: test_bad_inputs.py; failed writes:
 test_checkpoint.py.)"""
 
+import functools
 import glob
 import json
 import math
@@ -19,8 +20,8 @@ import pytest
 
 from helpers import REPO, logged_losses, run_cli
 from jaxtrain import checkpoint as ckpt
-from jaxtrain import guards
-from jaxtrain import train as train_lib
+from jaxtrain import guards, loop, rundir
+from jaxtrain import step as step_lib
 from jaxtrain.config import ConfigError, load_config
 
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
@@ -36,7 +37,7 @@ def _cfg(run_dir, *extra):
 def trained(tmp_path_factory):
     """A run of 10 steps with checkpoints at 5 and 10 (in-process, one device)."""
     run = tmp_path_factory.mktemp("faults") / "base"
-    train_lib.train(_cfg(run, "train.steps=10", "checkpoint.every=5"), devices=jax.devices()[:1])
+    loop.train(_cfg(run, "train.steps=10", "checkpoint.every=5"), devices=jax.devices()[:1])
     return run
 
 
@@ -80,24 +81,24 @@ def test_resume_auto_skips_a_damaged_newest_step_and_a_named_one_is_an_error(tra
     harm, what = DAMAGE[damage]
     harm(str(run / "checkpoints" / "10"))
     cfg = _cfg(run, "train.steps=12")
-    ts = train_lib.setup(cfg, jax.devices()[:1])
+    ts = step_lib.setup(cfg, jax.devices()[:1])
 
-    source = ckpt.choose_restore(ts.cfg, ts.abstract_state)
-    state, step, data_state = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    source = ckpt.choose_restore(ts.cfg, ts.layout.abstract_state)
+    state, step, data_state = ckpt.restore(source, ts.layout.abstract_state, ts.layout.init_state)
     assert step == 5 and data_state["next_index"] == 5
     warnings = [line for line in capsys.readouterr().err.splitlines() if "skipping damaged" in line]
     assert len(warnings) == 1 and f"{run}/checkpoints/10" in warnings[0] and what in warnings[0], warnings
     # The values are step 5's, as read from the undamaged reference run.
     reference, _, _ = ckpt.restore(ckpt.RestoreSource("resume", str(trained / "checkpoints"), 5),
-                                   ts.abstract_state, ts.init_state)
+                                   ts.layout.abstract_state, ts.layout.init_state)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert os.path.isdir(run / "checkpoints" / "10")  # nothing deleted
 
     with pytest.raises(ConfigError, match=f"checkpoints/10 is damaged: .*{re.escape(what)}"):
         named = _cfg(run, "train.steps=12", "checkpoint.resume=10")
-        src = ckpt.choose_restore(named, ts.abstract_state)
-        ckpt.restore(src, ts.abstract_state, ts.init_state)
+        src = ckpt.choose_restore(named, ts.layout.abstract_state)
+        ckpt.restore(src, ts.layout.abstract_state, ts.layout.init_state)
 
 
 def test_every_step_damaged_is_an_error_naming_each(trained, tmp_path):
@@ -105,10 +106,10 @@ def test_every_step_damaged_is_an_error_naming_each(trained, tmp_path):
     shutil.copytree(trained, run)
     for step in ("5", "10"):
         os.remove(run / "checkpoints" / step / "meta" / "metadata")
-    ts = train_lib.setup(_cfg(run, "train.steps=12"), jax.devices()[:1])
+    ts = step_lib.setup(_cfg(run, "train.steps=12"), jax.devices()[:1])
     with pytest.raises(ConfigError, match=r"no checkpoint in .* can be restored: 10 \(meta/metadata is missing\); "
                                           r"5 \(meta/metadata is missing\)"):
-        ckpt.choose_restore(ts.cfg, ts.abstract_state)
+        ckpt.choose_restore(ts.cfg, ts.layout.abstract_state)
 
 
 @pytest.mark.slow
@@ -141,10 +142,10 @@ def test_cli_resume_past_a_damaged_step_and_a_torn_metrics_line(trained, tmp_pat
 
 
 def test_a_non_finite_step_changes_nothing(tmp_path):
-    ts = train_lib.setup(_cfg(tmp_path, "data.seq_len=32", "train.global_batch=4"), jax.devices()[:1])
-    step, _, _ = ts.compile(ts.abstract_state)
-    batch = ts.to_device(np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32))
-    clean = ts.init_state()
+    ts = step_lib.setup(_cfg(tmp_path, "data.seq_len=32", "train.global_batch=4"), jax.devices()[:1])
+    step, _, _ = ts.compile(ts.layout.abstract_state)
+    batch = ts.layout.to_device(np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32))
+    clean = ts.layout.init_state()
     clean, first = step(clean, batch)  # one good step: non-zero moments and counts to protect
     assert float(first["nonfinite_steps"]) == 0
     poisoned = jax.tree.map(lambda x: x, clean)
@@ -176,7 +177,7 @@ def test_a_non_finite_step_changes_nothing(tmp_path):
     table[...] = table[...].at[3, 0].set(weight)  # the weight back: step 3's loss is finite again
     _, third = step(after, batch)
     assert float(third["nonfinite_steps"]) == 0 and np.isfinite(float(third["loss"]))
-    assert [float(x["lr"]) for x in (first, m, third)] == pytest.approx([lr / warmup, 2 * lr / warmup,
+    assert [float(x["learning_rate"]) for x in (first, m, third)] == pytest.approx([lr / warmup, 2 * lr / warmup,
                                                                           2 * lr / warmup], rel=1e-6)
 
 
@@ -226,7 +227,7 @@ def test_non_finite_steps_are_skipped_do_not_advance_the_schedule_and_stop_the_r
     monkeypatch.setattr(data_lib, "train_batches",
                         lambda *a, **k: _PoisonedSteps(real(*a, **k), bad, cfg.model.vocab_size))
     with pytest.raises(RuntimeError, match=r"training stopped: .*") as stopped:
-        train_lib.train(cfg, devices=jax.devices()[:1])
+        loop.train(cfg, devices=jax.devices()[:1])
     assert type(stopped.value).__name__ == "NonFiniteError"
     assert str(stopped.value).split(" (checkpoints in ")[0] == (
         "training stopped: 3 steps in a row (train.max_nonfinite_steps=3) had a non-finite loss or gradients, the "
@@ -237,7 +238,8 @@ def test_non_finite_steps_are_skipped_do_not_advance_the_schedule_and_stop_the_r
     assert [not np.isfinite(r["loss"]) for r in records] == [s in bad for s in range(1, 11)]
     applied = [sum(1 for s in range(1, step) if s not in bad) for step in range(1, 11)]  # updates before the step
     assert applied == [0, 1, 2, 2, 2, 3, 4, 5, 5, 5]
-    assert [r["lr"] for r in records] == pytest.approx([_schedule_lr(cfg.train, n + 1) for n in applied], rel=1e-6)
+    assert [r["learning_rate"] for r in records] == pytest.approx([_schedule_lr(cfg.train, n + 1) for n in applied],
+                                                                  rel=1e-6)
     # The figures differ where an off-by-one would show: warmup lr/3, 2lr/3, lr, then the cosine.
     assert len({round(_schedule_lr(cfg.train, c), 9) for c in range(1, 7)}) == 6
 
@@ -258,10 +260,10 @@ def test_training_stops_after_max_nonfinite_steps_and_saves_only_finite_states(t
     assert [r["nonfinite_steps"] for r in records] == [1, 2, 3]  # every bad step logged, counted
     steps = sorted(int(p) for p in os.listdir(run / "checkpoints") if p.isdigit())
     assert steps and max(steps) <= 4
-    ts = train_lib.setup(load_config(str(run / "config.yaml"), []), jax.devices()[:1])
+    ts = step_lib.setup(load_config(str(run / "config.yaml"), []), jax.devices()[:1])
     state, _, _ = ckpt.restore(ckpt.RestoreSource("resume", str(run / "checkpoints"), max(steps)),
-                               ts.abstract_state, ts.init_state)
-    fresh = ts.init_state()  # same seed: the skipped steps left the initial parameters untouched
+                               ts.layout.abstract_state, ts.layout.init_state)
+    fresh = ts.layout.init_state()  # same seed: the skipped steps left the initial parameters untouched
     for a, b in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(fresh["model"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert np.isfinite(np.asarray(a)).all()
@@ -269,15 +271,15 @@ def test_training_stops_after_max_nonfinite_steps_and_saves_only_finite_states(t
 
 def test_run_lock_names_the_holder_and_takes_over_a_stale_one(tmp_path, capsys):
     run = tmp_path / "run"
-    with guards.RunLock(str(run)):
-        holder = (run / guards.LOCK_NAME).read_text()
+    with rundir.RunLock(str(run)):
+        holder = (run / rundir.LOCK).read_text()
         assert f"pid {os.getpid()}" in holder
         with pytest.raises(ConfigError, match=f"is in use by another job \\(host .*, pid {os.getpid()}, since "):
-            guards.RunLock(str(run)).__enter__()  # flock: a second open file conflicts even in one process
+            rundir.RunLock(str(run)).__enter__()  # flock: a second open file conflicts even in one process
     assert not run.exists()  # made only for the lock, removed with it
     run.mkdir()
-    (run / guards.LOCK_NAME).write_text("host elsewhere, pid 999999, since 2026-01-01 00:00:00 UTC\n")
-    with guards.RunLock(str(run)):
+    (run / rundir.LOCK).write_text("host elsewhere, pid 999999, since 2026-01-01 00:00:00 UTC\n")
+    with rundir.RunLock(str(run)):
         assert "took over the lock of a job that ended without releasing it (host elsewhere, pid 999999" in \
             capsys.readouterr().err
     assert os.listdir(run) == []
@@ -293,7 +295,7 @@ def test_a_second_job_on_a_run_dir_exits_2_and_a_killed_holder_releases_it(tmp_p
     first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
-        while not (run / guards.LOCK_NAME).exists() and time.time() < deadline:
+        while not (run / rundir.LOCK).exists() and time.time() < deadline:
             time.sleep(0.2)
         t0 = time.time()
         second = run_cli("train", f"run.dir={run}", *SMALL, "train.steps=3")
@@ -307,23 +309,23 @@ def test_a_second_job_on_a_run_dir_exits_2_and_a_killed_holder_releases_it(tmp_p
     third = run_cli("train", f"run.dir={run}", *SMALL, "train.steps=2")
     assert third.returncode == 0, third.stderr[-2000:]
     assert "took over the lock of a job that ended without releasing it (host" in third.stderr
-    assert not (run / guards.LOCK_NAME).exists()
+    assert not (run / rundir.LOCK).exists()
 
 
 @pytest.mark.slow
 def test_a_step_that_cannot_fit_exits_2_before_anything_is_allocated(tmp_path):
     # Tiny parameters, huge activations: 2048 sequences of 2048 tokens (scores alone 256 GiB).
     cfg = _cfg(tmp_path / "run", "train.global_batch=2048", "data.seq_len=2048")
-    ts = train_lib.setup(cfg, jax.devices()[:1])
-    compiled, _, _ = ts.compile(ts.abstract_state)
+    ts = step_lib.setup(cfg, jax.devices()[:1])
+    compiled, _, _ = ts.compile(ts.layout.abstract_state)
     with pytest.raises(ConfigError) as e:
-        guards.check_memory_fit(ts, compiled)
+        guards.check_memory_fit(ts.layout, compiled, functools.partial(step_lib.compiled_with_microbatches, ts.layout))
     msg = str(e.value)
     mem = compiled.memory_analysis()
     assert f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB" in msg
     assert "train.microbatches=" in msg and "model.remat=full" in msg and "runtime.ignore_memory_check=true" in msg
     ignored = _cfg(tmp_path / "run", "train.global_batch=2048", "data.seq_len=2048", "runtime.ignore_memory_check=true")
-    guards.check_memory_fit(train_lib.setup(ignored, jax.devices()[:1]), compiled)  # told to go on: no error
+    guards.check_memory_fit(step_lib.setup(ignored, jax.devices()[:1]).layout, compiled, None)  # told to go on
     assert not (tmp_path / "run").exists()
 
 
@@ -335,32 +337,32 @@ def test_init_from_onto_another_mesh(tmp_path, src_mesh, dst_mesh):
     (n_src, src), (n_dst, dst) = src_mesh, dst_mesh
     base = [x for x in SMALL if not x.startswith("mesh.")]
     pre = load_config(None, [f"run.dir={tmp_path / 'pre'}", *base, *src, "train.steps=1"])
-    src_ts = train_lib.setup(pre, jax.devices()[:n_src])
-    saved = src_ts.init_state()
+    src_ts = step_lib.setup(pre, jax.devices()[:n_src])
+    saved = src_ts.layout.init_state()
     saver = ckpt.Checkpointer(pre, {"config": {}})
     saver.save(1, saved, {"next_index": 1})
     saver.close()
 
     cfg = load_config(None, [f"run.dir={tmp_path / 'fine'}", *base, *dst, "train.steps=1",
                              f"checkpoint.init_from={tmp_path / 'pre' / 'checkpoints'}"])
-    ts = train_lib.setup(cfg, jax.devices()[:n_dst])
-    source = ckpt.choose_restore(ts.cfg, ts.abstract_state)
-    state, start, _ = ckpt.restore(source, ts.abstract_state, ts.init_state)
+    ts = step_lib.setup(cfg, jax.devices()[:n_dst])
+    source = ckpt.choose_restore(ts.cfg, ts.layout.abstract_state)
+    state, start, _ = ckpt.restore(source, ts.layout.abstract_state, ts.layout.init_state)
     assert source.kind == "params" and start == 0
     for a, b, want in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(saved["model"]),
-                          jax.tree.leaves(ts.abstract_state["model"])):
+                          jax.tree.leaves(ts.layout.abstract_state["model"])):
         assert a.sharding == want.sharding  # the current mesh's shardings, not the saving mesh's
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    step, _, _ = ts.compile(ts.abstract_state)
-    batch = ts.to_device(np.zeros((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32))
+    step, _, _ = ts.compile(ts.layout.abstract_state)
+    batch = ts.layout.to_device(np.zeros((cfg.train.global_batch, cfg.data.seq_len + 1), np.int32))
     _, m = step(state, batch)  # the step compiled for this mesh takes the restored state as it is
     assert np.isfinite(float(m["loss"]))
 
 
 def test_a_state_with_non_finite_values_is_never_saved(tmp_path):
     cfg = _cfg(tmp_path / "run", "train.steps=3")
-    ts = train_lib.setup(cfg, jax.devices()[:1])
-    state = ts.init_state()
+    ts = step_lib.setup(cfg, jax.devices()[:1])
+    state = ts.layout.init_state()
     saver = ckpt.Checkpointer(ts.cfg, {"config": {}})
     saver.save(1, state, {"next_index": 1})
     table = state["model"]["embed"]["embedding"]

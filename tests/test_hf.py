@@ -210,7 +210,7 @@ def test_finetune_imported_checkpoint_on_8_devices_then_export(tmp_path):
     """Import, train 3 steps from it (checkpoint.init_from, via the config.yaml the import wrote) on a 4 x 2 mesh of
     8 devices, export the result: transformers' loss on the held-out batches equals jaxtrain's eval loss (1e-4)."""
     from jaxtrain import data as data_lib
-    from jaxtrain import train
+    from jaxtrain import loop
     from jaxtrain.config import load_config
 
     original = make_hf_model(tmp_path / "hf")
@@ -220,7 +220,7 @@ def test_finetune_imported_checkpoint_on_8_devices_then_export(tmp_path):
         "train.steps=3", "train.global_batch=8", "train.eval_batches=2", "train.warmup_steps=1", "train.lr=1e-2",
         "train.decay_steps=10", "runtime.cpu_devices=8", "mesh.ici.fsdp=4", "mesh.ici.tensor=2", "model.dtype=float32"])
     assert cfg.checkpoint.init_from == str(tmp_path / "jt" / "checkpoints")
-    result = train.train(cfg)
+    result = loop.train(cfg)
     assert result.start_step == 0 and 3 in result.eval_losses
 
     directory, step = ckpt.resolve(str(tmp_path / "run"))

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import train as train_lib
+from jaxtrain import loop
 from jaxtrain.config import FLASH_HEAD_DIMS, ConfigError, load_config
 from kernels import flash_pallas
 
@@ -15,7 +15,7 @@ BASE = ["model.dtype=float32", "model.param_dtype=float32", "train.steps=5", "tr
 
 def _losses(tmp_path, name, devices, *overrides):
     cfg = load_config(None, [f"run.dir={tmp_path / name}", *BASE, *overrides])
-    result = train_lib.train(cfg, devices=jax.devices()[:devices])
+    result = loop.train(cfg, devices=jax.devices()[:devices])
     return np.array([result.losses[s] for s in range(1, 6)])
 
 

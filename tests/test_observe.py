@@ -152,7 +152,8 @@ def test_metrics_endpoint_scraped_during_a_real_run(scraped_run):
     records = {r["step"]: r for r in map(json.loads, open(scraped_run["run_dir"] / "metrics.jsonl"))}
     # Each logged step's split on this process: data wait within host work, then the device share.
     for r in list(records.values())[:-1]:
-        assert 0 <= r["data_wait"] <= r["host_time"] < r["host_time"] + r["device_time"], r
+        host, device = r["step_host_seconds"], r["step_device_seconds"]
+        assert 0 <= r["data_wait_seconds"] <= host < host + device, r
     step = int(value(last, "jaxtrain_step"))
     if step in records:  # a logged step: the endpoint shows the same loss as metrics.jsonl
         assert value(last, "jaxtrain_loss") == pytest.approx(records[step]["loss"], rel=1e-6)
@@ -394,17 +395,18 @@ def test_out_of_memory_writes_the_device_memory_profile_and_the_split(make_confi
     import jax.numpy as jnp
 
     from jaxtrain import observe
-    from jaxtrain import train as train_lib
+    from jaxtrain import step as step_lib
+    from jaxtrain.metrics import Throughput
     from jaxtrain.model import count_params
 
     cfg = make_config("runtime.cpu_devices=2")
-    ts = train_lib.setup(cfg, jax.devices()[:2])
-    obs = observe.Observer(ts, str(tmp_path / "run"), tokens_per_step=1, flops_per_step=1.0, peak=None)
+    ts = step_lib.setup(cfg, jax.devices()[:2])
+    obs = observe.Observer(ts.layout, str(tmp_path / "run"), Throughput(1, 1.0, ts.layout.num_devices, None))
     try:
         with pytest.raises(Exception) as err:
             jnp.ones((2**45,), jnp.float32).block_until_ready()
         assert obs.out_of_memory(ValueError("shapes do not match")) is None  # not an OOM: nothing written
-        compiled, _, _ = ts.compile(ts.abstract_state)
+        compiled, _, _ = ts.compile(ts.layout.abstract_state)
         path = obs.out_of_memory(err.value, compiled)
     finally:
         obs.close()

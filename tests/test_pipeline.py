@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from helpers import FAST
-from jaxtrain import pipeline
-from jaxtrain import train as train_lib
+from jaxtrain import loop, pipeline
+from jaxtrain import step as step_lib
 from jaxtrain.config import MESH_AXES, ConfigError, load_config
 from jaxtrain.planner.collectives import stated_collectives
 from jaxtrain.planner.cost import group_span
@@ -219,8 +219,8 @@ def compiled(request, tmp_path_factory):
             return request.getfixturevalue("trained")[1]
         if layout not in made:
             cfg = load_config(None, [f"run.dir={tmp_path_factory.mktemp('hlo')}", *FAST, *PIPELINE, *LAYOUTS[layout]])
-            ts = train_lib.setup(cfg, jax.devices()[:8])
-            made[layout] = ts, ts.compile(ts.abstract_state, with_eval=False)[0]
+            ts = step_lib.setup(cfg, jax.devices()[:8])
+            made[layout] = ts, ts.compile(ts.layout.abstract_state, with_eval=False)[0]
         return made[layout]
 
     return get
@@ -235,12 +235,12 @@ def test_compiled_step_permutes_only_along_stage_once_per_iteration(compiled, la
     permutes = [c for c in stated.others if c.kind == "collective-permute"]
     assert permutes
     for c in permutes:
-        coords = ts.shape.coordinates(c.groups)  # [pairs, 2, 2 * axes]
+        coords = ts.layout.shape.coordinates(c.groups)  # [pairs, 2, 2 * axes]
         differ = (coords[:, 0] != coords[:, 1]).any(axis=-1)
         assert differ.all(), (c.op_name, c.groups.tolist())  # no device sends to itself
-        assert group_span(ts.shape, c.groups)[2] == ["stage"], (c.op_name, c.groups.tolist())
+        assert group_span(ts.layout.shape, c.groups)[2] == ["stage"], (c.op_name, c.groups.tolist())
 
-    stages, virtual, m = ts.stages, cfg.train.virtual_stages, cfg.train.microbatches
+    stages, virtual, m = ts.layout.stages, cfg.train.virtual_stages, cfg.train.microbatches
     iterations = m * virtual + stages - 1
     # The ring step: inside the schedule's loop (executed once per iteration), every device to its next stage in
     # the forward pass, to its previous one in the backward (the transpose); per device one microbatch's
@@ -250,20 +250,20 @@ def test_compiled_step_permutes_only_along_stage_once_per_iteration(compiled, la
     backward = [c for c in ring if "transpose(" in c.op_name]
     assert sum(c.count for c in forward) == iterations, [(c.op_name, c.count) for c in forward]
     assert sum(c.count for c in backward) == iterations, [(c.op_name, c.count) for c in backward]
-    assert all(_stage_shift(ts.shape, c.groups) == {1} for c in forward)
-    assert all(_stage_shift(ts.shape, c.groups) == {stages - 1} for c in backward)
-    rows = cfg.train.global_batch // m // (ts.shape.axis_sizes["data"] * ts.shape.axis_sizes["fsdp"])
+    assert all(_stage_shift(ts.layout.shape, c.groups) == {1} for c in forward)
+    assert all(_stage_shift(ts.layout.shape, c.groups) == {stages - 1} for c in backward)
+    rows = cfg.train.global_batch // m // (ts.layout.shape.axis_sizes["data"] * ts.layout.shape.axis_sizes["fsdp"])
     assert {c.bytes for c in ring} == {rows * cfg.data.seq_len * cfg.model.d_model * 4}
     # Outside the loop, only the chunk exchange of the interleaved schedule: per parameter of the stack, one permute
     # per round that moves something, forward and (for the gradients) backward; nothing with one pass.
-    stack_leaves = len(jax.tree.leaves(ts.abstract_state["model"]["blocks"]))
+    stack_leaves = len(jax.tree.leaves(ts.layout.abstract_state["model"]["blocks"]))
     moving_rounds = sum(any(mv[0] != mv[2] for mv in moves) for moves in pipeline.exchange_rounds(stages, virtual))
     once = [c for c in permutes if c.count == 1]
     assert len(once) == 2 * moving_rounds * stack_leaves, [(c.op_name, c.bytes) for c in once]
     # The outputs are handed out along stage too.
     for c in stated.others:
         if c.kind == "all-to-all":
-            assert group_span(ts.shape, c.groups)[2] == ["stage"]
+            assert group_span(ts.layout.shape, c.groups)[2] == ["stage"]
 
 
 
@@ -271,7 +271,7 @@ def test_stack_parameters_stay_split_over_tensor(compiled):
     ts, train = compiled("stage4xtensor2-v1")
     stated = stated_collectives(parse_hlo(train.as_text()), 8)
     over_tensor = [c for c in stated.others
-                   if c.kind == "all-gather" and group_span(ts.shape, c.groups)[2] == ["tensor"]]
+                   if c.kind == "all-gather" and group_span(ts.layout.shape, c.groups)[2] == ["tensor"]]
     # Only the (vocab: tensor)-split embedding table is gathered, for the lookup (model.embed_tokens); the layer
     # stack's weights and their gradients stay split over tensor, as without a pipeline.
     table = ts.cfg.model.vocab_size * ts.cfg.model.d_model * 4
@@ -310,7 +310,7 @@ STEPS = ["train.steps=8", "train.warmup_steps=2", "train.eval_every=8", "data.se
 
 def _run(overrides, run_dir, n_devices):
     cfg = load_config(None, [f"run.dir={run_dir}", *FAST, *STEPS, *overrides])
-    result = train_lib.train(cfg, devices=jax.devices()[:n_devices])
+    result = loop.train(cfg, devices=jax.devices()[:n_devices])
     return np.array([result.losses[s] for s in range(1, 9)]), result.eval_losses
 
 
@@ -339,7 +339,7 @@ def trained(tmp_path_factory):
     The compiled step is recorded as train() makes it, so that the collectives test reads the program whose losses
     were checked, and the default suite compiles it once."""
     made = []
-    compile_step = train_lib.TrainSetup.compile
+    compile_step = step_lib.Step.compile
 
     def recording(self, state, **kwargs):
         out = compile_step(self, state, **kwargs)
@@ -347,7 +347,7 @@ def trained(tmp_path_factory):
         return out
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train_lib.TrainSetup, "compile", recording)
+        patch.setattr(step_lib.Step, "compile", recording)
         result = _run(LAYOUTS[TRAINED], tmp_path_factory.mktemp("pipelined"), 8)
     assert len(made) == 1
     return result, made[0]
@@ -397,7 +397,7 @@ def test_flash_kernel_inside_the_stage_loop_matches_one_device(tmp_path):
     losses = []
     for overrides, n in [(["mesh.ici.fsdp=1"], 1),
                          (["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"], 8)]:
-        ts = train_lib.setup(load_config(None, [*base, *overrides]), jax.devices()[:n])
-        _, evaluate, _ = ts.compile(ts.abstract_state)
-        losses.append(float(evaluate(ts.init_state(), ts.to_device(tokens))))
+        ts = step_lib.setup(load_config(None, [*base, *overrides]), jax.devices()[:n])
+        _, evaluate, _ = ts.compile(ts.layout.abstract_state)
+        losses.append(float(evaluate(ts.layout.init_state(), ts.layout.to_device(tokens))))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

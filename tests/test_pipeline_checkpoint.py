@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from helpers import F32, launch_local, logged_losses, run_cli
-from jaxtrain import train as train_lib
+from jaxtrain import loop
 from jaxtrain.config import load_config
 
 # n_layers 8 splits into 4 stages x 2 virtual stages; microbatches 4 is a multiple of 4 stages.
@@ -22,12 +22,12 @@ def test_checkpoint_from_two_stages_resumes_on_one_and_on_four(tmp_path):
         return load_config(None, [f"run.dir={tmp_path / run}", *PIPE, "checkpoint.every=4", *extra])
 
     two_stages = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"]
-    full = train_lib.train(cfg("full", "train.steps=8", *two_stages), devices=jax.devices()[:8])
+    full = loop.train(cfg("full", "train.steps=8", *two_stages), devices=jax.devices()[:8])
     for name, mesh in [("one", ["mesh.ici.stage=1", "mesh.ici.fsdp=8"]),
                        ("four", ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"])]:
-        first = train_lib.train(cfg(name, "train.steps=4", *two_stages), devices=jax.devices()[:8])
+        first = loop.train(cfg(name, "train.steps=4", *two_stages), devices=jax.devices()[:8])
         assert sorted(first.losses) == [1, 2, 3, 4]
-        resumed = train_lib.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
+        resumed = loop.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
         assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
         np.testing.assert_allclose([resumed.losses[s] for s in range(5, 9)], [full.losses[s] for s in range(5, 9)],
                                    rtol=1e-4, err_msg=name)

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from helpers import hand_forward_flops_per_token
-from jaxtrain import train as train_lib
+from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
 from jaxtrain.model import count_params, train_flops_per_token
 
@@ -47,8 +47,8 @@ def _cost(compiled) -> dict:
 
 def test_model_flops_agree_with_xla_cost_analysis_of_the_compiled_step():
     cfg = load_config(None, SMALL)
-    ts = train_lib.setup(cfg, jax.devices()[:1])
-    train_step, _, _ = ts.compile(ts.abstract_state)
+    ts = step_lib.setup(cfg, jax.devices()[:1])
+    train_step, _, _ = ts.compile(ts.layout.abstract_state)
     m, seq, tokens = ts.cfg.model, cfg.data.seq_len, cfg.train.global_batch * cfg.data.seq_len
     matmuls, causal_attention = hand_forward_flops_per_token(m, seq)
     executed = 3 * (matmuls + 2 * causal_attention) * tokens  # XLA computes all S x S scores, then masks
@@ -69,8 +69,8 @@ def test_microbatch_split_moves_no_data_between_devices(accumulate):
     cfg = load_config(None, ["model.dtype=float32", "model.n_layers=1", "model.d_model=64", "model.d_ff=128",
                              "data.seq_len=32", "mesh.ici.data=2", "mesh.ici.fsdp=2", "train.microbatches=4",
                              f"train.accumulate={accumulate}"])
-    ts = train_lib.setup(cfg, jax.devices()[:4])
-    train_step, _, _ = ts.compile(ts.abstract_state)
+    ts = step_lib.setup(cfg, jax.devices()[:4])
+    train_step, _, _ = ts.compile(ts.layout.abstract_state)
     ops = set(COLLECTIVE.findall(train_step.as_text()))
     assert not ops & {"all-to-all", "collective-permute"}, ops
     assert "all-gather" in ops  # the parser does see collectives (fsdp gathers the parameters)
@@ -81,8 +81,8 @@ def _collective_counts(ts) -> dict:
     the planner's HLO reader, which tests/test_planner_hlo.py checks against stored HLO)."""
     from jaxtrain.planner import collectives, hlo
 
-    train_step, _, _ = ts.compile(ts.abstract_state)
-    stated = collectives.stated_collectives(hlo.parse_hlo(train_step.as_text()), ts.shape.num_devices)
+    train_step, _, _ = ts.compile(ts.layout.abstract_state)
+    stated = collectives.stated_collectives(hlo.parse_hlo(train_step.as_text()), ts.layout.shape.num_devices)
     counts = {}
     for c in stated.others:
         counts[c.kind] = counts.get(c.kind, 0) + c.count
@@ -96,8 +96,8 @@ def test_unreduced_accumulation_reduces_gradients_once_per_step():
     all-reduces here (measured 37 -> 76 with accumulate=sharded, jax 0.10.2 CPU)."""
     base = ["model.dtype=float32", "model.n_layers=1", "model.d_model=64", "model.d_ff=128", "data.seq_len=32",
             "mesh.ici.fsdp=4"]
-    one = _collective_counts(train_lib.setup(load_config(None, base), jax.devices()[:4]))
-    acc = _collective_counts(train_lib.setup(load_config(None, [*base, "train.microbatches=4",
+    one = _collective_counts(step_lib.setup(load_config(None, base), jax.devices()[:4]))
+    acc = _collective_counts(step_lib.setup(load_config(None, [*base, "train.microbatches=4",
                                                                 "train.accumulate=unreduced"]), jax.devices()[:4]))
     assert one["all-reduce"] > 0 and one["all-gather"] > 0
     assert acc["all-reduce"] <= one["all-reduce"] and acc["all-gather"] <= one["all-gather"], (acc, one)

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from helpers import REFERENCE_SMALL, random_model
-from jaxtrain import train as train_lib
+from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
 from jaxtrain.model import rope_frequencies, rotary
 
@@ -158,9 +158,9 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 def _logits(ts, state, tokens, segments=None):
     def forward(state, tokens, segments):
-        return nnx.merge(ts.graphdef, state).model(tokens, segments)
+        return nnx.merge(ts.layout.graphdef, state).model(tokens, segments)
 
-    with ts.scope():
+    with ts.layout.scope():
         return np.asarray(jax.jit(forward)(state, jnp.asarray(tokens), None if segments is None else
                                            jnp.asarray(segments)))
 
@@ -201,7 +201,7 @@ def test_eval_loss_is_next_token_cross_entropy_of_the_reference_logits(tmp_path,
     inputs, targets = batch[:, :-1], batch[:, 1:]
     segments = np_segments(inputs, 3) if document_mask else None
     expected = np_next_token_loss(np_forward(w, ts.cfg.model, inputs, segments), targets)
-    with ts.scope():
+    with ts.layout.scope():
         got = float(jax.jit(ts.eval_step)(state, jnp.asarray(batch, jnp.int32)))
     assert got == pytest.approx(expected, rel=2e-5)
 
@@ -211,8 +211,8 @@ def test_initial_parameters_follow_the_documented_init(tmp_path):
     scaled by 1 / sqrt(2 * n_layers) (GPT-2); norm scales 1. Measured on the tiny config's fresh state."""
     cfg = load_config(None, [f"run.dir={tmp_path}", "model.dtype=float32", "mesh.ici.fsdp=1",
                              "model.tie_embeddings=false"])
-    ts = train_lib.setup(cfg, jax.devices()[:1])
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(ts.init_state()["model"]))
+    ts = step_lib.setup(cfg, jax.devices()[:1])
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(ts.layout.init_state()["model"]))
     std, layers = cfg.model.init_std, cfg.model.n_layers
     blk = params["blocks"]
     expected = {"embedding": (params["embed"]["embedding"], std), "unembed": (params["unembed"]["kernel"], std),

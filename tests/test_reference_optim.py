@@ -17,7 +17,7 @@ from flax import nnx
 
 from helpers import random_model
 from jaxtrain.config import load_config
-from jaxtrain.train import make_optimizer
+from jaxtrain.state import make_optimizer
 
 OPT = ["train.lr=0.05", "train.warmup_steps=2", "train.decay_steps=5", "train.min_lr_ratio=0.2",
        "train.weight_decay=0.3", "train.b1=0.8", "train.b2=0.9", "train.grad_clip=0.5"]
@@ -126,31 +126,31 @@ def test_train_steps_apply_clipped_adamw_to_the_model_gradients(tmp_path, layout
     devices, overrides = STEP_LAYOUTS[layout]
     ts, state, _ = random_model(tmp_path, *OPT, "model.tie_embeddings=false", *overrides, seed=7, devices=devices)
     t = ts.cfg.train
-    with ts.scope():
+    with ts.layout.scope():
         train_step, _, _ = ts.compile(state)
-    model_def = nnx.split(nnx.merge(ts.graphdef, state).model)[0]
+    model_def = nnx.split(nnx.merge(ts.layout.graphdef, state).model)[0]
 
     def loss_fn(params, tokens):
         logits = nnx.merge(model_def, params)(tokens[:, :-1])
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
-    with ts.scope():
+    with ts.layout.scope():
         loss_and_grad = jax.jit(jax.value_and_grad(loss_fn))
     ref = HandAdamW(t, _is_decayed)
     rng = np.random.default_rng(8)
     for step in range(1, 5):
         batch = jnp.asarray(rng.integers(0, 61, size=(t.global_batch, 13)), jnp.int32)
-        with ts.scope():
+        with ts.layout.scope():
             loss, grads = loss_and_grad(state["model"], batch)
         before = _flat(state["model"])
         expected = ref.update(before, _flat(grads))
         grad_norm = math.sqrt(sum(float(np.sum(g * g)) for g in _flat(grads).values()))
-        state, metrics = train_step(state, jax.device_put(batch, ts.batch_sharding))
+        state, metrics = train_step(state, jax.device_put(batch, ts.layout.batch_sharding))
         assert float(metrics["loss"]) == pytest.approx(float(loss), rel=1e-5)
         assert float(metrics["grad_norm"]) == pytest.approx(grad_norm, rel=1e-4)
         assert grad_norm > t.grad_clip  # clipping was active
-        assert float(metrics["lr"]) == pytest.approx(hand_lr(step, t.lr, t.warmup_steps, t.decay_steps,
+        assert float(metrics["learning_rate"]) == pytest.approx(hand_lr(step, t.lr, t.warmup_steps, t.decay_steps,
                                                              t.min_lr_ratio), rel=1e-6)
         got = _flat(state["model"])
         assert sorted(got) == sorted(expected) and sum(not _is_decayed(k) for k in got) == 3

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from helpers import REPO, run_cli
-from jaxtrain import sweep
+from jaxtrain import rundir, sweep
 from jaxtrain.config import ConfigError, load_config
 
 
@@ -49,12 +49,16 @@ def test_all_expands_to_the_planners_meshes(tmp_path):
 
 
 def test_measurements_from_summary(tmp_path):
-    """A run's summary.json (train.run_summary's keys) gives the record's measurements; no summary, none."""
-    assert sweep.read_summary(str(tmp_path)) is None
-    summary = {"compile_seconds": 2.51, "step_seconds": {"median": 0.2, "p10": 0.1, "p90": 0.3, "max": 0.3},
-               "tokens_per_sec": 5000.0, "final_loss": 3.0, "steps_timed": 4, "host_peak_rss_bytes": 123456789}
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    s = sweep.measurements(sweep.read_summary(str(tmp_path)))
+    """A run's summary.json (rundir.Summary, written and read back) gives the record's measurements; no summary,
+    none."""
+    assert rundir.read_summary(str(tmp_path)) is None
+    rundir.Summary(mesh={}, devices=1, processes=1, start_step=0, last_step=4, steps_timed=4, compile_seconds=2.51,
+                   step_seconds={"median": 0.2, "p10": 0.1, "p90": 0.3, "max": 0.3}, tokens_per_second=5000.0,
+                   mfu=None, final_loss=3.0, final_eval_loss=None, compiled_memory_bytes_per_device=None,
+                   device_peak_bytes=None, host_peak_rss_bytes=123456789, preempted_at=None, goodput={},
+                   goodput_wall_seconds=1.0, recomputed_steps=0).write(str(tmp_path))
+    assert json.loads((tmp_path / "summary.json").read_text())["tokens_per_second"] == 5000.0
+    s = sweep.measurements(rundir.read_summary(str(tmp_path)))
     assert s == {"compile_s": 2.51, "median_step_s": 0.2, "tokens_per_s": 5000.0, "final_loss": 3.0,
                  "steps_measured": 4, "peak_rss_bytes": 123456789}
     assert sweep.last_error_line("noise\nerror: model.n_heads=8 is not divisible\n") == \

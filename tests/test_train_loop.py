@@ -6,35 +6,35 @@ import jax
 import pytest
 
 from helpers import hand_forward_flops_per_token
-from jaxtrain import train as train_lib
+from jaxtrain import loop
 from jaxtrain.config import load_config
 
 
 def test_default_config_learns_and_writes_its_outputs(tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(None, [f"run.dir={run_dir}", "train.steps=40", "train.eval_every=20", "train.log_every=1"])
-    result = train_lib.train(cfg, devices=jax.devices()[:1])
+    result = loop.train(cfg, devices=jax.devices()[:1])
     assert result.losses[40] < 0.8 * result.losses[1]
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     assert all(r["loss"] == result.losses[r["step"]] for r in records)
-    assert {"grad_norm", "lr", "step_time", "tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
-            "mfu"} <= set(records[-1])
+    assert {"grad_norm", "learning_rate", "step_seconds", "tokens_per_second", "tokens_per_second_per_device",
+            "tflops_per_device", "mfu"} <= set(records[-1])
     assert records[-1]["mfu"] is None  # CPU: peak unknown
     # The throughput figures follow from the step time and a hand count of the model's FLOPs (tests/
     # test_reference_flops.py), not only present: tokens are global_batch x seq_len inputs per step.
     tokens = cfg.train.global_batch * cfg.data.seq_len
     matmuls, attention = hand_forward_flops_per_token(cfg.model, cfg.data.seq_len)
     for r in records:
-        assert r["tokens_per_sec"] == pytest.approx(tokens / r["step_time"], rel=1e-9)
-        assert r["tokens_per_sec_per_device"] == pytest.approx(r["tokens_per_sec"], rel=1e-9)  # one device
-        assert r["tflops_per_device"] == pytest.approx(3 * (matmuls + attention) * tokens / r["step_time"] / 1e12,
+        assert r["tokens_per_second"] == pytest.approx(tokens / r["step_seconds"], rel=1e-9)
+        assert r["tokens_per_second_per_device"] == pytest.approx(r["tokens_per_second"], rel=1e-9)  # one device
+        assert r["tflops_per_device"] == pytest.approx(3 * (matmuls + attention) * tokens / r["step_seconds"] / 1e12,
                                                        rel=1e-9)
     # Step s of the warmup runs at lr * s / warmup_steps: the first step already moves the parameters.
     w = cfg.train.warmup_steps
-    assert [r["lr"] for r in records[:w]] == pytest.approx([cfg.train.lr * s / w for s in range(1, w + 1)])
-    assert max(r["lr"] for r in records) == pytest.approx(cfg.train.lr)
+    assert [r["learning_rate"] for r in records[:w]] == pytest.approx([cfg.train.lr * s / w for s in range(1, w + 1)])
+    assert max(r["learning_rate"] for r in records) == pytest.approx(cfg.train.lr)
     assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     # the written config is the effective one and loads back
@@ -46,19 +46,27 @@ def test_default_config_learns_and_writes_its_outputs(tmp_path):
     assert summary["last_step"] == 40 and summary["steps_timed"] == 40
     assert summary["final_loss"] == result.losses[40] and summary["final_eval_loss"] == result.eval_losses[40]
     assert summary["step_seconds"]["p10"] <= summary["step_seconds"]["median"] <= summary["step_seconds"]["p90"]
-    assert summary["tokens_per_sec"] == pytest.approx(tokens / summary["step_seconds"]["median"], rel=1e-9)
+    assert summary["tokens_per_second"] == pytest.approx(tokens / summary["step_seconds"]["median"], rel=1e-9)
 
 
-def test_default_logging_and_a_finished_run_left_untouched(tmp_path):
+def test_default_logging_and_a_finished_run_left_untouched(tmp_path, capsys):
     """log_every=10 logs steps 1, 10, 20, ...; invoking a finished run again (even on another mesh) trains nothing
-    and rewrites nothing: its config.yaml still describes the run that trained."""
+    and rewrites nothing: its config.yaml still describes the run that trained, and the run says that the new mesh
+    was not trained and what to do. The run directory and what is being compiled are said before compiling."""
     run_dir = tmp_path / "run"
     base = [f"run.dir={run_dir}", "train.steps=12", "train.eval_every=0", "data.threads=0"]
-    train_lib.train(load_config(None, base), devices=jax.devices()[:1])
+    loop.train(load_config(None, base), devices=jax.devices()[:1])
+    lines = capsys.readouterr().err.splitlines()
+    order = [next(i for i, line in enumerate(lines) if text in line)
+             for text in (f"run directory {run_dir}", "compiling the train and eval steps: mesh one-device",
+                          "compiled in")]
+    assert order == sorted(order)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 10, 12]
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "logs" not in p.parts}
-    again = train_lib.train(load_config(None, [*base, "mesh.ici.fsdp=2"]), devices=jax.devices()[:2])
+    again = loop.train(load_config(None, [*base, "mesh.ici.fsdp=2"]), devices=jax.devices()[:2])
     assert again.losses == {} and again.start_step == 12
+    said = capsys.readouterr().err
+    assert "nothing to do" in said and "mesh.ici.fsdp=2 here, 1 there" in said and "use another run.dir" in said
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "logs" not in p.parts}
     assert after == before

@@ -1,7 +1,7 @@
 """Regenerate the golden HLO files: ``python tests/golden/generate.py [NAME ...]`` (all: about 5 minutes on 2 cores).
 
 Each golden is the post-optimisation HLO (``Compiled.as_text()``) of the real train step of the tiny model
-(tests/conftest.py's FAST settings) compiled by XLA:CPU on 8 emulated devices, trimmed to what the planner reads:
+(tests/helpers.py's FAST settings) compiled by XLA:CPU on 8 emulated devices, trimmed to what the planner reads:
 
 1. the module header reduced to its name and partition count, the stack-frame tables dropped, metadata reduced
    to op_name; backend_config kept only where it states a loop trip count; layouts and
@@ -24,7 +24,7 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/ (conftest's FAST) and the repository root
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (helpers's FAST) and the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 # As the planner compiles (jaxtrain/planner/target.py: AllReducePromotion off, which aborts XLA:CPU on some bfloat16
@@ -35,7 +35,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from conftest import FAST  # noqa: E402
+from helpers import FAST  # noqa: E402
 
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.mesh import MeshShape  # noqa: E402
