@@ -27,7 +27,7 @@ MESH_AXES = ("data", "stage", "fsdp", "tensor")
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/tiny"
+    dir: str = "runs/tiny"  # where the run writes (relative to the working directory); its files: docs/training.md
 
 
 @dataclass
@@ -39,10 +39,10 @@ class RuntimeConfig:
 
 @dataclass
 class AxisSizes:
-    data: int = 1
+    data: int = 1  # data parallelism: replicas of the parameters, each with its rows of the batch
     stage: int = 1  # pipeline stages: the layer stack is split into this many consecutive groups of devices
-    fsdp: int = 1
-    tensor: int = 1
+    fsdp: int = 1  # fully sharded data parallelism: parameters, gradients and optimizer state sharded (ZeRO-3)
+    tensor: int = 1  # tensor parallelism: heads and MLP columns split (Megatron); inside a node only
 
 
 def _default_rules() -> dict[str, Any]:
@@ -77,7 +77,7 @@ class MeshConfig:
     # One of the eight may be -1: it takes whatever the device count leaves.
     ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
     dcn: AxisSizes = field(default_factory=AxisSizes)
-    rules: dict[str, Any] = field(default_factory=_default_rules)
+    rules: dict[str, Any] = field(default_factory=_default_rules)  # logical axis -> mesh axis, list of axes, or null
 
     def sizes(self) -> dict[tuple[str, str], int]:
         """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
@@ -92,35 +92,35 @@ class MeshConfig:
 class RopeScalingConfig:
     # Llama 3.1's rotary frequency scaling ("llama3"): wavelengths longer than original_max_len / low_freq_factor
     # are stretched by `factor`, those shorter than original_max_len / high_freq_factor kept, smoothly in between.
-    type: Literal["none", "llama3"] = "none"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_len: int = 8192
+    type: Literal["none", "llama3"] = "none"  # none: plain RoPE; llama3: Llama 3.1's scaling (above)
+    factor: float = 8.0  # how much the longest wavelengths are stretched
+    low_freq_factor: float = 1.0  # wavelengths above original_max_len / low_freq_factor are stretched fully
+    high_freq_factor: float = 4.0  # wavelengths below original_max_len / high_freq_factor are kept
+    original_max_len: int = 8192  # the context length the model was pre-trained with
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
+    vocab_size: int = 256  # token ids 0 .. vocab_size - 1 (256: the byte-level embedded corpus)
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 4  # decoder blocks (attention + SwiGLU MLP, pre-RMSNorm)
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention); divides n_heads
     head_dim: int | None = None  # None: d_model // n_heads
-    d_ff: int = 384
-    rope_theta: float = 10000.0
+    d_ff: int = 384  # hidden width of the SwiGLU MLP
+    rope_theta: float = 10000.0  # rotary embeddings' base wavelength
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = True  # the output projection reuses the embedding table
+    init_std: float = 0.02  # standard deviation of the normal initialisation (output projections scaled by depth)
     # Compute dtype. "auto": resolved once at start-up (layout.resolve_auto): bfloat16 on accelerators, float32 on CPU.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameters and AdamW moments
     # xla: reference einsum; cudnn: jax.nn.dot_product_attention's cuDNN kernel (GPU, 16-bit); pallas / triton:
     # jaxtrain's flash kernels (pallas runs interpreted, slowly, on CPU); auto: resolved once at start-up for the
     # platform (layout.resolve_auto), and recorded as the concrete choice in run.dir/config.yaml.
     attention: Literal["xla", "cudnn", "pallas", "triton", "auto"] = "xla"
-    remat: Literal["none", "full", "save_matmuls"] = "none"
+    remat: Literal["none", "full", "save_matmuls"] = "none"  # recompute: full, or all but matmuls
 
     @property
     def resolved_head_dim(self) -> int:
@@ -132,12 +132,12 @@ class DataConfig:
     # "embedded" (CPython's bundled documentation, byte-level), "synthetic", or a path to a token file
     # (.bin raw memmap of `token_dtype`, or .npy), e.g. one written by `python -m jaxtrain prepare`.
     source: str = "embedded"
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per training sequence (each window reads seq_len + 1 for the targets)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # for .bin files only
     # Packed documents: with document_mask a token attends only to tokens of its own document, the segments being
     # cut after each eos_id token (0 separates documents of the byte-level sources).
     document_mask: bool = False
-    eos_id: int = 0
+    eos_id: int = 0  # the token that ends a document (document_mask)
     eval_fraction: float = 0.05  # tail of the token stream held out for evaluation
     threads: int = 2  # Grain reader threads
     prefetch: int = 4  # batches read ahead
@@ -145,8 +145,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seed: int = 0
+    steps: int = 300  # optimizer steps of the whole run (a resumed run continues up to it)
+    seed: int = 0  # parameter initialisation and the data order
     global_batch: int = 16  # sequences per optimizer step, over all devices and processes
     microbatches: int = 1  # gradient accumulation: global_batch is split into this many sequential chunks
     # With microbatches > 1: "unreduced" reduces gradients across the batch axes once per step (one all-gather and
@@ -158,20 +158,20 @@ class TrainConfig:
     # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
     # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,
     # (stages - 1) / (microbatches * virtual_stages + stages - 1), at the price of moving the stage's layer weights
-    # between stages once per step (README "Pipeline parallelism"). Does nothing with one stage.
+    # between stages once per step (docs/parallelism.md). Does nothing with one stage.
     virtual_stages: int = 1
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak learning rate (AdamW)
     warmup_steps: int = 30  # linear warmup from 0 to lr
     # The cosine's horizon is its own option, not train.steps, so that extending or resuming a run with more steps
     # does not rewrite the learning rates already used; past it the rate stays at lr * min_lr_ratio.
     decay_steps: int = 300
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay (not on norm scales)
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     eval_every: int = 100  # 0 disables periodic evaluation (it still runs at the end)
-    eval_batches: int = 4
+    eval_batches: int = 4  # held-out batches per evaluation
     log_every: int = 10  # progress line and metrics.jsonl every N steps (and the first and last step)
     max_nonfinite_steps: int = 10  # stop after this many steps in a row with non-finite loss or gradients (skipped)
 
@@ -191,8 +191,8 @@ class DistConfig:
     # Multi-process settings. Unset: taken from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else
     # from Slurm inside `srun`, else a single process. All three or none.
     coordinator: str | None = None  # host:port of process 0's coordination service
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # processes in the job (one per node, or one per GPU)
+    process_id: int | None = None  # this process's index, 0 .. num_processes - 1
     init_timeout_s: int = 120  # how long to wait for every process to join
     heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
     # GPU ordinals (after CUDA_VISIBLE_DEVICES) this process drives; None: JAX_LOCAL_DEVICE_IDS, else derived from
@@ -207,7 +207,7 @@ class CheckConfig:
     # Message sizes per device; None: [0.25, 4, 16] MiB on CPU, [16, 256, 1024] MiB on GPU (1 GiB: the size of
     # one LLM layer's collectives, where a GPU link reaches its bus bandwidth).
     sizes_mb: list | None = None
-    iters: int = 5
+    iters: int = 5  # timed repetitions of each collective and matmul
     matmul_size: int | None = None  # None: 1024 (float32) on CPU, 8192 (bfloat16) on GPU
     min_busbw_gbps: float = 0.0  # fail if an axis's bus bandwidth at the largest size is below this (0: no bound)
     min_matmul_fraction: float = 0.5  # fail if a device's matmul rate is below this fraction of the median
@@ -225,22 +225,22 @@ class ObserveConfig:
     # the same port on every node with one process per node), "none".
     prometheus_port: int | None = None
     prometheus_address: str = "127.0.0.1"  # loopback; 0.0.0.0 lets a cluster's Prometheus scrape it
-    prometheus_port_offset: Literal["process", "local", "none"] = "process"
+    prometheus_port_offset: Literal["process", "local", "none"] = "process"  # added to the port (above)
     # Every N steps the processes swap their host-time figures (through the coordination service, not the devices)
     # and process 0 warns about a process whose host time exceeds straggler_ratio x the median. 0: off.
     straggler_every: int = 100
-    straggler_ratio: float = 1.5
+    straggler_ratio: float = 1.5  # a process whose host time exceeds this x the median is named
     # Every N steps a small all-reduce per mesh axis measures its bus bandwidth against the link's expected rate
     # (from `hardware`, else the shipped hardware file of these devices); below min_bandwidth_fraction it warns.
     collective_probe_every: int = 0  # 0: off
     probe_mb: float | None = None  # message per device; None: 1 MiB on CPU, 256 MiB on GPUs
-    min_bandwidth_fraction: float = 0.7
+    min_bandwidth_fraction: float = 0.7  # warn below this fraction of the link's expected rate
     hardware: str | None = None  # hardware file (name or path) with the link rates; None: matched by device kind
     # A jax.profiler trace of steps [START, END] into run.dir/profile/process_<i>, on the processes listed in
     # profile_processes (None: all). SIGUSR1 to a process traces its next signal_profile_steps steps.
     profile_steps: list | None = None
-    profile_processes: list | None = None
-    signal_profile_steps: int = 5
+    profile_processes: list | None = None  # process indices that trace; None: all
+    signal_profile_steps: int = 5  # steps traced after a SIGUSR1
 
 
 @dataclass
