@@ -100,7 +100,7 @@ def _open_stream(cfg: DataConfig, meta: dict) -> np.ndarray:
 def check_token_ids(stream: np.ndarray, source: str, vocab_size: int) -> None:
     """ConfigError naming the largest id when a token id lies outside [0, vocab_size): the embedding lookup would
     silently clamp it (XLA gathers clamp out-of-range indices), training on the wrong token. One pass over the
-    file, in chunks (about 0.2 s per GB from the page cache; see README "Failure behaviour")."""
+    file, in chunks (about 0.2 s per GB from the page cache; see docs/failures.md)."""
     chunk = 1 << 26
     hi = max(int(stream[i:i + chunk].max()) for i in range(0, len(stream), chunk))
     lo = min(int(stream[i:i + chunk].min()) for i in range(0, len(stream), chunk)) if stream.dtype.kind == "i" else 0

@@ -50,7 +50,7 @@ def resolve_auto(cfg: Config, platform: str) -> Config:
             elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
                 # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
-                # tiles and wgmma counts for sm_90a (README "Attention kernels").
+                # tiles and wgmma counts for sm_90a (docs/kernels.md).
                 attention = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
     return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention))
 

@@ -212,7 +212,7 @@ def tile_skip_report(seq: int, head_dims=(64, 128)) -> list[dict]:
     n = (len(tokens) - 1) // seq
     inputs = np.stack([tokens[i * seq: i * seq + seq] for i in range(n)])  # Windows(seq)[i][:-1]
     is_eos = (inputs == EOS).astype(np.int32)
-    segments = np.cumsum(is_eos, axis=1) - is_eos  # as train.py: the token after an eos starts a new segment
+    segments = np.cumsum(is_eos, axis=1) - is_eos  # as step.document_segments
     doc_lengths = np.diff(np.flatnonzero(np.concatenate([[1], tokens == EOS, [1]])))
     print(f"embedded corpus: {len(tokens)} tokens, {len(doc_lengths)} documents (median length "
           f"{int(np.median(doc_lengths))}, mean {doc_lengths.mean():.0f}), {n} windows of {seq}")

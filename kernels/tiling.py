@@ -26,7 +26,7 @@ class Launch:
 
 # Defaults for an H100/H200 (sm_90a), per kernel, dtype width and head dim. Chosen with `python
 # tools/compile_check.py`: the largest tiles and most stages that fit Hopper's 227 KiB of shared memory and compile
-# without register spills (no GPU timing yet; see README "Attention kernels"). 16-bit kernels run on wgmma;
+# without register spills (no GPU timing yet; see docs/kernels.md). 16-bit kernels run on wgmma;
 # float32 ones are exact float32 FMA loops (no tensor cores), so they get small tiles: they are for checking, not
 # for speed.
 _DEFAULTS = {

@@ -92,7 +92,7 @@ REFERENCE_SMALL = ["model.d_model=48", "model.n_layers=2", "model.n_heads=4", "m
 
 
 def random_model(tmp_path, *overrides, seed=0, devices=1):
-    """(TrainSetup, state with random weights, the weights as a float64 nested dict), for REFERENCE_SMALL."""
+    """(Step, state with random weights, the weights as a float64 nested dict), for REFERENCE_SMALL."""
     import jax
     import numpy as np
     from flax import nnx

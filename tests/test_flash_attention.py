@@ -239,7 +239,7 @@ def test_segment_tile_ranges_cover_every_tile_with_a_shared_id(kind):
     rng = np.random.default_rng(7)
     s, br, bc = 203, 16, 32  # not a multiple of either tile
     if kind == "packed":
-        seg = np.cumsum(rng.random((3, s)) < 0.04, axis=1).astype(np.int32)  # as train.py makes them
+        seg = np.cumsum(rng.random((3, s)) < 0.04, axis=1).astype(np.int32)  # as step.document_segments makes them
     else:
         seg = rng.integers(0, 4, (3, s)).astype(np.int32)
     for xp_ranges in (tiling.segment_tile_ranges(seg, br, bc, xp=np),

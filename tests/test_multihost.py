@@ -255,7 +255,7 @@ def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
     assert "restart 1;" in log and "stopped for preemption or the time limit (step exit 0)" in log
     assert max(logged_losses(run_dir)) == steps
     # Both starts compiled through the persistent cache in the run directory (the second one loads from it; the
-    # times are printed, not asserted: README, Multi-host, has the measured figures).
+    # times are printed, not asserted: docs/results.md has the measured figures).
     assert any((run_dir / "jax-cache").iterdir())
     print("compile times, first and requeued start:", re.findall(r"compiled train and eval steps in ([\d.]+) s", log))
 

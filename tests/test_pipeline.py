@@ -211,7 +211,7 @@ def _stage_shift(shape, pairs: np.ndarray) -> set[int]:
 
 @pytest.fixture(scope="module")
 def compiled(request, tmp_path_factory):
-    """layout -> (TrainSetup, compiled train step), each compiled once per module."""
+    """layout -> (Step, compiled train step), each compiled once per module."""
     made = {}
 
     def get(layout):
@@ -334,7 +334,7 @@ def _assert_matches(got, want):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """The default suite's pipelined run: ((losses, eval losses), (its TrainSetup, its compiled train step)).
+    """The default suite's pipelined run: ((losses, eval losses), (its Step, its compiled train step)).
 
     The compiled step is recorded as train() makes it, so that the collectives test reads the program whose losses
     were checked, and the default suite compiles it once."""

@@ -1,6 +1,6 @@
 """The data contract against hand computations: windows, their stride, batches, evaluation batches, segments.
 
-Contract (jaxtrain/data.py's docstring, README "Data"): training examples are windows of seq_len + 1 tokens taken
+Contract (jaxtrain/data.py's docstring, docs/training.md): training examples are windows of seq_len + 1 tokens taken
 every seq_len tokens (consecutive windows share exactly the one token that is the last target of one and the first
 input of the next), shuffled by train.seed and repeated epoch after epoch; row r of step s is example
 s * global_batch + r. Evaluation windows are the same cut of the held-out tail, in order, wrapping around.

@@ -1,7 +1,7 @@
 """Environment resolution (jaxtrain.distributed.resolve) with asymmetric values, so that a swapped field shows.
 
 Every value below differs from every other (3 processes, process 2, distinct ports and hosts, 6 Slurm tasks on 3
-nodes, local id 1), and each expected value is written out by hand from the documented rule (README "Multi-host").
+nodes, local id 1), and each expected value is written out by hand from the documented rule (docs/multihost.md).
 """
 
 import pytest

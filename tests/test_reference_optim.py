@@ -1,6 +1,7 @@
 """The optimizer and the train step's update against a hand-written reference of their documented semantics.
 
-Documented (README "The step and the loop", train.make_optimizer): global-norm clipping of the gradients, then AdamW
+Documented (docs/training.md "The step and the loop", state.make_optimizer): global-norm clipping of the gradients,
+then AdamW
 (bias-corrected moments, decoupled weight decay on kernels and embeddings, none on norm scales) at a learning rate
 that warms up linearly (step s of the warmup at lr * s / warmup_steps, 1-based) and then follows a cosine to
 lr * min_lr_ratio at decay_steps, constant after. The reference below is plain NumPy float64, written from those

@@ -17,7 +17,7 @@ The score is killed / (killed + survived).
     python tools/mutants.py --only rotary-sign,clip-after-adamw
     python tools/mutants.py --baseline         # first run every named test unmutated (must pass)
 
-Not part of CI: it is too slow. Its last report is in the README's testing section.
+Not part of CI: it is too slow. Its last report is in docs/testing.md.
 """
 
 from __future__ import annotations

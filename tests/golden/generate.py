@@ -36,7 +36,6 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from helpers import FAST  # noqa: E402
-
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.mesh import MeshShape  # noqa: E402
 from jaxtrain.planner import search  # noqa: E402
