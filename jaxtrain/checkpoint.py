@@ -9,6 +9,7 @@ that was interrupted is never seen as a step. Restoring reads each array straigh
 This module owns the on-disk format: finding steps (:func:`existing_steps`, :func:`resolve`), reading a step's
 ``meta`` (:func:`read_meta`, :func:`saved_config`), naming leaves (:func:`leaf_name`), reading parameters alone
 (:func:`restore_params`) and writing a step outside training (:func:`write`); ``convert`` and ``generate`` use these.
+The Orbax and JAX mechanics beneath it (manager, handlers, checksums) are in ``checkpoint_io``.
 """
 
 from __future__ import annotations
@@ -22,14 +23,24 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
 from jaxtrain import __version__, rundir
+from jaxtrain.checkpoint_io import (
+    META,
+    STATE,
+    background_failure,
+    everyone_ok,
+    fingerprint,
+    leaf_name,
+    leaf_path,
+    make_manager,
+    partial_restore,
+    reason,
+    saved_tree,
+)
 from jaxtrain.config import Config, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError
 
-# A step directory <directory>/<step> holds these two Orbax items.
-STATE, META = "state", "meta"
 _META_FILE = os.path.join(META, "metadata")  # the JsonCheckpointHandler's file
 _STATE_METADATA = os.path.join(STATE, "_METADATA")  # the PyTree handler's tree of array metadata
 # Model settings that shape no array of a checkpoint (how it is computed, not what it holds).
@@ -49,24 +60,6 @@ class RestoreSource:
 
 def checkpoint_dir(cfg: Config) -> str:
     return os.path.abspath(cfg.checkpoint.dir or rundir.path(cfg.run.dir, rundir.CHECKPOINTS))
-
-
-def _manager(directory: str, cfg: Config | None = None, *, read_only: bool = False,
-             partial: bool = False) -> ocp.CheckpointManager:
-    """Orbax's manager for ``directory``; ``partial`` reads ``state`` with the PyTree handler, which can restore a
-    subtree (the standard handler's on-disk format is the same)."""
-    c = cfg.checkpoint if cfg else None
-    options = ocp.CheckpointManagerOptions(
-        create=not read_only,
-        read_only=read_only,
-        enable_async_checkpointing=c.async_save if c else False,
-        # When to save is decided by Checkpointer.should_save (every N steps, the last step, preemption) and
-        # passed with force=True; Orbax decides what to keep.
-        preservation_policy=ocp.checkpoint_managers.LatestN(c.keep) if c else None,
-    )
-    handlers = {STATE: ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
-                META: ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
 def existing_steps(directory: str) -> list[int]:
@@ -220,38 +213,17 @@ def _metadata_damage(directory: str, step: int) -> str | None:
             if not isinstance(json.loads(f.read().decode("utf-8")), dict):
                 return f"{_META_FILE} is not a JSON object"
     except (ValueError, OSError) as e:
-        return f"{_META_FILE} cannot be read: {_reason(e)}"
+        return f"{_META_FILE} cannot be read: {reason(e)}"
     try:
-        _saved_tree(path)
+        saved_tree(path)
     except Exception as e:  # Orbax raises whatever its JSON and TensorStore readers raise
-        return f"{_STATE_METADATA} cannot be read: {_reason(e)}"
+        return f"{_STATE_METADATA} cannot be read: {reason(e)}"
     return None
-
-
-def _saved_tree(step_path: str) -> Any:
-    """The array metadata tree of a step's ``state`` item (no array is read)."""
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        return handler.metadata(epath.Path(step_path) / STATE).tree
-    finally:
-        handler.close()  # its background event loop, else it complains at exit
-
-
-def leaf_path(path) -> tuple[str, ...]:
-    """A leaf's key path (``jax.tree_util`` keys) as names, NNX's ``value`` wrappers left out:
-    ``("model", "blocks", "mlp", "down", "kernel")``."""
-    keys = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-    return tuple(k for k in keys if k not in ("value", ".value"))
-
-
-def leaf_name(path) -> str:
-    """A leaf's name in messages and fingerprints: :func:`leaf_path` joined by dots."""
-    return ".".join(leaf_path(path))
 
 
 def _check_shapes(source: RestoreSource, target: Any, cfg: Config | None) -> None:
     """ConfigError, saying what differs and what to do, when ``target`` does not fit the step's arrays."""
-    saved = _saved_tree(os.path.join(source.directory, str(source.step)))
+    saved = saved_tree(os.path.join(source.directory, str(source.step)))
     saved_shapes = {leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = leaf_name(path)
@@ -312,15 +284,15 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
             out, error = _restore_step(source, step, abstract_state, fresh_state), None
         except Exception as e:  # TensorStore/Orbax raise plain Exception, ValueError, OSError, JSONDecodeError
             out, error = None, e
-        if _everyone_ok(error is None):
+        if everyone_ok(error is None):
             return out
-        why = _reason(error) if error else "on another process"
+        why = reason(error) if error else "on another process"
         _damaged(source, step, f"its arrays do not restore: {why}", tried)
     raise _none_readable(source, tried)
 
 
 def _restore_step(source: RestoreSource, step: int, abstract_state: Any, fresh_state):
-    manager = _manager(source.directory, read_only=True, partial=source.kind == "params")
+    manager = make_manager(source.directory, read_only=True, partial=source.kind == "params")
     try:
         return _read_step(manager, source, step, abstract_state, fresh_state)
     finally:
@@ -336,19 +308,12 @@ def _read_step(manager, source: RestoreSource, step: int, abstract_state: Any, f
     # Parameters only: read the model subtree, keep the fresh optimizer state.
     # restore_args carry the target shardings: without them Orbax restores onto the mesh that saved the
     # checkpoint (e.g. an import sharded fsdp=8), which the train step compiled for this mesh then rejects.
-    out = manager.restore(step, args=ocp.args.Composite(state=_partial({"model": abstract_state["model"]}),
+    out = manager.restore(step, args=ocp.args.Composite(state=partial_restore({"model": abstract_state["model"]}),
                                                       meta=ocp.args.JsonRestore()))
     _verify({"model": out["state"]["model"]}, out["meta"])
     state = fresh_state()
     state["model"] = out["state"]["model"]
     return state, 0, None
-
-
-def _partial(item: Any) -> ocp.args.PyTreeRestore:
-    """Restore just ``item``'s subtree of a step's ``state`` (a manager made with ``partial=True``), each array into
-    its ShapeDtypeStruct's sharding."""
-    return ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                                  partial_restore=True)
 
 
 def restore_params(directory: str, step: int, abstract_params: Any, only: tuple[str, ...] | None = None) -> Any:
@@ -363,9 +328,9 @@ def restore_params(directory: str, step: int, abstract_params: Any, only: tuple[
             item = {key: item}
     else:
         item = abstract_params
-    manager = _manager(directory, read_only=True, partial=True)
+    manager = make_manager(directory, read_only=True, partial=True)
     try:
-        out = manager.restore(step, args=ocp.args.Composite(state=_partial({"model": item})))["state"]["model"]
+        out = manager.restore(step, args=ocp.args.Composite(state=partial_restore({"model": item})))["state"]["model"]
     finally:
         manager.close()
     if only is None:
@@ -379,7 +344,7 @@ def write(directory: str, step: int, state: Any, meta: dict) -> None:
     """Save ``state`` (e.g. ``{"model": params}``) and ``meta`` (with the versions, step and time added) as step
     ``directory/step`` in the format ``train`` writes, synchronously: a checkpoint made outside training (``convert
     from-hf``)."""
-    manager = _manager(os.path.abspath(directory))
+    manager = make_manager(os.path.abspath(directory))
     try:
         manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -403,17 +368,6 @@ def _verify(state: Any, meta: dict) -> None:
     bad = [name for name, value in sums.items() if name in saved and saved[name] != value]
     if bad:
         raise ValueError(f"{len(bad)} array(s) hold other values than were saved (checksum mismatch), e.g. {bad[0]}")
-
-
-def _everyone_ok(ok: bool) -> bool:
-    """True when ``ok`` on every process: a damaged shard may be read by one process only, and all must move on to
-    the same older step together."""
-    if jax.process_count() == 1:
-        return ok
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
@@ -451,7 +405,7 @@ class Checkpointer:
             os.remove(probe)
         except OSError as e:
             raise ConfigError(f"checkpoint directory {self.directory!r} is not writable: {e.strerror}") from None
-        self._manager = _manager(self.directory, cfg)
+        self._manager = make_manager(self.directory, cfg)
         self._meta = {**metadata, **_versions()}
 
     def should_save(self, step: int) -> bool:
@@ -475,7 +429,7 @@ class Checkpointer:
                                                              meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:  # an earlier async save's failure surfaces here too
             raise CheckpointError(f"a checkpoint save in {self.directory} failed (seen when saving step {step}): "
-                                  f"{_reason(e)}") from e
+                                  f"{reason(e)}") from e
         return time.perf_counter() - t0
 
     def raise_if_failed(self) -> None:
@@ -483,86 +437,21 @@ class Checkpointer:
         every step; cheap: a few attribute reads)."""
         try:
             self._manager.check_for_errors()
-            failure = _background_failure(self._manager)
+            failure = background_failure(self._manager)
             if failure is not None:
                 raise failure
         except Exception as e:
-            raise CheckpointError(f"a checkpoint save in {self.directory} failed: {_reason(e)}") from e
+            raise CheckpointError(f"a checkpoint save in {self.directory} failed: {reason(e)}") from e
 
     def wait(self) -> None:
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(f"writing checkpoints in {self.directory} failed: {_reason(e)}") from e
+            raise CheckpointError(f"writing checkpoints in {self.directory} failed: {reason(e)}") from e
 
     def close(self) -> None:
         self.wait()
         self._manager.close()
-
-
-def _background_failure(manager: ocp.CheckpointManager) -> BaseException | None:
-    """The error of a background write thread that has already failed, or None.
-
-    Orbax reports a failed asynchronous write only once its background thread has waited for every write thread of
-    the save in order, and a thread waiting for a failed peer's completion signal waits out Orbax's coordination
-    timeout (minutes) first, while training goes on. The write threads themselves know at once: look at them.
-    This reads Orbax internals (0.12) defensively; where their shape differs it finds nothing, and Orbax's own
-    check still reports the failure, later.
-    """
-    import concurrent.futures
-    import threading
-
-    async_manager = getattr(getattr(manager, "_checkpointer", None), "_async_manager", None)
-    pending = list(getattr(async_manager, "_commit_futures", None) or [])
-    while pending:
-        f = pending.pop()
-        if isinstance(f, threading.Thread):
-            error = getattr(f, "_exception", None)
-            if error is not None and not f.is_alive() and not isinstance(error, concurrent.futures.CancelledError):
-                return error
-            continue
-        pending += [getattr(f, name) for name in ("_f", "_t") if getattr(f, name, None) is not None]
-        pending += list(getattr(f, "_futures", None) or [])
-    return None
-
-
-@jax.jit
-def _fingerprint(state: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(every floating-point value finite, {leaf name: wrapping uint32 sum of the leaf's bit patterns}).
-
-    Integer addition modulo 2**32 does not depend on the order of the terms, so the sums are the same on any mesh
-    and shard layout: a restore onto another mesh compares them as they were saved. Orbax's compressed chunks catch
-    most damage by failing to decode, but bytes overwritten inside an incompressible (stored) block decode fine into
-    wrong values; these sums catch that.
-    """
-    import jax.numpy as jnp
-
-    finite, sums = [], {}
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            # One pass over the bits for both answers: a value is finite unless its exponent bits are all ones.
-            info = jnp.finfo(x.dtype)
-            exponent = ((1 << info.nexp) - 1) << info.nmant
-            x = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
-            finite.append(jnp.all((x & exponent) != exponent))
-        sums[leaf_name(path)] = jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
-    return (jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)), sums
-
-
-def fingerprint(state: Any) -> tuple[bool, dict[str, int]]:
-    """:func:`_fingerprint`'s values on the host."""
-    finite, sums = jax.device_get(_fingerprint(state))
-    return bool(finite), {k: int(v) for k, v in sums.items()}
-
-
-def _reason(e: BaseException) -> str:
-    while True:
-        inner = e.__cause__ or e.__context__
-        if inner is None:
-            break
-        e = inner
-    text = " ".join(f"{type(e).__name__}: {e}".split()).split(" [tensorstore_spec=")[0]
-    return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
 
 
 class PreemptionWatch:

@@ -1,0 +1,141 @@
+"""The mechanics beneath the checkpoint format (``checkpoint.py``): Orbax's manager and item handlers, a step's
+array metadata read without any array, a failed background write spotted at once, the names of a state's leaves and
+their checksums, and Orbax's errors in one line. ``checkpoint.py`` decides what is saved, when and from where it is
+restored; this module only drives Orbax and JAX for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jaxtrain.config import Config
+
+# A step directory <directory>/<step> holds these two Orbax items.
+STATE, META = "state", "meta"
+
+
+def make_manager(directory: str, cfg: Config | None = None, *, read_only: bool = False,
+                 partial: bool = False) -> ocp.CheckpointManager:
+    """Orbax's manager for ``directory``; ``partial`` reads ``state`` with the PyTree handler, which can restore a
+    subtree (the standard handler's on-disk format is the same)."""
+    c = cfg.checkpoint if cfg else None
+    options = ocp.CheckpointManagerOptions(
+        create=not read_only,
+        read_only=read_only,
+        enable_async_checkpointing=c.async_save if c else False,
+        # When to save is decided by Checkpointer.should_save (every N steps, the last step, preemption) and
+        # passed with force=True; Orbax decides what to keep.
+        preservation_policy=ocp.checkpoint_managers.LatestN(c.keep) if c else None,
+    )
+    handlers = {STATE: ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
+                META: ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def saved_tree(step_path: str) -> Any:
+    """The array metadata tree of a step's ``state`` item (no array is read)."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return handler.metadata(epath.Path(step_path) / STATE).tree
+    finally:
+        handler.close()  # its background event loop, else it complains at exit
+
+
+def leaf_path(path) -> tuple[str, ...]:
+    """A leaf's key path (``jax.tree_util`` keys) as names, NNX's ``value`` wrappers left out:
+    ``("model", "blocks", "mlp", "down", "kernel")``."""
+    keys = (str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    return tuple(k for k in keys if k not in ("value", ".value"))
+
+
+def leaf_name(path) -> str:
+    """A leaf's name in messages and fingerprints: :func:`leaf_path` joined by dots."""
+    return ".".join(leaf_path(path))
+
+
+def partial_restore(item: Any) -> ocp.args.PyTreeRestore:
+    """Restore just ``item``'s subtree of a step's ``state`` (a manager made with ``partial=True``), each array into
+    its ShapeDtypeStruct's sharding."""
+    return ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=True)
+
+
+def everyone_ok(ok: bool) -> bool:
+    """True when ``ok`` on every process: a damaged shard may be read by one process only, and all must move on to
+    the same older step together."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def background_failure(manager: ocp.CheckpointManager) -> BaseException | None:
+    """The error of a background write thread that has already failed, or None.
+
+    Orbax reports a failed asynchronous write only once its background thread has waited for every write thread of
+    the save in order, and a thread waiting for a failed peer's completion signal waits out Orbax's coordination
+    timeout (minutes) first, while training goes on. The write threads themselves know at once: look at them.
+    This reads Orbax internals (0.12) defensively; where their shape differs it finds nothing, and Orbax's own
+    check still reports the failure, later.
+    """
+    import concurrent.futures
+    import threading
+
+    async_manager = getattr(getattr(manager, "_checkpointer", None), "_async_manager", None)
+    pending = list(getattr(async_manager, "_commit_futures", None) or [])
+    while pending:
+        f = pending.pop()
+        if isinstance(f, threading.Thread):
+            error = getattr(f, "_exception", None)
+            if error is not None and not f.is_alive() and not isinstance(error, concurrent.futures.CancelledError):
+                return error
+            continue
+        pending += [getattr(f, name) for name in ("_f", "_t") if getattr(f, name, None) is not None]
+        pending += list(getattr(f, "_futures", None) or [])
+    return None
+
+
+@jax.jit
+def _fingerprint(state: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(every floating-point value finite, {leaf name: wrapping uint32 sum of the leaf's bit patterns}).
+
+    Integer addition modulo 2**32 does not depend on the order of the terms, so the sums are the same on any mesh
+    and shard layout: a restore onto another mesh compares them as they were saved. Orbax's compressed chunks catch
+    most damage by failing to decode, but bytes overwritten inside an incompressible (stored) block decode fine into
+    wrong values; these sums catch that.
+    """
+    import jax.numpy as jnp
+
+    finite, sums = [], {}
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            # One pass over the bits for both answers: a value is finite unless its exponent bits are all ones.
+            info = jnp.finfo(x.dtype)
+            exponent = ((1 << info.nexp) - 1) << info.nmant
+            x = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize])
+            finite.append(jnp.all((x & exponent) != exponent))
+        sums[leaf_name(path)] = jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
+    return (jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)), sums
+
+
+def fingerprint(state: Any) -> tuple[bool, dict[str, int]]:
+    """:func:`_fingerprint`'s values on the host."""
+    finite, sums = jax.device_get(_fingerprint(state))
+    return bool(finite), {k: int(v) for k, v in sums.items()}
+
+
+def reason(e: BaseException) -> str:
+    """The innermost cause of ``e`` on one line, TensorStore's spec left out, cut to 400 characters."""
+    while True:
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            break
+        e = inner
+    text = " ".join(f"{type(e).__name__}: {e}".split()).split(" [tensorstore_spec=")[0]
+    return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
