@@ -116,22 +116,21 @@ def bench_decode(configs: list[str], batch: int, new: int, prompt_len: int) -> N
     from flax import nnx
 
     from jaxtrain import generate
-    from jaxtrain.config import load_config, resolve_auto
-    from jaxtrain.mesh import build_mesh, rules_from_config
+    from jaxtrain.config import load_config
+    from jaxtrain.layout import Layout
     from jaxtrain.model import Transformer
 
     print("| config | params | batch | prompt | new | prefill tokens/s | decode tokens/s | ms/step | compile |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in configs:
         path = os.path.join(REPO, "configs", f"{name}.yaml")
-        cfg = resolve_auto(load_config(path, ["model.attention=xla", "mesh.ici.fsdp=1"]), jax.devices()[0].platform)
-        mesh, _ = build_mesh(cfg, jax.devices()[:1])
-        rules = rules_from_config(cfg.mesh.rules)
-        with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        layout = Layout.build(load_config(path, ["model.attention=xla", "mesh.ici.fsdp=1"]), jax.devices()[:1])
+        cfg = layout.cfg
+        with layout.scope():
             model = Transformer(cfg.model, rngs=nnx.Rngs(0))
         prompts = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (batch, prompt_len)).tolist()
-        generate.generate(model, mesh, rules, prompts, max_new_tokens=4)  # warm caches of the process
-        r = generate.generate(model, mesh, rules, prompts, max_new_tokens=new)
+        generate.generate(model, layout, prompts, max_new_tokens=4)  # warm caches of the process
+        r = generate.generate(model, layout, prompts, max_new_tokens=new)
         n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         print(f"| {name} | {n_params / 1e6:.1f}M | {batch} | {prompt_len} | {new} | "
               f"{r.prefill_tokens / r.prefill_seconds:,.0f} | {r.decode_tokens / r.decode_seconds:,.1f} | "

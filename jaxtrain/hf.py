@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import ConfigError, one_line
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # Mistral without a sliding window is a Llama
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -48,7 +49,7 @@ def read_hf_config(src: str) -> dict:
         with open(path) as f:
             hf = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{path} is not valid JSON: {one_line(e)}") from None
     if not isinstance(hf, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return hf
@@ -289,7 +290,7 @@ class SafetensorsDir:
                         self.where[key], self.shapes[key] = path, tuple(sl.get_shape())
                         self.dtypes[key] = sl.get_dtype()
             except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
-                raise ConfigError(f"{path} is not a readable safetensors file: {' '.join(str(e).split())}") from None
+                raise ConfigError(f"{path} is not a readable safetensors file: {one_line(e)}") from None
 
     def read(self, tm: TensorMap, layer: int | None, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
         """:func:`read_block` of ``tm``'s tensor for ``layer``. The file is mapped only while it is read, so its

@@ -55,10 +55,11 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     layout = Layout.build(cfg, devices)
     cfg, step = layout.cfg, Step(layout)
     run_dir = os.path.abspath(cfg.run.dir)
-    log.info(f"run directory {run_dir}")
     guards.check_state_fits(layout)  # before reading data or compiling: a model that cannot fit at all stops at once
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     source = ckpt.choose_restore(cfg, layout.abstract_state)
+    # The inputs are checked (a mistake so far is the run's one line); say where the run goes before the wait.
+    log.info(f"run directory {run_dir}")
     if source.kind == "resume" and source.step >= cfg.train.steps:
         log.info(f"nothing to do: the checkpoint in {source.directory} is already at step {source.step} = "
                  f"train.steps; results are in {run_dir} (a larger train.steps continues this run; another run.dir "
@@ -72,7 +73,6 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
              f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens ...")
     compiled = step.compile()
     log.info(f"compiled in {compiled[2]:.2f} s")
-
     guards.check_memory_fit(layout, compiled[0], functools.partial(compiled_with_microbatches, layout))
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
     # config.yaml and metrics.jsonl as they were.
