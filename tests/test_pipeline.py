@@ -341,7 +341,7 @@ def trained(tmp_path_factory):
     made = []
     compile_step = step_lib.Step.compile
 
-    def recording(self, state, **kwargs):
+    def recording(self, state=None, **kwargs):
         out = compile_step(self, state, **kwargs)
         made.append((self, out[0]))
         return out

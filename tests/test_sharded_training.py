@@ -28,7 +28,12 @@ def reference(tmp_path_factory):
     return np.array([result.losses[s] for s in range(1, 9)])
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+# Two layouts whose parts the others already cover (data parallelism alone; fsdp with tensor) run in the slow pass,
+# to keep the default suite under 10 minutes on 2 cores.
+SLOW_MESHES = {"data=8", "fsdp=4,tensor=2"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MESHES else n for n in MESHES])
 def test_losses_match_single_device(make_config, reference, name, tmp_path):
     losses = _losses(make_config, MESHES[name], 8)
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
@@ -92,7 +97,7 @@ def test_parameters_and_optimizer_state_are_sharded_as_the_rules_say(make_config
 
 def test_fsdp8_holds_an_eighth_of_the_embedding_per_device(make_config):
     cfg = make_config("mesh.ici.fsdp=8")
-    state = step_lib.setup(cfg, jax.devices()[:8]).init_state()
+    state = step_lib.setup(cfg, jax.devices()[:8]).layout.init_state()
     table = state["model"]["embed"]["embedding"][...]
     assert {s.data.shape for s in table.addressable_shards} == {(cfg.model.vocab_size, cfg.model.d_model // 8)}
     assert len({s.device for s in table.addressable_shards}) == 8
