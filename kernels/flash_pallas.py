@@ -52,7 +52,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels.tiling import Launch, checked_block_sizes, choose_splits, resolve_launches, segment_tile_ranges
+from kernels.tiling import BlockSizes, Launch, choose_splits, segment_tile_ranges
 
 # Finite, so that fully masked tiles give exp2(MASK - MASK) = 1 rather than NaN; see the module docstring.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -61,42 +61,6 @@ LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tiles must be powers of two for the Triton lowering
 BACKENDS = ("triton",)
 CHECKPOINT_NAMES = ("attn_out", "attn_lse")  # names of the saved forward results under jax.checkpoint
-
-_TILE_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq", "block_q_dkdv",
-                "block_k_dkdv")
-# Per kernel: the fields that set its (query tile, key tile), most specific first.
-_OVERRIDES = {
-    "fwd": (("block_q",), ("block_k",)),
-    "dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd")),
-    "dkdv": (("block_q_dkdv", "block_q_bwd"), ("block_k_dkdv", "block_k_bwd")),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
-
-    block_q/block_k: forward; block_q_bwd/block_k_bwd: both backward kernels; block_*_dq / block_*_dkdv: one of
-    them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA group in dk/dv (None:
-    as many as needed to fill the GPU; must divide heads // kv_heads).
-    """
-
-    block_q: int | None = None
-    block_k: int | None = None
-    block_q_bwd: int | None = None
-    block_k_bwd: int | None = None
-    block_q_dq: int | None = None
-    block_k_dq: int | None = None
-    block_q_dkdv: int | None = None
-    block_k_dkdv: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    dkdv_splits: int | None = None
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict) -> BlockSizes:
-        return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "pallas")
-
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -531,15 +495,12 @@ def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float,
     padded length (a multiple of every tile: all are powers of two, so the largest is their lcm) and the dk/dv
     split of a GQA group."""
     batch, seq_len, heads, head_dim = q_shape
-    launches = resolve_launches(sizes, _OVERRIDES, dtype, head_dim, seq_len)
+    launches = sizes.launches(dtype, head_dim, seq_len)
     padded_len = _round_up(seq_len, max(max(x.block_q, x.block_k) for x in launches.values()))
     group = heads // kv_heads
-    splits = sizes.dkdv_splits
-    if splits is None:
-        # Not in interpret mode (CPU): more programs gain nothing there and partial sums cost memory.
-        splits = 1 if interpret else choose_splits(batch, seq_len, kv_heads, group, launches["dkdv"].block_k)
-    elif not isinstance(splits, int) or splits < 1 or group % splits:
-        raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
+    # Not in interpret mode (CPU): more programs gain nothing there and partial sums cost memory.
+    splits = sizes.splits(group, lambda: 1 if interpret else choose_splits(batch, seq_len, kv_heads, group,
+                                                                          launches["dkdv"].block_k))
     return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len, splits=splits,
                    has_segments=has_segments, interpret=interpret, backend=backend, **launches)
 
@@ -567,7 +528,7 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm
       segment_ids: optional int [batch, seq].
       interpret: run the kernels with the Pallas interpreter (CPU).
       backend: GPU lowering, "triton" (Pallas' Triton backend); see the module docstring.
-      block_sizes: fields of ``BlockSizes``.
+      block_sizes: fields of ``kernels.tiling.BlockSizes``.
 
     Returns:
       [batch, seq, heads, head_dim] in q's dtype; differentiable w.r.t. q, k, v.
@@ -584,7 +545,7 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm
 def call_config(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
                 backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None) -> _Config:
     """The static configuration of a call; ValueError on bad block sizes. q_shape [batch, seq, heads, head_dim]."""
-    sizes = BlockSizes.from_kwargs(block_sizes or {})
+    sizes = BlockSizes.from_kwargs(block_sizes or {}, "pallas")
     d = q_shape[-1]
     scale = d**-0.5 if sm_scale is None else sm_scale
     return make_config(tuple(q_shape), kv_heads or q_shape[2], dtype, causal=causal, sm_scale=scale,

@@ -42,7 +42,6 @@ import numpy as np
 
 # The launch settings are part of this module's interface (re-exported for callers and tests).
 from kernels.triton_launch import SUPPORTED_HEAD_DIMS as SUPPORTED_HEAD_DIMS
-from kernels.triton_launch import BlockSizes as BlockSizes
 from kernels.triton_launch import CallConfig, call_config
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -485,7 +484,7 @@ def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm
 
     Args:
       q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; segment_ids: int [batch, seq].
-      block_sizes: fields of ``BlockSizes``.
+      block_sizes: fields of ``kernels.tiling.BlockSizes``.
 
     Returns:
       [batch, seq, heads, head_dim] in q's dtype. Raises RuntimeError when no GPU / triton / jax_triton.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -69,43 +70,76 @@ def choose_splits(batch: int, seq: int, kv_heads: int, group: int, block_k: int)
     return group
 
 
-def checked_block_sizes(cls, kwargs: dict, tiles: tuple[str, ...], impl: str):
-    """``cls(**kwargs)`` after checking names and values; ValueError naming the first bad one.
+TILE_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq", "block_q_dkdv",
+               "block_k_dkdv")
+# Per kernel: the fields that set its (query tile, key tile), most specific first.
+OVERRIDES = {
+    "fwd": (("block_q",), ("block_k",)),
+    "dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd")),
+    "dkdv": (("block_q_dkdv", "block_q_bwd"), ("block_k_dkdv", "block_k_bwd")),
+}
 
-    ``cls`` is a dataclass of tile sizes (the names in ``tiles``: None for the default, or powers of two >=
-    MIN_BLOCK), ``num_warps`` and ``num_stages`` (None for the default).
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Overrides of the per-kernel defaults, the same for both kernel families; None keeps the default. Tiles:
+    powers of two >= MIN_BLOCK.
+
+    block_q/block_k: forward (query x key tile); block_q_bwd/block_k_bwd: both backward kernels; block_*_dq and
+    block_*_dkdv: one of them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA
+    group in dk/dv (None: as many as needed to fill the GPU; must divide heads // kv_heads).
     """
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(kwargs) - names)
-    if unknown:
-        raise ValueError(f"unknown block-size keyword(s) {unknown} for impl={impl!r}; accepted: {sorted(names)}")
-    sizes = cls(**kwargs)
-    for name in tiles:
-        b = getattr(sizes, name)
-        if b is not None and (not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1)):
-            raise ValueError(f"{name}={b!r} must be a power of two >= {MIN_BLOCK} (Triton tiles are 2^n)")
-    if sizes.num_warps is not None and sizes.num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps={sizes.num_warps!r} must be one of 1, 2, 4, 8, 16")
-    if sizes.num_stages is not None and (not isinstance(sizes.num_stages, int) or sizes.num_stages < 1):
-        raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
-    return sizes
 
+    block_q: int | None = None
+    block_k: int | None = None
+    block_q_bwd: int | None = None
+    block_k_bwd: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+    block_q_dkdv: int | None = None
+    block_k_dkdv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    dkdv_splits: int | None = None
 
-def resolve_launches(sizes, names: dict, dtype, head_dim: int, seq: int) -> dict:
-    """{kind: Launch} from user overrides over the defaults, tiles clamped to the sequence.
+    @classmethod
+    def from_kwargs(cls, kwargs: dict, impl: str) -> BlockSizes:
+        """``BlockSizes(**kwargs)`` after checking names and values; ValueError naming the first bad one."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown block-size keyword(s) {unknown} for impl={impl!r}; accepted: {sorted(names)}")
+        sizes = cls(**kwargs)
+        for name in TILE_FIELDS:
+            b = getattr(sizes, name)
+            if b is not None and (not isinstance(b, int) or b < MIN_BLOCK or b & (b - 1)):
+                raise ValueError(f"{name}={b!r} must be a power of two >= {MIN_BLOCK} (Triton tiles are 2^n)")
+        if sizes.num_warps is not None and sizes.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={sizes.num_warps!r} must be one of 1, 2, 4, 8, 16")
+        if sizes.num_stages is not None and (not isinstance(sizes.num_stages, int) or sizes.num_stages < 1):
+            raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
+        return sizes
 
-    ``names`` maps each kind to the ``sizes`` fields that override its (block_q, block_k), most specific first,
-    e.g. {"dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd"))}.
-    """
-    out = {}
-    for kind in KINDS:
-        base = default_launch(kind, dtype, head_dim)
-        q_names, k_names = names[kind]
-        bq = next((getattr(sizes, n) for n in q_names if getattr(sizes, n) is not None), base.block_q)
-        bk = next((getattr(sizes, n) for n in k_names if getattr(sizes, n) is not None), base.block_k)
-        out[kind] = Launch(clamp_tile(bq, seq), clamp_tile(bk, seq), sizes.num_warps or base.num_warps,
-                           sizes.num_stages or base.num_stages)
-    return out
+    def launches(self, dtype, head_dim: int, seq: int) -> dict:
+        """{kind: Launch}: these overrides over the defaults, tiles clamped to the sequence."""
+        out = {}
+        for kind in KINDS:
+            base = default_launch(kind, dtype, head_dim)
+            q_names, k_names = OVERRIDES[kind]
+            bq = next((getattr(self, n) for n in q_names if getattr(self, n) is not None), base.block_q)
+            bk = next((getattr(self, n) for n in k_names if getattr(self, n) is not None), base.block_k)
+            out[kind] = Launch(clamp_tile(bq, seq), clamp_tile(bk, seq), self.num_warps or base.num_warps,
+                               self.num_stages or base.num_stages)
+        return out
+
+    def splits(self, group: int, default: Callable[[], int]) -> int:
+        """dk/dv programs per GQA group of ``group`` query heads: ``dkdv_splits``, else ``default()``."""
+        if self.dkdv_splits is None:
+            return default()
+        if not isinstance(self.dkdv_splits, int) or self.dkdv_splits < 1 or group % self.dkdv_splits:
+            raise ValueError(f"dkdv_splits={self.dkdv_splits!r} must be a positive divisor of heads // kv_heads = "
+                             f"{group}")
+        return self.dkdv_splits
 
 
 # --------------------------------------------------------------------------------------------------------------

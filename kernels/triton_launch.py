@@ -8,45 +8,10 @@ import math
 
 import numpy as np
 
-from kernels.tiling import Launch, checked_block_sizes, choose_splits, resolve_launches, segment_tile_ranges
+from kernels.tiling import BlockSizes, Launch, choose_splits, segment_tile_ranges
 
 LOG2E = math.log2(math.e)
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
-
-_TILE_FIELDS = ("block_q", "block_k", "block_q_bwd", "block_k_bwd", "block_q_dq", "block_k_dq", "block_q_dkdv",
-                "block_k_dkdv")
-_OVERRIDES = {
-    "fwd": (("block_q",), ("block_k",)),
-    "dq": (("block_q_dq", "block_q_bwd"), ("block_k_dq", "block_k_bwd")),
-    "dkdv": (("block_q_dkdv", "block_q_bwd"), ("block_k_dkdv", "block_k_bwd")),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Overrides of the per-kernel defaults (``kernels.tiling``); None keeps the default. Tiles: powers of two >= 16.
-
-    block_q/block_k: forward (query x key tile); block_q_bwd/block_k_bwd: both backward kernels; block_*_dq and
-    block_*_dkdv: one of them. num_warps / num_stages apply to all three kernels. dkdv_splits: programs per GQA
-    group in dk/dv (None: as many as needed to fill the GPU; must divide heads // kv_heads).
-    """
-
-    block_q: int | None = None
-    block_k: int | None = None
-    block_q_bwd: int | None = None
-    block_k_bwd: int | None = None
-    block_q_dq: int | None = None
-    block_k_dq: int | None = None
-    block_q_dkdv: int | None = None
-    block_k_dkdv: int | None = None
-    num_warps: int | None = None
-    num_stages: int | None = None
-    dkdv_splits: int | None = None
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict) -> BlockSizes:
-        return checked_block_sizes(cls, kwargs, _TILE_FIELDS, "triton")
-
 
 @dataclasses.dataclass(frozen=True)
 class CallConfig:
@@ -118,14 +83,10 @@ def call_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float 
                 block_sizes: dict) -> CallConfig:
     """The static configuration of a call; raises ValueError on bad block sizes (names, values, dkdv_splits)."""
     b, s, h, d = q_shape
-    sizes = BlockSizes.from_kwargs(block_sizes)
-    launches = resolve_launches(sizes, _OVERRIDES, dtype, d, s)
+    sizes = BlockSizes.from_kwargs(block_sizes, "triton")
+    launches = sizes.launches(dtype, d, s)
     group = h // kv_heads
-    splits = sizes.dkdv_splits
-    if splits is None:
-        splits = choose_splits(b, s, kv_heads, group, launches["dkdv"].block_k)
-    elif not isinstance(splits, int) or splits < 1 or group % splits:
-        raise ValueError(f"dkdv_splits={splits!r} must be a positive divisor of heads // kv_heads = {group}")
+    splits = sizes.splits(group, lambda: choose_splits(b, s, kv_heads, group, launches["dkdv"].block_k))
     scale = d**-0.5 if sm_scale is None else float(sm_scale)
     return CallConfig(batch=b, seq=s, heads=h, kv_heads=kv_heads, head_dim=d, causal=causal, sm_scale=scale,
                 has_segments=has_segments, dtype=np.dtype(dtype).name, fwd_launch=launches["fwd"],
