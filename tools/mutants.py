@@ -214,7 +214,7 @@ MUTANTS = [
            "return every > 0 and step % every == 0",
            ("tests/test_checkpoint.py::test_save_schedule_and_retention[0-3-expected0]",),
            "a run's final state is lost"),
-    Mutant("keeps-one-too-many", "checkpoint", "jaxtrain/checkpoint.py",
+    Mutant("keeps-one-too-many", "checkpoint", "jaxtrain/checkpoint_io.py",
            "LatestN(c.keep)", "LatestN(c.keep + 1)",
            ("tests/test_checkpoint.py::test_save_schedule_and_retention[2-2-expected1]",),
            "checkpoint.keep off by one"),
