@@ -28,9 +28,9 @@ def reference(tmp_path_factory):
     return np.array([result.losses[s] for s in range(1, 9)])
 
 
-# Two layouts whose parts the others already cover (data parallelism alone; fsdp with tensor) run in the slow pass,
-# to keep the default suite under 10 minutes on 2 cores.
-SLOW_MESHES = {"data=8", "fsdp=4,tensor=2"}
+# Layouts whose parts the others already cover (data parallelism alone; tensor with fsdp or data) run in the slow
+# pass, to keep the default suite under 10 minutes on 2 cores.
+SLOW_MESHES = {"data=8", "fsdp=4,tensor=2", "data=2,tensor=4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MESHES else n for n in MESHES])
@@ -50,7 +50,8 @@ def test_losses_match_single_device(make_config, reference, name, tmp_path):
                                                        rel=1e-9)
 
 
-@pytest.mark.parametrize("accumulate", ["unreduced", "sharded"])
+# sharded accumulation's numbers are also checked against a hand-written AdamW (test_reference_optim) by default.
+@pytest.mark.parametrize("accumulate", ["unreduced", pytest.param("sharded", marks=pytest.mark.slow)])
 def test_gradient_accumulation_matches_one_big_batch(make_config, reference, accumulate):
     losses = _losses(make_config, ["train.microbatches=4", "mesh.ici.data=2", "mesh.ici.fsdp=2",
                                    f"train.accumulate={accumulate}"], 4)
@@ -103,7 +104,7 @@ def test_fsdp8_holds_an_eighth_of_the_embedding_per_device(make_config):
     assert len({s.device for s in table.addressable_shards}) == 8
 
 
-@pytest.mark.parametrize("remat", ["full", "save_matmuls"])
+@pytest.mark.parametrize("remat", ["full", pytest.param("save_matmuls", marks=pytest.mark.slow)])
 def test_rematerialisation_does_not_change_the_numbers(make_config, reference, remat):
     losses = _losses(make_config, [f"model.remat={remat}", "mesh.ici.fsdp=2"], 2)
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
