@@ -330,7 +330,7 @@ def test_a_step_that_cannot_fit_exits_2_before_anything_is_allocated(tmp_path):
 
 
 @pytest.mark.parametrize("src_mesh, dst_mesh", [
-    ((8, ["mesh.ici.fsdp=8"]), (4, ["mesh.ici.fsdp=2", "mesh.ici.tensor=2"])),
+    pytest.param((8, ["mesh.ici.fsdp=8"]), (4, ["mesh.ici.fsdp=2", "mesh.ici.tensor=2"]), marks=pytest.mark.slow),
     pytest.param((4, ["mesh.ici.fsdp=2", "mesh.ici.tensor=2"]), (8, ["mesh.ici.fsdp=8"]), marks=pytest.mark.slow),
 ])
 def test_init_from_onto_another_mesh(tmp_path, src_mesh, dst_mesh):

@@ -62,6 +62,7 @@ def test_eos_stops_a_row(tmp_path):
     assert hf_greedy(hf_model, PROMPTS[0], 12) == free.new_ids[0] or HF_BASE["eos_token_id"] in free.new_ids[0]
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_top_p_small_is_greedy(tmp_path):
     make_hf_model(tmp_path / "hf", seed=5)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")

@@ -206,6 +206,7 @@ def test_unsupported_config_in_process():
         convert.hf.model_fields_from_hf({"architectures": ["LlamaForCausalLM"], "num_local_experts": 8})
 
 
+@pytest.mark.slow
 def test_finetune_imported_checkpoint_on_8_devices_then_export(tmp_path):
     """Import, train 3 steps from it (checkpoint.init_from, via the config.yaml the import wrote) on a 4 x 2 mesh of
     8 devices, export the result: transformers' loss on the held-out batches equals jaxtrain's eval loss (1e-4)."""

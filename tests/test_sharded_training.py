@@ -28,9 +28,9 @@ def reference(tmp_path_factory):
     return np.array([result.losses[s] for s in range(1, 9)])
 
 
-# Layouts whose parts the others already cover (data parallelism alone; tensor with fsdp or data) run in the slow
-# pass, to keep the default suite under 10 minutes on 2 cores.
-SLOW_MESHES = {"data=8", "fsdp=4,tensor=2", "data=2,tensor=4"}
+# Layouts whose parts the others already cover (data parallelism alone; tensor with fsdp or data; the dcn device
+# order, also in test_mesh) run in the slow pass, to keep the default suite near 10 minutes on 2 cores.
+SLOW_MESHES = {"data=8", "fsdp=4,tensor=2", "data=2,tensor=4", "dcn data=2 x ici fsdp=4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MESHES else n for n in MESHES])
@@ -110,6 +110,7 @@ def test_rematerialisation_does_not_change_the_numbers(make_config, reference, r
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_with_float32_parameters_trains(make_config, reference):
     cfg = make_config(*STEPS, "model.dtype=bfloat16", "mesh.ici.fsdp=1")
     trainer = step_lib.setup(cfg, jax.devices()[:1])
