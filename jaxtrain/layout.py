@@ -105,10 +105,8 @@ class Layout:
         mesh, shape = build_mesh(cfg, devices)
         rules = rules_from_config(cfg.mesh.rules)
         interpret = devices[0].platform == "cpu"
-        tx, _ = make_optimizer(cfg.train)
         with _scope(mesh, rules):
-            abstract = nnx.eval_shape(
-                lambda: TrainState(Transformer(cfg.model, rngs=nnx.Rngs(0), interpret_kernels=interpret), tx))
+            abstract = nnx.eval_shape(lambda: _train_state(cfg, 0, interpret))
             graphdef, abstract_state = nnx.split(abstract)
             state_sharding = nnx.get_named_sharding(abstract_state, mesh)
             abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -215,9 +213,7 @@ class Layout:
 
     def new_state(self, seed: int) -> TrainState:
         """A fresh train state (call inside :meth:`scope`, under jit, to create it in its shards)."""
-        tx, _ = make_optimizer(self.cfg.train)
-        return TrainState(Transformer(self.cfg.model, rngs=nnx.Rngs(seed), interpret_kernels=self.interpret_kernels),
-                          tx)
+        return _train_state(self.cfg, seed, self.interpret_kernels)
 
     def init_state(self):
         """Fresh parameters (from train.seed) and optimizer state, created directly in their shards."""
@@ -258,6 +254,11 @@ class Layout:
         cpu = self.platform == "cpu"
         return dataclasses.replace(cfg, runtime=dataclasses.replace(
             cfg.runtime, cpu_devices=self.num_devices // jax.process_count() if cpu else None))
+
+
+def _train_state(cfg: Config, seed: int, interpret_kernels: bool) -> TrainState:
+    tx, _ = make_optimizer(cfg.train)
+    return TrainState(Transformer(cfg.model, rngs=nnx.Rngs(seed), interpret_kernels=interpret_kernels), tx)
 
 
 @contextlib.contextmanager
