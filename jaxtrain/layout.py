@@ -25,27 +25,56 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.config import FLASH_HEAD_DIMS, Config, batch_mesh_axes
+from jaxtrain.errors import ConfigError
 from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
 from jaxtrain.model import Transformer
 from jaxtrain.state import TrainState, make_optimizer
 
 
-def resolve_auto(cfg: Config, platform: str) -> Config:
-    """``cfg`` with ``model.dtype=auto`` and ``model.attention=auto`` replaced by the concrete choice for
-    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``): the one place "auto" gets a meaning.
+def seq_shards(cfg: Config, num_devices: int | None = None) -> int | None:
+    """How many slices ``mesh.rules.act_seq`` cuts the activations' sequence dimension into: the product of the
+    sizes of the mesh axes it names (1 when it names none). None when that depends on a ``-1`` axis and
+    ``num_devices`` is not given."""
+    axes = cfg.mesh.rules.get("act_seq") or ()
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    if not axes:
+        return 1
+    if num_devices is not None:
+        sizes = MeshShape.resolve(cfg.mesh, num_devices).axis_sizes
+    else:
+        configured = cfg.mesh.sizes()
+        if any(configured.get((part, ax)) == -1 for part in ("ici", "dcn") for ax in axes):
+            return None
+        sizes = cfg.mesh.fixed_axis_sizes()
+    return math.prod(sizes.get(ax, 1) for ax in axes)
 
-    dtype: float32 on CPU, bfloat16 on accelerators. attention: on GPU, cuDNN's fused kernel for 16-bit compute
-    without document masking (its entry point takes no segment ids, and it has no float32 kernel), else
-    jaxtrain's flash kernel where it takes the head dim; the XLA reference everywhere else. Concrete values pass
-    through unchanged, so resolving twice is harmless.
+
+def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> Config:
+    """``cfg`` with ``model.dtype=auto`` and ``model.attention=auto`` replaced by the concrete choice for
+    ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``) on ``num_devices`` devices (None: not known yet, as when
+    planning; a ``-1`` mesh axis then counts as possibly sharding): the one place "auto" gets a meaning.
+
+    dtype: float32 on CPU, bfloat16 on accelerators. attention on GPU, for 16-bit compute only: cuDNN's fused
+    kernel without document masking (its entry point takes no segment ids) and with an unsharded sequence (it
+    refuses a sharded sequence dimension at compile time), else jaxtrain's flash kernel where it takes the head
+    dim and the sequence is not sharded; the XLA reference everywhere else, float32 included (the flash kernels'
+    float32 path is exact-FMA, 32x32 tiles without tensor cores: for checking, not speed; cuDNN has no float32
+    kernel). Concrete values pass through unchanged, so resolving twice is harmless; an explicit
+    ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
     """
     m = cfg.model
     dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    shards = seq_shards(cfg, num_devices)
+    if m.attention == "cudnn" and shards is not None and shards > 1:
+        raise ConfigError(
+            f"model.attention=cudnn cannot take a sharded sequence: mesh.rules.act_seq="
+            f"{cfg.mesh.rules.get('act_seq')!r} cuts it into {shards} slices and cuDNN refuses that at compile "
+            "time; set mesh.rules.act_seq=null or model.attention=xla")
     attention = m.attention
     if attention == "auto":
         attention = "xla"
-        if platform == "gpu":
-            if dtype != "float32" and not cfg.data.document_mask:
+        if platform == "gpu" and dtype != "float32" and shards == 1:
+            if not cfg.data.document_mask:
                 attention = "cudnn"
             elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
@@ -101,7 +130,7 @@ class Layout:
         """Resolve ``cfg`` for the devices' platform, build the mesh and the abstract, sharded train state; raises
         ConfigError for a mesh that does not fit the devices, the model or the batch."""
         devices = list(jax.devices()) if devices is None else list(devices)
-        cfg = resolve_auto(cfg, devices[0].platform)
+        cfg = resolve_auto(cfg, devices[0].platform, num_devices=len(devices))
         mesh, shape = build_mesh(cfg, devices)
         rules = rules_from_config(cfg.mesh.rules)
         interpret = devices[0].platform == "cpu"

@@ -16,14 +16,16 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from flax.linen import with_logical_constraint
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.config import ModelConfig
 from kernels import flash_attention, mha_reference
 from kernels.flash_pallas import CHECKPOINT_NAMES
 
-# The flash kernels name their forward results (output and log-sum-exp, CHECKPOINT_NAMES): saving them costs
-# [batch, seq, heads, head_dim] + [batch, heads, seq] per layer and spares re-running the forward kernel in the
-# backward pass. With the XLA reference there are no such names and nothing extra is saved.
+# The flash kernels and cuDNN's attention (keep_residuals) name their forward results (output and log-sum-exp or
+# softmax statistics, CHECKPOINT_NAMES): saving them costs [batch, seq, heads, head_dim] + [batch, heads, seq] per
+# layer and spares re-running the forward kernel in the backward pass. With the XLA reference there are no such
+# names and nothing extra is saved.
 _SAVE_ATTENTION = jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES)
 REMAT_POLICIES = {
     "full": _SAVE_ATTENTION,
@@ -46,7 +48,7 @@ def attention(q, k, v, segment_ids, impl: str, interpret: bool = False) -> jax.A
     if impl == "cudnn":
         if segment_ids is not None:
             raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return _cudnn_attention(q, k, v)
     if impl not in ("pallas", "triton"):
         raise ValueError(f"attention impl {impl!r} is not resolved; expected xla, cudnn, pallas or triton")
 
@@ -64,6 +66,41 @@ def attention(q, k, v, segment_ids, impl: str, interpret: bool = False) -> jax.A
                              out_specs=q_spec, check_vma=False)(q, k, v)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                          check_vma=False)(q, k, v, segment_ids)
+
+
+def keep_residuals(fn):
+    """``fn(q, k, v) -> out`` (attention, out [batch, seq, heads, head_dim]) with its backward's residuals under
+    the checkpoint names ``attn_out`` (the output) and ``attn_lse`` (the rest, e.g. cuDNN's softmax statistics).
+
+    A name on ``fn``'s result alone is not enough for a ``jax.custom_vjp`` function such as cuDNN's attention: its
+    backward reads the residuals its forward rule made, which are other values than the named result, so a remat
+    policy saving the name still reruns the forward in the backward pass. Here the residuals themselves are named.
+    Residuals that are q, k or v as passed stay unnamed (the policy decides about them as about any input).
+    """
+
+    @jax.custom_vjp
+    def call(q, k, v):
+        return fn(q, k, v)
+
+    def forward(q, k, v):
+        out, pull = jax.vjp(fn, q, k, v)
+        named_out = checkpoint_name(out, CHECKPOINT_NAMES[0])
+
+        def name(r):
+            if any(r is x for x in (q, k, v)):
+                return r
+            return named_out if r is out else checkpoint_name(r, CHECKPOINT_NAMES[1])
+
+        return named_out, jax.tree.map(name, pull)
+
+    call.defvjp(forward, lambda pull, g: pull(g))
+    return call
+
+
+# cuDNN's fused attention (GPU, 16-bit), causal, with its output and softmax statistics saveable by the remat
+# policies (REMAT_POLICIES save CHECKPOINT_NAMES).
+_cudnn_attention = keep_residuals(
+    lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
 
 
 def _init(std: float, axes: tuple[str | None, ...]):

@@ -13,7 +13,7 @@ from jaxtrain.layout import resolve_auto
     ("gpu", [], "bfloat16", "cudnn"),  # 16-bit, no document mask: cuDNN's fused kernel
     ("gpu", ["data.document_mask=true", "model.head_dim=64"], "bfloat16", "pallas"),  # cuDNN takes no segment ids
     ("gpu", ["data.document_mask=true"], "bfloat16", "xla"),  # head dim 16: no flash kernel for it
-    ("gpu", ["model.dtype=float32", "model.head_dim=64"], "float32", "pallas"),  # cuDNN has no float32 kernel
+    ("gpu", ["model.dtype=float32", "model.head_dim=64"], "float32", "xla"),  # no float32 cuDNN; flash f32 is exact FMA
     ("gpu", ["model.dtype=float32", "model.head_dim=64", "mesh.rules.act_seq=fsdp"], "float32", "xla"),
     ("tpu", [], "bfloat16", "xla"),
     ("gpu", ["model.dtype=float16", "model.attention=xla"], "float16", "xla"),  # concrete values pass through
