@@ -1,4 +1,5 @@
-"""``python -m jaxtrain env [--config PATH] [key=value ...] [--json]``: what ``jax.distributed`` would be given."""
+"""``python -m jaxtrain env [--config PATH] [key=value ...] [--json]``: what ``jax.distributed`` would be given, and
+whether the node's NVIDIA driver runs the installed JAX CUDA plugin (``jaxtrain.gpu_env``)."""
 
 import json
 import os
@@ -11,21 +12,26 @@ def add_arguments(p):
     p.description = ("Print what this process would pass to jax.distributed.initialize (coordinator, process count "
                      "and id, local device ids, platform, coordinator bind address) and where each value came from "
                      "(config, environment, Slurm), without starting JAX. Run it inside the job (e.g. `srun python "
-                     "-m jaxtrain env`) when a job sees the wrong devices.")
+                     "-m jaxtrain env`) when a job sees the wrong devices. It also prints the NVIDIA driver's "
+                     "release and CUDA version, the installed JAX CUDA plugin and one line saying whether they fit "
+                     "(and what to install when not).")
     add_config_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object (keys: coordinator, num_processes, "
                    "process_id, local_device_ids, platform, coordinator_bind_address, sources, host, "
-                   "cuda_visible_devices)")
+                   "cuda_visible_devices, driver_release, driver_cuda, driver_source, jax, cuda_plugins, gpu_fits, "
+                   "gpu_verdict)")
 
 
 def run(args) -> int:
-    from jaxtrain import distributed
+    from jaxtrain import distributed, gpu_env
     from jaxtrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     settings = distributed.resolve(cfg.dist)
     out = settings.as_dict() | {"host": socket.gethostname(),
                                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    gpu = gpu_env.report()
+    out |= gpu
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
@@ -38,8 +44,13 @@ def run(args) -> int:
               "JAX default" if out[key] is None else out[key], settings.sources[key])
              for key in ("coordinator", "num_processes", "process_id", "local_device_ids", "platform",
                          "coordinator_bind_address")]
+    plugins = ", ".join(f"{name} {version}" for name, version in gpu["cuda_plugins"].items())
+    rows += [("NVIDIA driver", gpu["driver_release"] or "-", gpu["driver_source"]),
+             ("driver CUDA version", gpu["driver_cuda"] or "-", gpu["driver_source"]),
+             ("JAX CUDA plugin", plugins or "none", f"installed packages, jax {gpu['jax']}")]
     width = max(len(r[0]) for r in rows)
     value_width = max(len(str(r[1])) for r in rows)
     for key, value, source in rows:
         print(f"{key:<{width}}  {str(value):<{value_width}}  ({source})")
+    print(("GPU: " if gpu["gpu_fits"] else "GPU MISMATCH: ") + gpu["gpu_verdict"])
     return 0
