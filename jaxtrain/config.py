@@ -129,9 +129,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "embedded" (CPython's bundled documentation, byte-level), "synthetic", or a path to a token file
-    # (.bin raw memmap of `token_dtype`, or .npy), e.g. one written by `python -m jaxtrain prepare`.
+    # "embedded" (CPython's docs, byte-level), "synthetic", a token file (.bin raw memmap of `token_dtype`, or .npy),
+    # a directory of `prepare` shards or a glob of token files; format=chat: .jsonl conversations (docs/data.md).
     source: str = "embedded"
+    mixture: Any = field(default_factory=list)  # instead of source: [{source: PATH, weight: W}, ...] drawn by weight
+    format: Literal["tokens", "chat"] = "tokens"  # chat: supervised fine-tuning on `messages` .jsonl, loss-masked
+    tokenizer: str | None = None  # the model's tokenizer.json (or its dir): renders chat, checks shards' index
+    pack: bool = True  # chat: examples packed into seq_len rows (document-masked), else one per row, padded
     seq_len: int = 128  # tokens per training sequence (each window reads seq_len + 1 for the targets)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # for .bin files only
     # Packed documents: with document_mask a token attends only to tokens of its own document, the segments being
@@ -160,6 +164,7 @@ class TrainConfig:
     # (stages - 1) / (microbatches * virtual_stages + stages - 1), at the price of moving the stage's layer weights
     # between stages once per step (docs/parallelism.md). Does nothing with one stage.
     virtual_stages: int = 1
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # 1f1b: memory bounded by stages (docs/parallelism.md)
     lr: float = 3e-3  # peak learning rate (AdamW)
     warmup_steps: int = 30  # linear warmup from 0 to lr
     # The cosine's horizon is its own option, not train.steps, so that extending or resuming a run with more steps
@@ -193,12 +198,15 @@ class DistConfig:
     coordinator: str | None = None  # host:port of process 0's coordination service
     num_processes: int | None = None  # processes in the job (one per node, or one per GPU)
     process_id: int | None = None  # this process's index, 0 .. num_processes - 1
-    init_timeout_s: int = 120  # how long to wait for every process to join
-    heartbeat_timeout_s: int = 30  # a process silent this long is declared dead and the job stops
+    # How long to wait for every process to join; None: JAX's default (300 s in jax 0.10.2 and 0.11.2), which leaves
+    # room for nodes that start their container minutes apart. The error names the processes that never joined.
+    init_timeout_s: int | None = None
+    heartbeat_timeout_s: int | None = None  # a process silent this long is declared dead; None: JAX's default (100 s)
     # GPU ordinals (after CUDA_VISIBLE_DEVICES) this process drives; None: JAX_LOCAL_DEVICE_IDS, else derived from
     # Slurm's task layout, else all (see jaxtrain.distributed; `python -m jaxtrain env` shows the result).
     local_device_ids: list | None = None
-    bind_address: str | None = None  # host:port process 0's coordinator listens on; None: the coordinator address
+    # host:port process 0's coordinator listens on; None: JAX_COORDINATOR_BIND_ADDRESS, else [::]:<port> (all)
+    bind_address: str | None = None
 
 
 @dataclass
@@ -211,11 +219,13 @@ class CheckConfig:
     matmul_size: int | None = None  # None: 1024 (float32) on CPU, 8192 (bfloat16) on GPU
     min_busbw_gbps: float = 0.0  # fail if an axis's bus bandwidth at the largest size is below this (0: no bound)
     min_matmul_fraction: float = 0.5  # fail if a device's matmul rate is below this fraction of the median
-    # Hardware file (name, e.g. h100-8x, or path) for absolute bounds; None: the shipped file whose device_kind
-    # matches the devices (none on CPU). A named file whose device_kind does not match the devices exits 2.
+    # Hardware file (name, e.g. h100-8x, or path) for absolute bounds; None: the shipped file listing the devices' exact
+    # kind (none: measured, reported, nobody excluded). A named file listing other kinds exits 2.
     hardware: str | None = None
     min_peak_fraction: float = 0.5  # fail a device whose bf16 matmul reaches less than this fraction of peak_flops
     min_link_fraction: float = 0.5  # fail an axis whose bus bandwidth is below this fraction of its link's rate
+    bound_misfit_fraction: float = 0.5  # a bound missed on more nodes than this share does not fit: reported only
+    max_exclude_fraction: float = 0.5  # exclude at most this share of the nodes (rounded down); more failing: none
 
 
 @dataclass
@@ -373,6 +383,8 @@ def validate(cfg: Config) -> None:
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
     _not_negative("data.threads", d.threads)
     _not_negative("data.prefetch", d.prefetch)
+    from jaxtrain.data.checks import check_data_config  # mixture and chat rules (docs/data.md)
+    check_data_config(d)
 
     c = cfg.checkpoint
     _not_negative("checkpoint.every", c.every, " (0: only at the last step)")
@@ -389,8 +401,9 @@ def validate(cfg: Config) -> None:
         _positive("dist.num_processes", dist.num_processes)
         _require(0 <= dist.process_id < dist.num_processes,
                  f"dist.process_id={dist.process_id} must be in [0, dist.num_processes={dist.num_processes})")
-    _positive("dist.init_timeout_s", dist.init_timeout_s)
-    _positive("dist.heartbeat_timeout_s", dist.heartbeat_timeout_s)
+    for key in ("init_timeout_s", "heartbeat_timeout_s"):
+        if getattr(dist, key) is not None:  # None: JAX's own default
+            _positive(f"dist.{key}", getattr(dist, key))
     if dist.local_device_ids is not None:
         ids = dist.local_device_ids
         _require(bool(ids) and all(isinstance(i, int) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
@@ -404,7 +417,8 @@ def validate(cfg: Config) -> None:
     _positive("check.iters", ck.iters)
     if ck.matmul_size is not None:
         _positive("check.matmul_size", ck.matmul_size)
-    for name in ("min_peak_fraction", "min_link_fraction", "min_matmul_fraction"):
+    for name in ("min_peak_fraction", "min_link_fraction", "min_matmul_fraction", "bound_misfit_fraction",
+                 "max_exclude_fraction"):
         _fraction(f"check.{name}", getattr(ck, name))
     _not_negative("check.min_busbw_gbps", ck.min_busbw_gbps)
     _validate_observe(cfg.observe)

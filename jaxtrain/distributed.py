@@ -30,13 +30,25 @@ devices exchange data in-process. Once ``jax.distributed`` is initialised, XLA:C
 collectives through gloo, which is slower (see benchmarks/cpu_collectives.py) and whose large reduce-scatters
 intermittently return wrong values (jax-ml/jax#40830). Preemption of a single process is a local signal flag
 (``checkpoint.PreemptionWatch``); several processes use JAX's preemption service so that all stop at the same step.
-CPU processes of a multi-process job exchange data with gloo; process 0's coordination service binds the
-coordinator address itself (``dist.bind_address`` to name another interface), not every interface.
+CPU processes of a multi-process job exchange data with gloo.
+
+Where process 0's coordination service listens: ``dist.bind_address``, else ``JAX_COORDINATOR_BIND_ADDRESS`` (which
+``launch/local.sh`` sets to 127.0.0.1:port: all its processes share one host), else every interface, ``[::]:port``
+(JAX's own default, ``jax/_src/distributed.py``). Not the coordinator's host name: Debian/Ubuntu images map their own
+host name to 127.0.1.1 (loopback), where no other node can reach it, and a Kubernetes pod would have to resolve its
+own DNS name before it could listen at all.
+
+Start-up: before ``jax.distributed.initialize``, the workers report to process 0 on the coordinator's port (a roll
+call, :func:`_roll_call`), which then hands the port to JAX's service. JAX itself aborts every process at its
+deadline ("RegisterTask ... DEADLINE_EXCEEDED", exit 134, jax 0.10.2) without saying who was missing; the roll call
+names the processes that never joined (a one-line DistributedError, exit 1), and a job whose processes disagree on
+its size or share an id. ``dist.init_timeout_s`` / ``dist.heartbeat_timeout_s`` default to JAX's own (300 / 100 s).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import re
 import socket
@@ -235,56 +247,168 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
         bind = environ["JAX_COORDINATOR_BIND_ADDRESS"]
         sources["coordinator_bind_address"] = "environment: JAX_COORDINATOR_BIND_ADDRESS"
     else:
-        # JAX would listen on every interface ([::]:port); the coordinator's own address is the one peers use.
-        bind = coordinator
-        sources["coordinator_bind_address"] = "default: the coordinator address itself"
+        assert coordinator is not None  # several processes always have one
+        bind = "[::]:" + coordinator.rpartition(":")[2]  # JAX's own default: every interface
+        sources["coordinator_bind_address"] = "default: every interface, the coordinator's port (as JAX does)"
     return Settings(coordinator, n, i, ids, platform, bind, sources)
 
 
-def _wait_for_coordinator(settings: Settings, timeout_s: int) -> None:
+def jax_timeouts(dist: DistConfig) -> tuple[int, int]:
+    """(init, heartbeat) timeouts in seconds: the config's, else ``jax.distributed.initialize``'s own defaults."""
+    import jax
+
+    params = inspect.signature(jax.distributed.initialize).parameters
+    init = dist.init_timeout_s or params["initialization_timeout"].default
+    heartbeat = dist.heartbeat_timeout_s or params["heartbeat_timeout_seconds"].default
+    return int(init), int(heartbeat)
+
+
+def _ranges(ids) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+_HELLO = "jaxtrain-join 1"  # the roll call's greeting and protocol version
+
+
+def _listen(bind: str) -> socket.socket:
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 on this host: every IPv4 interface instead of [::]
+        family, host = socket.AF_INET, ("0.0.0.0" if host == "::" else host)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # [::] takes IPv4 peers too, as gRPC's does
+    sock.bind((host, int(port)))
+    sock.listen(128)
+    return sock
+
+
+def _read_line(conn: socket.socket, timeout_s: float) -> str:
+    conn.settimeout(timeout_s)
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 4096:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def _roll_call_host(settings: Settings, timeout_s: int) -> None:
+    """Process 0: wait on the coordinator's port until every worker has reported, then answer all and free the
+    port for JAX's service. At the deadline: DistributedError naming the processes that never reported."""
+    assert settings.bind_address is not None
+    n, joined = settings.num_processes, {0: socket.gethostname()}
+    conns: list[socket.socket] = []  # every worker's connection, answered together
+    problem = None
+    deadline = time.monotonic() + timeout_s
+    with _listen(settings.bind_address) as server:
+        while len(joined) < n and problem is None and time.monotonic() < deadline:
+            server.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                break
+            try:
+                words = _read_line(conn, 5).split()
+            except OSError:
+                words = []
+            if words[:2] != _HELLO.split() or len(words) != 5 or not (words[2] + words[3]).isdigit():
+                conn.close()  # not a jaxtrain process (a port scan, a health probe): ignore it
+                continue
+            their_n, i, host = int(words[2]), int(words[3]), words[4]
+            if their_n != n:
+                problem = (f"process {i} on {host} says the job has {their_n} processes, process 0 on "
+                           f"{joined[0]} says {n}: start every process with the same count")
+            elif i in joined:
+                problem = f"process id {i} was claimed twice, by {joined[i]} and by {host}: ids must be distinct"
+            elif not 0 < i < n:
+                problem = f"process {host} claims id {i}, outside 1..{n - 1}"
+            conns.append(conn)
+            joined.setdefault(i, host)
+        if problem is None and len(joined) < n:
+            missing = sorted(set(range(n)) - set(joined))
+            problem = (f"process(es) {_ranges(missing)} of {n} never joined the job at {settings.coordinator} within "
+                       f"dist.init_timeout_s={timeout_s} s (joined: {_ranges(joined)}); are they started, with the "
+                       "same coordinator address, and can they reach it?")
+        for conn in conns:
+            try:
+                conn.sendall(("go\n" if problem is None else f"abort {problem}\n").encode())
+            except OSError:
+                pass  # a worker that left: it fails on its own
+            conn.close()
+    if problem is not None:
+        raise DistributedError(problem)
+
+
+def _roll_call_worker(settings: Settings, timeout_s: int) -> None:
+    """A worker: report to process 0 (retrying until it listens), then wait for its answer: go, or why not."""
     assert settings.coordinator is not None  # several processes always have one
     host, _, port = settings.coordinator.rpartition(":")
+    tag = f"process {settings.process_id} of {settings.num_processes}"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=2).close()
-            return
+            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=2)
+            break
         except OSError as e:
             if time.monotonic() > deadline:
                 raise DistributedError(
-                    f"process {settings.process_id} of {settings.num_processes} could not reach the coordinator "
-                    f"{settings.coordinator} within dist.init_timeout_s={timeout_s} s ({e.strerror or e}); "
-                    "is process 0 running, and is the address right?") from None
+                    f"{tag} could not reach the coordinator {settings.coordinator} within dist.init_timeout_s="
+                    f"{timeout_s} s ({e.strerror or e}); is process 0 running, and is the address right?") from None
             time.sleep(0.5)
+    with conn:
+        try:
+            conn.sendall(f"{_HELLO} {settings.num_processes} {settings.process_id} {socket.gethostname()}\n".encode())
+            # Process 0 answers by its own deadline, at most timeout_s after it began listening (before we connected).
+            answer = _read_line(conn, timeout_s + 10)
+        except OSError as e:
+            raise DistributedError(f"{tag}: the coordinator {settings.coordinator} did not answer ({e})") from None
+    if answer == "go":
+        return
+    if answer.startswith("abort "):
+        raise DistributedError(answer[len("abort "):])
+    raise DistributedError(f"{tag}: {settings.coordinator} is not a jaxtrain coordinator, or process 0 ended "
+                           f"before the job formed (answer {answer[:80]!r})")
 
 
 def initialize(dist: DistConfig, settings: Settings) -> None:
     """Join (or form) the job's process group, then check the devices it got.
 
-    Raises DistributedError if peers do not arrive in time, ConfigError if this process's GPUs are not the ones
-    ``settings.local_device_ids`` asked for.
+    Raises DistributedError if peers do not arrive in time (naming them), ConfigError if this process's GPUs are not
+    the ones ``settings.local_device_ids`` asked for.
     """
     import jax
 
     if jax.distributed.is_initialized():
         return
-    multi = settings.num_processes > 1
-    if not multi:
+    if settings.num_processes == 1:
         # No process group: nothing listens, and CPU collectives stay in-process (not gloo; see the docstring).
         if settings.local_device_ids is not None:
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, settings.local_device_ids)))
         verify_devices(settings)
         return
-    if multi and settings.process_id:  # a worker: fail clearly if the coordinator never comes up
-        _wait_for_coordinator(settings, dist.init_timeout_s)
-    if multi:
-        # JAX itself aborts the process (exit 134, "RegisterTask ... DEADLINE_EXCEEDED") when peers are missing
-        # at the deadline; say first what is being waited for.
-        print(f"[process {settings.process_id}/{settings.num_processes}] joining the job at {settings.coordinator}; "
-              f"all {settings.num_processes} processes must join within dist.init_timeout_s="
-              f"{dist.init_timeout_s} s", file=sys.stderr, flush=True)
-        # CPU devices of different processes talk through gloo (no effect on GPU backends, which use NCCL).
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    init_s, heartbeat_s = jax_timeouts(dist)
+    print(f"[process {settings.process_id}/{settings.num_processes}] joining the job at {settings.coordinator}; "
+          f"all {settings.num_processes} processes must join within dist.init_timeout_s={init_s} s",
+          file=sys.stderr, flush=True)
+    if settings.process_id == 0:
+        _roll_call_host(settings, init_s)
+    else:
+        _roll_call_worker(settings, init_s)
+    # CPU devices of different processes talk through gloo (no effect on GPU backends, which use NCCL).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
             coordinator_address=settings.coordinator, num_processes=settings.num_processes,
@@ -292,10 +416,10 @@ def initialize(dist: DistConfig, settings: Settings) -> None:
             local_device_ids=None if settings.local_device_ids is None else list(settings.local_device_ids),
             cluster_detection_method="deactivate",  # every value is resolved above; JAX must not override any
             coordinator_bind_address=settings.bind_address,
-            initialization_timeout=dist.init_timeout_s, heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
+            initialization_timeout=init_s, heartbeat_timeout_seconds=heartbeat_s)
     except Exception as e:  # JAX raises various errors here; all mean the group did not form
         raise DistributedError(f"process {settings.process_id} of {settings.num_processes} could not join the job "
-                               f"at {settings.coordinator} within dist.init_timeout_s={dist.init_timeout_s} s (are "
+                               f"at {settings.coordinator} within dist.init_timeout_s={init_s} s (are "
                                f"all processes started, with the same coordinator?): "
                                f"{one_line(e, 200)}") from None
     verify_devices(settings)

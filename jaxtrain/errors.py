@@ -29,6 +29,11 @@ class DistributedError(RuntimeError):
 EXIT_STATUS: dict[type[Exception], int] = {ConfigError: 2, CheckpointError: 1, NonFiniteError: 1,
                                           DistributedError: 1}
 
+# A train run that stopped before train.steps (a preemption or time-limit signal; its checkpoint is saved) exits with
+# this status, EX_TEMPFAIL of sysexits.h: "try again later". 0 means the run finished. Launchers restart on it: the
+# JobSet's failurePolicy (launch/k8s/jaxtrain.yaml) and the sbatch script's requeue (launch/slurm.sbatch).
+EXIT_PREEMPTED = 75
+
 
 def one_line(e: BaseException, limit: int | None = None) -> str:
     """An exception's message on one line (whitespace runs collapsed), cut at ``limit`` characters."""

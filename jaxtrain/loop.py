@@ -25,7 +25,7 @@ from jaxtrain import checkpoint as ckpt
 from jaxtrain import data as data_lib
 from jaxtrain import guards, hardware, log, observe, rundir, runtime
 from jaxtrain.config import Config, dump_yaml, to_dict
-from jaxtrain.errors import CheckpointError, NonFiniteError
+from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.layout import Layout
 from jaxtrain.metrics import MetricsWriter, Throughput, summary_line
 from jaxtrain.model import count_params, train_flops_per_token
@@ -41,6 +41,7 @@ class RunResult:
     start_step: int = 0  # the step restored from a checkpoint (0: fresh)
     save_block_seconds: list[float] = dataclasses.field(default_factory=list)
     preempted_at: int | None = None
+    stopped_early: bool = False  # stopped by a signal before train.steps: the CLI exits EXIT_PREEMPTED (75), not 0
 
 
 def train(cfg: Config, devices: list | None = None) -> RunResult:
@@ -56,6 +57,9 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     cfg, step = layout.cfg, Step(layout)
     run_dir = os.path.abspath(cfg.run.dir)
     guards.check_state_fits(layout)  # before reading data or compiling: a model that cannot fit at all stops at once
+    if cfg.data.format == "chat" and layout.stages > 1:
+        raise ConfigError("data.format=chat (a per-token loss mask) is not yet supported with pipeline stages "
+                          f"(mesh stage={layout.stages}); use data, fsdp and tensor parallelism for fine-tuning")
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     source = ckpt.choose_restore(cfg, layout.abstract_state)
     # The inputs are checked (a mistake so far is the run's one line); say where the run goes before the wait.
@@ -201,6 +205,7 @@ class _Loop:
                     with obs.goodput.phase("checkpoint"):
                         checkpointer.wait()
                     result.preempted_at = step
+                    result.stopped_early = step < t.steps  # a signal at the last step changes nothing: finished
                     log.info(f"stopped by a signal after step {step}; checkpoint saved to "
                              f"{checkpointer.directory}/{step}")
                     break

@@ -3,13 +3,15 @@
 #
 #   launch/local.sh N train run.dir=/tmp/m runtime.cpu_devices=4 mesh.dcn.data=2 mesh.ici.fsdp=4
 #
-# Process i gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=i; its output
-# lines are prefixed with "[i] ". SIGINT/SIGTERM are forwarded to every process (they stop at a step they agree on
+# Process i gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=N, JAX_PROCESS_ID=i, and process
+# 0's coordination service listens on loopback only (JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:<port>; JAX alone would
+# listen on every interface, [::]:<port>); its output lines are prefixed with "[i] ". SIGINT/SIGTERM are forwarded to every process (they stop at a step they agree on
 # and checkpoint it). If any process fails, the others are stopped and the launcher exits with the failing status.
 # PYTHON (default python3) picks the interpreter; GRACE_S (default 20) is how long stopped processes get before
 # SIGKILL. Gloo's "[Gloo] Rank i is connected to j peer ranks" lines (printed by the C++ library on every CPU job's
 # start, one per process and peer group) are dropped: they say nothing a user can act on. Ctrl-C stops the job as it
-# stops one process: every process checkpoints the step they agree on, and the launcher exits 0.
+# stops one process: every process checkpoints the step they agree on and exits 75 (stopped before train.steps;
+# not a failure: the others are left to finish), and so does the launcher.
 #
 # On a GPU host each process gets its own GPUs: the G GPUs this shell sees (CUDA_VISIBLE_DEVICES, else
 # `nvidia-smi -L`; JAXTRAIN_LOCAL_GPUS=G overrides) are split into N equal blocks, and process i gets
@@ -63,7 +65,8 @@ for ((i = 0; i < n; i++)); do
     per=$((gpus / n))
     ids=$(seq -s, $((i * per)) $((i * per + per - 1)))
   fi
-  JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i JAX_LOCAL_DEVICE_IDS=$ids \
+  JAX_COORDINATOR_ADDRESS=127.0.0.1:$port JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:$port \
+    JAX_NUM_PROCESSES=$n JAX_PROCESS_ID=$i JAX_LOCAL_DEVICE_IDS=$ids \
     "$python" -u -m jaxtrain "$@" > >(prefix "$i") 2>&1 &
   pids+=($!)
 done
@@ -87,6 +90,7 @@ stop_all() {  # TERM, then KILL whatever is left after the grace period
 }
 
 status=0
+early=0  # a process exited 75 (jaxtrain.errors.EXIT_PREEMPTED): it saved and stopped early, as its peers will
 live=("${pids[@]}")
 while [ ${#live[@]} -gt 0 ]; do
   wait -n -p done_pid "${live[@]}" 2>/dev/null
@@ -102,7 +106,9 @@ while [ ${#live[@]} -gt 0 ]; do
   next=()
   for pid in "${live[@]}"; do [ "$pid" != "$done_pid" ] && next+=("$pid"); done
   live=("${next[@]}")
-  if [ $rc -ne 0 ] && [ $status -eq 0 ]; then
+  if [ $rc -eq 75 ]; then
+    early=1
+  elif [ $rc -ne 0 ] && [ $status -eq 0 ]; then
     for ((i = 0; i < n; i++)); do [ "${pids[$i]}" = "$done_pid" ] && idx=$i; done
     echo "launch/local.sh: process ${idx:-?} exited with status $rc; stopping the others" >&2
     status=$rc
@@ -111,4 +117,5 @@ while [ ${#live[@]} -gt 0 ]; do
   unset done_pid
 done
 wait  # let the output prefixers flush
+[ $status -eq 0 ] && [ $early -eq 1 ] && status=75
 exit $status

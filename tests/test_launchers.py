@@ -146,3 +146,112 @@ def test_launchers_treat_environment_values_as_data(tmp_path, script, env):
                           timeout=60, cwd=tmp_path)
     assert proc.returncode == 2 and not marker.exists(), proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "must be" in proc.stderr
+
+
+# JobSet's API (jobset.x-k8s.io/v1alpha2, FailurePolicyRule; its CRD requires `name` and `action`): the actions and
+# the Job failure reasons a rule may name (site/content/en/docs/tasks/failure_policy.md in kubernetes-sigs/jobset).
+JOBSET_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}
+JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "PodFailurePolicy"}
+
+
+def test_jobset_restarts_a_run_that_stopped_early():
+    """A run stopped by SIGTERM exits EXIT_PREEMPTED; the Job fails on it (podFailurePolicy, reason PodFailurePolicy)
+    and the JobSet restarts every Job on that reason. Exit 0 (finished) matches no rule: the Job completes."""
+    from jaxtrain.errors import EXIT_PREEMPTED
+
+    spec = jobset()["spec"]
+    job = spec["replicatedJobs"][0]["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # Kubernetes accepts a podFailurePolicy only with Never
+    (rule,) = [r for r in job["podFailurePolicy"]["rules"] if "onExitCodes" in r]
+    codes = rule["onExitCodes"]
+    assert rule["action"] == "FailJob" and codes["operator"] == "In" and codes["values"] == [EXIT_PREEMPTED]
+    assert codes["containerName"] == pod["containers"][0]["name"]
+    rules = spec["failurePolicy"]["rules"]
+    for r in rules:
+        assert r["name"] and r["action"] in JOBSET_ACTIONS and set(r.get("onJobFailureReasons", [])) <= \
+            JOB_FAILURE_REASONS, r
+    first = next(r for r in rules if "PodFailurePolicy" in r.get("onJobFailureReasons", []))
+    assert first["action"].startswith("RestartJobSet"), first
+    assert "targetReplicatedJobs" not in first or spec["replicatedJobs"][0]["name"] in first["targetReplicatedJobs"]
+
+
+def _stub(directory, name, body):
+    path = directory / name
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _run_sbatch_with_stubs(tmp_path, extra_env, *args, srun_rc=0):
+    """launch/slurm.sbatch run by bash on this host, with srun/scontrol/scancel/sbatch replaced by stubs that record
+    their command lines (one per line) and exit: srun's `check` step 0, its other steps `srun_rc`."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    _stub(bin_dir, "srun", f'printf "srun %s\\n" "$*" >> {calls}\n'
+          f'[[ " $* " == *" check "* ]] && exit 0\nexit {srun_rc}')
+    for name in ("scontrol", "scancel", "sbatch"):
+        _stub(bin_dir, name, f'printf "{name} %s\\n" "$*" >> {calls}')
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": REPO, "SLURM_JOB_ID": "7",
+           "JAXTRAIN_METRICS_PORT": "off", "HOME": str(tmp_path)} | extra_env
+    proc = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch"), *args], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return proc, lines
+
+
+def test_sbatch_gives_the_container_to_every_srun_step_and_runs_on_the_host(tmp_path):
+    (tmp_path / "a").mkdir()
+    proc, calls = _run_sbatch_with_stubs(tmp_path / "a", {"JAXTRAIN_IMAGE": "reg/jaxtrain@sha256:abc"}, "train",
+                                         "run.dir=/shared/r")
+    assert proc.returncode == 0, proc.stderr
+    steps = [c for c in calls if c.startswith("srun ")]
+    assert len(steps) == 2 and " -m jaxtrain check " in steps[0] and " -m jaxtrain train " in steps[1], calls
+    for step in steps:  # the options come before the program: srun's own, not the program's
+        options = step.split(" python")[0].split()
+        assert {"--container-image=reg/jaxtrain@sha256:abc", f"--container-mounts={REPO}:{REPO}",
+                f"--container-workdir={REPO}"} <= set(options), step
+    # The user's mounts and workdir replace the defaults.
+    (tmp_path / "b").mkdir()
+    proc, calls = _run_sbatch_with_stubs(tmp_path / "b", {
+        "JAXTRAIN_IMAGE": "img", "JAXTRAIN_CONTAINER_MOUNTS": "/a:/a,/runs:/runs", "JAXTRAIN_CONTAINER_WORKDIR": "/a",
+        "JAXTRAIN_CHECK": "0"}, "train")
+    (step,) = [c for c in calls if c.startswith("srun ")]
+    assert "--container-mounts=/a:/a,/runs:/runs --container-workdir=/a" in step and proc.returncode == 0
+    # Without an image: no container option anywhere, as before.
+    (tmp_path / "c").mkdir()
+    proc, calls = _run_sbatch_with_stubs(tmp_path / "c", {}, "train")
+    assert proc.returncode == 0 and len(calls) == 2 and not any("--container" in c for c in calls), calls
+
+
+@pytest.mark.parametrize("srun_rc, requeued", [(0, False), (75, True), (1, False)])
+def test_sbatch_requeues_a_run_that_stopped_early(tmp_path, srun_rc, requeued):
+    """Exit 75 (stopped by a signal before train.steps, checkpoint saved) requeues the job even when the signal
+    went to the tasks only (Slurm's preemption without send_user_signal); 0 (finished) and failures do not."""
+    proc, calls = _run_sbatch_with_stubs(tmp_path, {"JAXTRAIN_CHECK": "0"}, "train", srun_rc=srun_rc)
+    assert proc.returncode == srun_rc, proc.stderr
+    assert ("scontrol requeue 7" in calls) == requeued, calls
+
+
+def _run_local_sh(tmp_path, n, rcs):
+    """launch/local.sh with a stub interpreter: process i prints its coordinator settings and exits rcs[i]."""
+    _stub(tmp_path, "python", '[ "$1" = -c ] && exec python3 "$@"\n'
+          'echo "addr=$JAX_COORDINATOR_ADDRESS bind=$JAX_COORDINATOR_BIND_ADDRESS id=$JAX_PROCESS_ID"\n'
+          'rcs=($STUB_RCS); exit ${rcs[$JAX_PROCESS_ID]}')
+    env = {**os.environ, "PYTHON": str(tmp_path / "python"), "STUB_RCS": " ".join(map(str, rcs)),
+           "JAXTRAIN_LOCAL_GPUS": "0"}
+    return subprocess.run([os.path.join(LAUNCH, "local.sh"), str(n), "train"], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_local_launcher_binds_loopback_and_passes_on_exit_75(tmp_path):
+    proc = _run_local_sh(tmp_path, 2, [0, 0])
+    assert proc.returncode == 0, proc.stderr
+    rows = sorted(re.findall(r"^\[(\d)\] addr=(\S+) bind=(\S+) id=(\d)$", proc.stdout, re.M))
+    assert len(rows) == 2 and rows[0][1].startswith("127.0.0.1:"), proc.stdout
+    assert all(addr == bind == rows[0][1] for _, addr, bind, _ in rows)  # loopback: all processes share the host
+    # Every process stopped early (75): the launcher says so with 75, and stops no one (75 is not a failure).
+    early = _run_local_sh(tmp_path, 2, [75, 75])
+    assert early.returncode == 75 and "stopping the others" not in early.stderr, early.stderr
+    # A real failure wins over 75.
+    failed = _run_local_sh(tmp_path, 2, [75, 3])
+    assert failed.returncode == 3 and "process 1 exited with status 3" in failed.stderr, failed.stderr

@@ -1,11 +1,14 @@
 """``python -m jaxtrain train [--config PATH] [key=value ...]``."""
 
 from jaxtrain.commands import add_config_arguments, start
+from jaxtrain.errors import EXIT_PREEMPTED
 
 
 def add_arguments(p):
     p.description = ("Train a model. Overrides are dotted key=value pairs, e.g. train.steps=100 mesh.ici.fsdp=8 "
-                     "runtime.cpu_devices=8. Running the same command again resumes from the latest checkpoint.")
+                     "runtime.cpu_devices=8. Running the same command again resumes from the latest checkpoint. "
+                     f"Exit status 0: finished; {EXIT_PREEMPTED}: stopped by a signal (preemption, time limit) before "
+                     "train.steps with its checkpoint saved: run it again to continue.")
     add_config_arguments(p)
 
 
@@ -13,5 +16,7 @@ def run(args) -> int:
     cfg = start(args)
     from jaxtrain import loop
 
-    loop.train(cfg)
-    return 0
+    result = loop.train(cfg)
+    # EX_TEMPFAIL, not 0: a scheduler must tell "finished" from "saved and stopped early" to restart the latter
+    # (a JobSet counts a pod that exits 0 as completed and never restarts it).
+    return EXIT_PREEMPTED if result.stopped_early else 0
