@@ -5,7 +5,7 @@ number with its datasheet source. The one table of device peak rates: MFU and th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.schema import find_yaml, load_typed, shipped
@@ -28,11 +28,23 @@ class Hardware:
     compute_efficiency: float
     name: str = ""
     device: str = ""
-    device_kind: str = ""  # substring of jax.Device.device_kind that recognises the device
+    # The exact jax.Device.device_kind strings this file describes (CUDA's device name, what nvidia-smi shows): a
+    # PCIe, NVL or Grace-Hopper part reports another string and is not covered by an SXM node's file.
+    device_kinds: list[str] = field(default_factory=list)
+    device_kind: str = ""  # one more exact kind (a measured description's, or a one-kind file's)
     mem_fraction: float = 1.0  # the part of hbm_bytes a step may use (allocator pool)
     # Fixed cost of one collective, whatever its size. Measured for the CPU at hand; 0 (bandwidth only) for the
     # shipped GPU files, which carry datasheet numbers only.
     collective_latency: float = 0.0
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Every device kind this description covers, exactly as JAX reports it."""
+        return tuple(self.device_kinds) + ((self.device_kind,) if self.device_kind else ())
+
+    def covers(self, device_kind: str) -> bool:
+        """Whether ``device_kind`` (``jax.Device.device_kind``) is one of :attr:`kinds`, compared exactly."""
+        return device_kind in self.kinds
 
     @property
     def usable_bytes(self) -> float:
@@ -62,13 +74,19 @@ def load_hardware(name: str) -> Hardware:
 
 
 def for_device_kind(device_kind: str) -> Hardware | None:
-    """The shipped description whose ``device_kind`` is a substring of ``device_kind`` (e.g. "NVIDIA H100 80GB
-    HBM3" -> h100-8x), or None (e.g. CPU)."""
+    """The shipped description that lists ``device_kind`` exactly (e.g. "NVIDIA H100 80GB HBM3" -> h100-8x; "NVIDIA
+    H100 PCIe", "NVIDIA GH200 480GB" -> None), or None (e.g. CPU). No substring matching: a part with another
+    form factor has other links and rates."""
     for name in known_hardware():
         hw = load_hardware(name)
-        if hw.device_kind and hw.device_kind.lower() in device_kind.lower():
+        if hw.covers(device_kind):
             return hw
     return None
+
+
+def known_device_kinds() -> list[str]:
+    """The device kinds the shipped descriptions cover, for messages."""
+    return [kind for name in known_hardware() for kind in load_hardware(name).kinds]
 
 
 def peak_flops(device_kind: str) -> float | None:

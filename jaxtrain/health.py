@@ -3,22 +3,26 @@
 Bandwidths follow nccl-tests' definitions. For a message of S bytes per device (the larger of a collective's input
 and output buffers) taking t seconds on an axis of n devices: algbw = S / t, and the bus bandwidth, which is
 comparable across collectives and axis sizes, is busbw = algbw * 2(n-1)/n for all-reduce and algbw * (n-1)/n for
-all-gather, reduce-scatter and all-to-all. Every collective's result is also checked for the right values.
+all-gather, reduce-scatter and all-to-all. Every collective's result is also checked for the right values, on the
+devices (only one flag per device comes back to the host).
 
-Made for GPU nodes: bfloat16 matmuls of 8192 (not launch overhead) and collectives up to 1 GiB by default on GPUs;
-absolute bounds from the hardware file (``check.hardware``, or the shipped file matching the devices): a device
-below ``check.min_peak_fraction`` of ``peak_flops`` fails, so does a node whose GPUs are all throttled; an axis
-below ``check.min_link_fraction`` of its link (NVLink inside a node, the NIC across nodes) fails. Attribution: when
-an axis is slow or wrong, per-node sub-checks (each node's devices alone) and per-pair sub-checks (neighbouring
-nodes two by two) find the node to blame; every process whose node is to blame prints
-``check: exclude hosts: <node>`` (the Slurm node name), which ``launch/slurm.sbatch`` turns into ``--exclude``.
+Bounds come from the hardware file (``check.hardware``, else the shipped file listing the devices' exact
+``device_kind``; none: measured and reported, nobody excluded): a device below ``check.min_peak_fraction`` of
+``peak_flops`` misses, so does one below ``check.min_matmul_fraction`` of the job's median; an axis below
+``check.min_link_fraction`` of its link misses: the intra-node link when every group of devices along the axis sits on
+one host (processes grouped by host name, so one process per GPU is judged against NVLink), the NIC otherwise.
+Buffers are made on the devices, one per axis at the judged size (:func:`health_verdict.judged_size_bytes`), reused
+by every collective and size. Attribution: when an axis misses, per-node sub-checks (each node's devices alone) and
+per-pair sub-checks (neighbouring nodes two by two) find the node to blame. The verdict over all nodes is
+:func:`jaxtrain.health_verdict.decide`; process 0 prints ``check: exclude hosts: <host,...>`` (Slurm node names),
+which ``launch/slurm.sbatch`` turns into ``--exclude``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -26,15 +30,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import Config
 from jaxtrain.errors import ConfigError
+from jaxtrain.health_verdict import (
+    BOUND,
+    BUS_FACTOR,
+    WRONG,
+    Decision,
+    Finding,
+    axis_crosses_hosts,
+    decide,
+    judged_size_bytes,
+    matmul_findings,
+)
 from jaxtrain.mesh import build_mesh
-
-BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-              "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
 
 
 @dataclass
@@ -55,59 +66,66 @@ class Measurement:
         return self.algbw * BUS_FACTOR[self.op](self.n)
 
 
-def _collective(op: str, axis: str):
-    """Per-device body for shard_map: x is this device's float32 [count] buffer filled with its axis index + 1."""
-    if op == "all-reduce":
-        return lambda x: jax.lax.psum(x, axis)
-    if op == "all-gather":
-        return lambda x: jax.lax.all_gather(x, axis, tiled=True)
-    if op == "reduce-scatter":
-        return lambda x: jax.lax.psum_scatter(x, axis, tiled=True)
-    return lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+def _counts(op: str, n: int, size_bytes: int) -> tuple[int, int]:
+    """(input, output) float32 elements per device for ``op`` on an axis of ``n`` with a ``size_bytes`` message
+    (the larger buffer: all-gather's output, reduce-scatter's input)."""
+    msg = max(n, size_bytes // 4 // n * n)
+    return {"all-gather": (msg // n, msg), "reduce-scatter": (msg, msg // n)}.get(op, (msg, msg))
 
 
-def _expected(op: str, n: int, count: int, index: int) -> np.ndarray:
-    """What device ``index`` (position along the axis) must hold after ``op`` on inputs ``index + 1``."""
-    total = n * (n + 1) / 2
-    if op == "all-reduce":
-        return np.full(count, total, np.float32)
-    if op == "reduce-scatter":
-        return np.full(count // n, total, np.float32)
-    blocks = np.repeat(np.arange(1, n + 1, dtype=np.float32), count // n)  # block j came from device j
-    return blocks if op == "all-to-all" else np.repeat(np.arange(1, n + 1, dtype=np.float32), count)
+def _collective(op: str, axis: str, count_in: int):
+    """Per-device body for shard_map: the first ``count_in`` elements of this device's buffer (its axis index + 1)."""
+    ops = {"all-reduce": lambda x: jax.lax.psum(x, axis),
+           "all-gather": lambda x: jax.lax.all_gather(x, axis, tiled=True),
+           "reduce-scatter": lambda x: jax.lax.psum_scatter(x, axis, tiled=True),
+           "all-to-all": lambda x: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)}
+    return lambda x: ops[op](x[:count_in])
+
+
+def _expected(op: str, n: int, count_out: int):
+    """What every device must hold after ``op`` on inputs ``axis index + 1`` (a traced [count_out] float32)."""
+    if op in ("all-reduce", "reduce-scatter"):
+        return jnp.full(count_out, n * (n + 1) / 2, jnp.float32)
+    return (jnp.arange(count_out) // (count_out // n) + 1).astype(jnp.float32)  # block j came from device j
+
+
+class AxisBuffer:
+    """One float32 buffer per device, filled on the devices with the device's index along ``axis`` + 1, large
+    enough for every message size: every collective and size on the axis reads a prefix of it."""
+
+    def __init__(self, mesh, axis: str, max_bytes: int):
+        self.mesh, self.axis, self.n = mesh, axis, mesh.shape[axis]
+        self.spec = P(mesh.axis_names)  # every device its own block
+        self.count = max(_counts(op, self.n, max_bytes)[0] for op in BUS_FACTOR)
+        fill = jax.shard_map(lambda: jnp.full(self.count, jax.lax.axis_index(axis) + 1, jnp.float32), mesh=mesh,
+                             in_specs=(), out_specs=self.spec, check_vma=False)
+        self.x = jax.jit(fill)()
+
+    def measure(self, op: str, size_bytes: int, iters: int, sync: bool = True) -> Measurement:
+        """``op`` over the axis with ``size_bytes`` per device: values checked on the devices, then ``iters`` timed
+        runs. ``sync=False`` for sub-meshes that only some processes take part in (a global barrier would wait for
+        the others)."""
+        n, axis, spec = self.n, self.axis, self.spec
+        count_in, count_out = _counts(op, n, size_bytes)
+        f = jax.jit(jax.shard_map(_collective(op, axis, count_in), mesh=self.mesh, in_specs=spec, out_specs=spec,
+                                  check_vma=False))
+        ok = jax.jit(jax.shard_map(lambda y: jnp.all(y == _expected(op, n, count_out))[None], mesh=self.mesh,
+                                   in_specs=spec, out_specs=spec, check_vma=False))
+        flags = ok(f(self.x))
+        correct = all(bool(np.asarray(s.data)[0]) for s in flags.addressable_shards)
+        if sync:
+            multihost_utils.sync_global_devices(f"check {axis} {op} {size_bytes}")
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = f(self.x)
+        out.block_until_ready()
+        return Measurement(axis, op, count_out * 4 if op == "all-gather" else count_in * 4,
+                           (time.perf_counter() - t0) / iters, correct, n)
 
 
 def measure_collective(mesh, axis: str, op: str, size_bytes: int, iters: int, sync: bool = True) -> Measurement:
-    """``op`` over mesh ``axis`` with ``size_bytes`` per device. ``sync=False`` for sub-meshes that only some
-    processes take part in (a global barrier would wait for the others)."""
-    n = mesh.shape[axis]
-    # Input elements per device: the message is the larger buffer (all-gather's output is n times its input).
-    count = max(n, size_bytes // 4 // (n if op == "all-gather" else 1) // n * n)
-    spec = P(mesh.axis_names)  # every device its own [count] block
-    sharding = NamedSharding(mesh, spec)
-    position = {ax: i for i, ax in enumerate(mesh.axis_names)}[axis]
-
-    def fill(index):
-        device_pos = np.unravel_index(index[0].start // count, mesh.devices.shape)
-        return np.full(count, device_pos[position] + 1, np.float32)
-
-    x = jax.make_array_from_callback((mesh.devices.size * count,), sharding, fill)
-    f = jax.jit(jax.shard_map(_collective(op, axis), mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-    out = f(x).block_until_ready()
-    correct = True
-    for shard in out.addressable_shards:
-        device_pos = np.unravel_index(list(mesh.devices.flat).index(shard.device), mesh.devices.shape)
-        want = _expected(op, n, count, int(device_pos[position]))
-        correct &= bool(np.array_equal(np.asarray(shard.data), want))
-    if sync:
-        multihost_utils.sync_global_devices(f"check {axis} {op} {size_bytes}")
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = f(x)
-    out.block_until_ready()
-    seconds = (time.perf_counter() - t0) / iters
-    message = count * 4 * (n if op == "all-gather" else 1)
-    return Measurement(axis, op, message, seconds, correct, n)
+    """``op`` over mesh ``axis`` with ``size_bytes`` per device, on a buffer of its own."""
+    return AxisBuffer(mesh, axis, size_bytes).measure(op, size_bytes, iters, sync)
 
 
 def measure_matmuls(size: int, iters: int, dtype=jnp.float32, rounds: int = 3) -> list[tuple[str, float, float]]:
@@ -143,28 +161,46 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
 
 
+def allgather_json(obj) -> list:
+    """``obj`` (JSON-able) from every process, in process order."""
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    width = int(np.max(multihost_utils.process_allgather(np.array([data.size]))))
+    buf = np.zeros(width, np.uint8)
+    buf[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), width)
+    return [json.loads(bytes(r).rstrip(b"\0").decode()) for r in rows]
+
+
 def _hardware(cfg: Config, device_kind: str):
-    """The hardware file to bound against: check.hardware (its device_kind must match: exit 2 otherwise), else the
-    shipped file whose device_kind matches, else None (CPU: relative bounds only)."""
+    """The hardware file to bound against: check.hardware (it must list this device kind: exit 2 otherwise), else
+    the shipped file listing it exactly, else None (unknown kind: measured and reported, nobody excluded)."""
     from jaxtrain import hardware
 
     if cfg.check.hardware is None:
         return hardware.for_device_kind(device_kind)
     hw = hardware.load_hardware(cfg.check.hardware)
-    if hw.device_kind and hw.device_kind.lower() not in device_kind.lower():
-        raise ConfigError(f"check.hardware={cfg.check.hardware!r} describes {hw.device_kind} devices but this job "
-                          f"has {device_kind!r}; pick the hardware file of these devices")
+    if hw.kinds and not hw.covers(device_kind):
+        raise ConfigError(f"check.hardware={cfg.check.hardware!r} describes {', '.join(map(repr, hw.kinds))} devices "
+                          f"but this job has {device_kind!r}; pick the hardware file of these devices (or add the kind "
+                          "to its device_kinds)")
     return hw
 
 
-def _nodes() -> list[list[int]]:
-    """Process indices grouped by node (processes of one node share its name), nodes in order of first process."""
-    name = np.frombuffer(node_name().encode()[:64].ljust(64, b"\0"), np.uint8)
-    names = np.asarray(multihost_utils.process_allgather(name)).reshape(jax.process_count(), 64)
+def _nodes(hosts: list[str]) -> list[list[int]]:
+    """Process indices grouped by host name (``hosts`` per process), nodes in order of first process."""
     groups: dict[str, list[int]] = {}
-    for p in range(jax.process_count()):
-        groups.setdefault(bytes(names[p]).rstrip(b"\0").decode(), []).append(p)
-    return [groups[k] for k in groups]
+    for p, name in enumerate(hosts):
+        groups.setdefault(name, []).append(p)
+    return list(groups.values())
+
+
+def device_hosts(mesh, shape, hosts: list[str]) -> np.ndarray:
+    """The mesh's device array with each device replaced by its host's name. One process emulates
+    ``shape.num_nodes`` nodes with contiguous groups of its devices (``build_mesh``): those count as hosts here."""
+    if jax.process_count() == 1:
+        ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+        return np.vectorize(lambda i: f"{hosts[0]}#{i}")(shape.node_of(ids))
+    return np.vectorize(lambda d: hosts[d.process_index])(mesh.devices)
 
 
 def _sub_mesh(nodes: list[list[int]]):
@@ -176,29 +212,31 @@ def _sub_mesh(nodes: list[list[int]]):
     return Mesh(np.array(devices).reshape(len(nodes), -1), ("node", "local"))
 
 
-def attribute(op: str, size_bytes: int, iters: int, bound_gbps: float, crosses_hosts: bool) -> tuple[bool, str]:
-    """Whether this process's node is to blame for a slow or wrong ``op``, and the evidence, in words.
+def attribute(op: str, size_bytes: int, iters: int, bound_gbps: float, crosses_hosts: bool,
+              hosts: list[str]) -> tuple[bool | None, str]:
+    """Whether this process's node is to blame for a slow or wrong ``op`` (None: nothing to split), and the
+    evidence, in words.
 
     Within nodes: each node runs ``op`` over its own devices at once; a node that is wrong or below ``bound_gbps``
     is to blame. Across nodes: each pair of ring neighbours (0,1), (1,2), ..., (last,0) runs it over the "node"
     axis; a node is to blame when both of its pairs failed (with 2 nodes, the one pair names both). Every process
     calls this with the same arguments; it takes part only in the sub-meshes that hold its devices.
     """
-    nodes = _nodes()
+    nodes = _nodes(hosts)
     me = next(i for i, procs in enumerate(nodes) if jax.process_index() in procs)
 
     def bad(group, axis):
-        m = measure_collective(_sub_mesh(group), axis, op, size_bytes, iters, sync=False)
+        m = AxisBuffer(_sub_mesh(group), axis, size_bytes).measure(op, size_bytes, iters, sync=False)
         return (not m.correct) or (bound_gbps > 0 and m.busbw < bound_gbps), m
 
     if not crosses_hosts:
         if jax.device_count() // len(nodes) < 2:
-            return False, "one device per node: nothing to split"
+            return None, "one device per node: nothing to split"
         flag, m = bad([nodes[me]], "local")
         return flag, (f"{op} inside node {node_name()}: {m.busbw:.3g} GB/s, values {'ok' if m.correct else 'WRONG'}"
                       f"{' (bad)' if flag else ''}")
     if len(nodes) < 2:
-        return False, "a single node"
+        return None, "a single node"
     ring = [(0, 1)] if len(nodes) == 2 else [(i, (i + 1) % len(nodes)) for i in range(len(nodes))]
     mine = []
     for a, b in ring:  # in ring order; a node waits only for its neighbours, so the pairs never deadlock
@@ -213,15 +251,16 @@ def attribute(op: str, size_bytes: int, iters: int, bound_gbps: float, crosses_h
 RERUNS = 4
 
 
-def reproduce(mesh, axis: str, op: str, size_bytes: int, platform: str) -> str:
+def reproduce(buffer: AxisBuffer, op: str, size_bytes: int, platform: str) -> str:
     """Re-run a collective that returned wrong values ``RERUNS`` times before anything is blamed.
 
     Wrong every time: a reproducible fault of the devices or link, attributed to a node like a slow link. Wrong
     only sometimes: an intermittent fault, on CPU that of the collective library (gloo's reduce-scatter corrupts the
     end of rank 0's chunk from ~4 MiB, jax-ml/jax#40830), reported as such and not pinned on the hardware.
     """
-    wrong = sum(not measure_collective(mesh, axis, op, size_bytes, 1).correct for _ in range(RERUNS))
+    wrong = sum(not buffer.measure(op, size_bytes, 1).correct for _ in range(RERUNS))
     wrong = int(np.max(multihost_utils.process_allgather(np.array([wrong]))))
+    axis = buffer.axis
     if wrong == RERUNS:
         return f"reproducible: {op} over {axis} was wrong in {RERUNS} of {RERUNS} re-runs"
     library = ("gloo, the CPU collective library (jax-ml/jax#40830)" if platform == "cpu"
@@ -230,90 +269,109 @@ def reproduce(mesh, axis: str, op: str, size_bytes: int, platform: str) -> str:
             "not of a slow or broken link; the hardware is not blamed")
 
 
-def verdict(failures: list[str]) -> tuple[bool, int]:
-    """One verdict for the whole job: (passed, processes that failed), the same on every process."""
-    failed = int(np.sum(multihost_utils.process_allgather(np.array([bool(failures)]))))
-    return failed == 0, failed
-
-
 def _any_process(flag: bool) -> bool:
     """True if ``flag`` is true on any process: every process must take the same branch before a sub-check."""
     return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
-def run(cfg: Config) -> list[str]:
-    """Run the check, print tables (process 0) and, on every process whose node is to blame, the line
-    ``check: exclude hosts: <node>``. Returns this process's failures (empty: healthy)."""
+def default_sizes(gpu: bool, link_rate: float | None) -> list[int]:
+    """Message sizes in bytes when check.sizes_mb is unset: CPU 0.25/4/16 MiB; GPU 1 MiB (the latency regime) and
+    the size the link's bound is judged at (256 MiB for a link no hardware file describes)."""
+    if not gpu:
+        return [2**18, 2**22, 2**24]
+    return [2**20, judged_size_bytes(link_rate) if link_rate else 2**28]
+
+
+def run(cfg: Config) -> Decision:
+    """Run the check; process 0 prints the tables, the verdict and ``check: exclude hosts: <host,...>`` when nodes
+    are to be excluded. Returns the job's decision (the same on every process)."""
     mesh, shape = build_mesh(cfg)
     c, main = cfg.check, jax.process_index() == 0
     device = jax.devices()[0]
     gpu = device.platform != "cpu"
     hw = _hardware(cfg, device.device_kind)
+    hosts = allgather_json(node_name())  # per process
+    me = hosts[jax.process_index()]
     size = c.matmul_size or (8192 if gpu else 1024)
     dtype = jnp.bfloat16 if gpu else jnp.float32
-    sizes_mb = c.sizes_mb or ([16, 256, 1024] if gpu else [0.25, 4, 16])
-    failures, blamed = [], []
+    findings: list[Finding] = []
     say = print if main else (lambda *a, **k: None)
-    say(f"mesh {shape.label}; {jax.process_count()} process(es), {mesh.devices.size} {device.device_kind} "
-        f"device(s); hardware file: {hw.name if hw else 'none (relative bounds only)'}\n")
+    from jaxtrain import hardware
 
-    matmuls = measure_matmuls(size, c.iters, dtype)
-    median = statistics.median(r[1] for r in matmuls)
+    known = (f"hardware file: {hw.name}" if hw else f"hardware file: none lists device kind {device.device_kind!r} "
+             f"(shipped: {', '.join(hardware.known_device_kinds())}): measured and reported, nobody excluded")
+    say(f"mesh {shape.label}; {jax.process_count()} process(es) on {len(set(hosts))} host(s), {mesh.devices.size} "
+        f"{device.device_kind} device(s); {known}\n")
+
     floor = c.min_peak_fraction * hw.peak_flops / 1e9 if hw else 0.0
-    say(f"matmul {size}x{size} {jnp.dtype(dtype).name} (process {jax.process_index()}'s devices"
-        f"{f'; peak {hw.peak_flops / 1e12:.0f} TFLOP/s, bound {floor / 1e3:.0f}' if hw else ''})")
-    say("| device | GFLOP/s | max rel. error |\n| --- | --- | --- |")
+    mine = [(me, *row) for row in measure_matmuls(size, c.iters, dtype)]
+    rows = [tuple(r) for proc in allgather_json(mine) for r in proc]
     tolerance = 1e-3 if dtype == jnp.float32 else 2e-2  # bfloat16 output rounding is 2^-8 of each element
-    for dev, rate, err in matmuls:
-        say(f"| {dev} | {rate:.1f} | {err:.1e} |")
-        if err > tolerance:
-            failures.append(f"device {dev} on {node_name()}: matmul error {err:.1e} against the float64 reference")
-        if rate < c.min_matmul_fraction * median:
-            failures.append(f"device {dev} on {node_name()}: matmul {rate:.1f} GFLOP/s is below "
-                            f"check.min_matmul_fraction={c.min_matmul_fraction} of the median {median:.1f}")
-        if rate < floor:  # absolute: a node whose GPUs are all throttled fails too
-            failures.append(f"device {dev} on {node_name()}: matmul {rate:.1f} GFLOP/s is below "
-                            f"check.min_peak_fraction={c.min_peak_fraction} of {hw.name}'s peak")
-    if failures:
-        blamed.append("matmul on this node's devices")
+    median, found = matmul_findings(rows, tolerance=tolerance, min_fraction_of_median=c.min_matmul_fraction,
+                                    floor_gflops=floor, floor_words=f"check.min_peak_fraction={c.min_peak_fraction} "
+                                    f"of {hw.name if hw else ''}'s peak")
+    if main:  # every process judged the same gathered rows
+        findings += found
+    say(f"matmul {size}x{size} {jnp.dtype(dtype).name}, median {median:.1f} GFLOP/s"
+        f"{f'; peak {hw.peak_flops / 1e12:.0f} TFLOP/s, bound {floor / 1e3:.0f}' if hw else ''}")
+    say("| device | GFLOP/s | max rel. error | host |\n| --- | --- | --- | --- |")
+    for host, dev, rate, err in rows:
+        say(f"| {dev} | {rate:.1f} | {err:.1e} | {host} |")
 
-    sizes = [int(mb * 2**20) for mb in sizes_mb]
+    grid = device_hosts(mesh, shape, hosts)
     for ax_i, axis in enumerate(mesh.axis_names):
         n = mesh.shape[axis]
         if n == 1:
             continue
-        crosses_hosts = shape.dcn[ax_i] > 1
+        crosses = axis_crosses_hosts(grid, ax_i)
+        link_name = "inter" if crosses else "intra"
+        link = (hw.inter_node_bandwidth if crosses else hw.intra_node_bandwidth) if hw else None
         bound, why = c.min_busbw_gbps, "check.min_busbw_gbps"
-        if not bound and hw:  # the link this axis runs over: the NIC across nodes, NVLink inside one
-            link = hw.inter_node_bandwidth if crosses_hosts else hw.intra_node_bandwidth
+        if not bound and link:  # the link this axis runs over: the NIC across nodes, NVLink inside one
             bound, why = c.min_link_fraction * link / 1e9, f"check.min_link_fraction={c.min_link_fraction} of " \
-                f"{hw.name}'s {'inter' if crosses_hosts else 'intra'}-node link"
-        say(f"\naxis {axis}: {n} devices{' (crosses hosts)' if crosses_hosts else ''}"
-            f"{f'; bound {bound:.2f} GB/s' if bound else ''}")
+                f"{hw.name}'s {link_name}-node link"
+        sizes = [int(mb * 2**20) for mb in c.sizes_mb] if c.sizes_mb else default_sizes(gpu, link)
+        say(f"\naxis {axis}: {n} devices{' (crosses hosts)' if crosses else ' (inside a host)'}"
+            f"{f'; bound {bound:.2f} GB/s ({why})' if bound else ''}")
         say("| collective | size | time | algbw GB/s | busbw GB/s | values |\n| --- | --- | --- | --- | --- | --- |")
+        buffer = AxisBuffer(mesh, axis, max(sizes))
         for op in BUS_FACTOR:
-            m, wrong = None, False
+            m, wrong, words = None, False, ""
             for nbytes in sizes:
-                m = measure_collective(mesh, axis, op, nbytes, c.iters)
+                m = buffer.measure(op, nbytes, c.iters)
                 say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.3g} | "
                     f"{m.busbw:.3g} | {'ok' if m.correct else 'WRONG'} |")
                 if _any_process(not m.correct):  # every process joins the re-runs
-                    verdict = reproduce(mesh, axis, op, nbytes, device.platform)
+                    verdict = reproduce(buffer, op, nbytes, device.platform)
                     say(f"check: {verdict}")
-                    if not m.correct:
-                        failures.append(f"axis {axis}: {op} of {m.size_bytes} bytes returned wrong values; {verdict}")
-                    wrong = wrong or verdict.startswith("reproducible")
+                    if verdict.startswith("reproducible"):
+                        wrong, words = True, f"{op} of {m.size_bytes} bytes returned wrong values; {verdict}"
             assert m is not None  # sizes is never empty
             slow = bool(bound) and m.busbw < bound
-            if slow:
-                failures.append(f"axis {axis}: {op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} "
-                                f"MiB is below {bound:.2f} GB/s ({why})")
+            if slow and not wrong:
+                words = (f"{op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} MiB is below "
+                         f"{bound:.2f} GB/s ({why})")
             if _any_process(wrong or slow):  # all processes agree before the sub-checks, which they all join
-                guilty, evidence = attribute(op, sizes[-1], c.iters, bound, crosses_hosts)
+                guilty, evidence = attribute(op, max(sizes), c.iters, bound, crosses, hosts)
                 print(f"check: {evidence}")
-                if guilty:
-                    blamed.append(f"{op} over axis {axis}")
-    if blamed:
-        print(f"check: node {node_name()} is to blame for: {'; '.join(blamed)}")
-        print(f"check: exclude hosts: {node_name()}", flush=True)
-    return failures
+                blamed = _any_process(bool(guilty))
+                # Sub-checks that blame a node decide; none blamed (or nothing to split): each direct miss stands.
+                if guilty or (not blamed and (wrong or slow)):
+                    kind = WRONG if wrong else BOUND
+                    findings.append(Finding(me, f"{op} over axis {axis} ({why if kind == BOUND else 'values'})",
+                                            kind, f"axis {axis}: {words or evidence}"))
+        del buffer  # its memory back before the next axis
+
+    everything = [Finding(*f) for proc in allgather_json([list(f.__dict__.values()) for f in findings])
+                  for f in proc]
+    unique = list({(f.host, f.check): f for f in everything}.values())  # several processes of one host
+    job_hosts = list(dict.fromkeys(hosts))
+    decision = decide(job_hosts, unique, known_hardware=hw is not None, misfit_fraction=c.bound_misfit_fraction,
+                      max_exclude_fraction=c.max_exclude_fraction)
+    for line in decision.misfits + decision.notes:
+        say(f"check: {line}")
+    for host in decision.exclude:
+        say(f"check: node {host} is to blame for: {'; '.join(f.check for f in decision.failures if f.host == host)}")
+    if decision.exclude:
+        say(f"check: exclude hosts: {','.join(decision.exclude)}", flush=True)
+    return decision
