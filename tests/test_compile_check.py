@@ -8,12 +8,14 @@ toolchain errors are checked here, in any environment.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLCHAIN = os.environ.get("JAXTRAIN_COMPILE_CHECK_PYTHON")
@@ -51,6 +53,81 @@ def test_missing_toolchain_is_a_one_line_error():
     proc = run_check(sys.executable, "--cases", "pallas:bfloat16:64:causal:seg", timeout=120)
     assert proc.returncode == 2
     assert "pip install -e '.[compile-check]'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("compile_check", os.path.join(REPO, "tools", "compile_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("compile_check", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _yaml_model(name):
+    """The shipped config's model and data sections as the YAML file writes them (an independent reading)."""
+    with open(os.path.join(REPO, "jaxtrain", "configs", f"{name}.yaml")) as f:
+        doc = yaml.safe_load(f)
+    m = doc["model"]
+    head_dim = m.get("head_dim") or m["d_model"] // m["n_heads"]
+    return head_dim, m["n_heads"], m.get("n_kv_heads", m["n_heads"]), doc["data"]["seq_len"]
+
+
+def test_cases_come_from_the_shipped_configs():
+    """Every shipped model's training call is in the full set at its seq_len (a tile multiple: the EVEN path) and 3
+    tokens less, with its head dim and GQA group, bfloat16, causal, no segments, and rows enough for the unsplit
+    dk/dv launch; the CI subset has the 1B, 7B and 70B calls; the generic matrix adds head dim 32, the masked path
+    and the split dk/dv launch."""
+    from kernels import tiling
+
+    tool = _load_tool()
+    full, ci = tool.full_matrix(), tool.ci_subset()
+    groups = set()
+    for name in ("125m", "1b", "7b", "70b"):
+        head_dim, heads, kv_heads, seq = _yaml_model(name)
+        mine = [c for c in full if c.source == name]
+        assert sorted((c.impl, c.seq) for c in mine) == sorted(
+            (impl, s) for impl in ("pallas", "triton") for s in (seq, seq - 3))
+        for c in mine:
+            assert (c.head_dim, c.heads, c.kv_heads, c.dtype, c.causal, c.segments) == (
+                head_dim, heads, kv_heads, "bfloat16", True, False), c
+            block_k = tiling.default_launch("dkdv", "bfloat16", head_dim).block_k
+            assert tiling.choose_splits(c.batch, c.seq, c.kv_heads, heads // kv_heads, block_k) == 1, c
+        launches = [tiling.default_launch(k, "bfloat16", head_dim) for k in tiling.KINDS]
+        assert all(seq % t.block_q == 0 and seq % t.block_k == 0 for t in launches)  # the EVEN path
+        groups.add(heads // kv_heads)
+        in_ci = sorted(c.impl for c in ci if c.source == name)
+        assert in_ci == (["pallas", "triton"] if name != "125m" else []), (name, in_ci)
+        assert all(c.seq == seq for c in ci if c.source == name)
+    assert groups == {1, 4, 8}
+    matrix = [c for c in ci if c.source == "matrix"]
+    assert {c.head_dim for c in matrix} == {32, 64, 128, 256} and {c.dtype for c in matrix} == set(tool.DTYPES)
+    for c in matrix:
+        block_k = tiling.default_launch("dkdv", c.dtype, c.head_dim).block_k
+        assert c.seq % block_k, c  # the masked path: 4093 is no multiple of any tile
+    assert any(tiling.choose_splits(c.batch, c.seq, c.kv_heads, c.heads // c.kv_heads,
+                                    tiling.default_launch("dkdv", c.dtype, c.head_dim).block_k) > 1 for c in matrix)
+
+
+def test_list_prints_the_cases_without_a_toolchain(capsys):
+    assert _load_tool().main(["--list", "--cases", "triton:70b,pallas:bfloat16:32:causal:noseg"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head_dim, heads, kv_heads, seq = _yaml_model("70b")
+    assert lines[0].startswith(f"triton bfloat16 d{head_dim} causal ")
+    assert lines[0].endswith(f" s{seq} h{heads}/{kv_heads} (70b)")
+    assert lines[1] == "pallas bfloat16 d32 causal b2 s4093 h16/4 (matrix)"
+
+
+@needs_toolchain
+def test_the_1b_training_call_compiles_on_the_even_path_with_one_dkdv_program_per_group():
+    proc = run_check(TOOLCHAIN, "--json", "--jobs", "2", "--cases", "triton:1b,pallas:1b")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert sorted((r["impl"], r["kernel"]) for r in rows) == [
+        ("pallas", "dkdv"), ("pallas", "dq"), ("pallas", "fwd"), ("triton", "dkdv"), ("triton", "dq"),
+        ("triton", "fwd")]
+    for r in rows:
+        assert r["case"] == "1b" and r["even"] is True and r["group"] == 4 and not r["problems"], r
+        assert r.get("splits", 1) == 1 and r["wgmma"] > 0 and r["spill_bytes"] == 0, r
 
 
 @needs_toolchain

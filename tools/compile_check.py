@@ -1,11 +1,19 @@
 """Offline compile check of the flash kernels for Hopper (sm_90a), on a machine without a GPU.
 
 ``python tools/compile_check.py [--json] [--subset full|ci] [--impl pallas,triton] [--jobs N]`` (from the repository
-root or anywhere: it imports ``kernels`` from the checkout it sits in)
+root or anywhere: it imports ``kernels`` and ``jaxtrain.config`` from the checkout it sits in)
 
 Needs the ``compile-check`` extra on Python 3.12 (``pip install -e '.[compile-check]'``: jax 0.11.2, triton 3.6,
-jax-triton 0.3.1, the GPU machine's versions). For every configuration (impl x dtype x head_dim x causal x segments,
-all with grouped-query attention) it traces ``jax.grad`` of a loss through ``kernels.flash_attention`` and lowers it
+jax-triton 0.3.1, the GPU machine's versions; the ``gpu`` extras pin the same triton). Two kinds of configuration:
+
+* the shipped models' training calls (``config_cases``: 125m, 1b, 7b, 70b read with ``jaxtrain.config``): their
+  head dim, query and kv heads (GQA group 1, 4 or 8), bfloat16, causal, segments only with document masking, the
+  rows per device of one 8-GPU node (so the dk/dv launch is the unsplit one real batches get), at their
+  ``data.seq_len`` (a multiple of every tile: the ``EVEN`` / unpadded path) and, in the full set, 3 tokens less;
+* the generic matrix (impl x dtype x head_dim 32..256 x causal x segments) on q [2, 4093, 16, d] with 4 kv heads:
+  masked loads (4093 is no tile multiple) and a dk/dv launch split over the GQA group (2 x 4 x 32 programs < 264).
+
+For each it traces ``jax.grad`` of a loss through ``kernels.flash_attention`` and lowers it
 for an abstract NVIDIA H200 with ``lowering_platforms=("cuda",)``, which is what XLA does on the GPU machine up to
 the launch:
 
@@ -50,11 +58,14 @@ if REPO not in sys.path:
 
 SMEM_LIMIT = 227 * 1024  # sm_90 maximum dynamic shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 DTYPES = ("bfloat16", "float16", "float32")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 128, 256)
 IMPLS = ("pallas", "triton")
-# Shapes of the lowered call. Tiles, not sizes, decide the kernels' code; seq 4093 (not a multiple of any tile)
-# makes the Triton kernels compile their masked-load path, and heads 16 / kv heads 4 makes them GQA kernels.
+# Shape of the generic matrix's calls. seq 4093 (not a multiple of any tile) makes the kernels compile their
+# masked-load path, heads 16 / kv heads 4 makes them GQA kernels, and batch 2 splits the dk/dv launch.
 BATCH, SEQ, HEADS, KV_HEADS = 2, 4093, 16, 4
+SHIPPED_CONFIGS = ("125m", "1b", "7b", "70b")
+CI_CONFIGS = ("1b", "7b", "70b")  # the training shapes the CI subset must compile
+GPUS_PER_NODE = 8  # the per-device shapes of config_cases are those of one 8-GPU node
 TOOLCHAIN_HINT = ("the compile check needs Python 3.12 with jax 0.11.2, triton 3.6 and jax-triton 0.3.1: "
                   "pip install -e '.[compile-check]' in a Python 3.12 environment")
 
@@ -67,24 +78,58 @@ class Case:
     causal: bool
     segments: bool
     block_sizes: tuple = ()  # ((name, value), ...) overrides passed to flash_attention; () for the defaults
+    batch: int = BATCH
+    seq: int = SEQ
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    source: str = "matrix"  # "matrix", or the shipped config the shape comes from
+
+    @property
+    def shape(self) -> str:
+        return f"b{self.batch} s{self.seq} h{self.heads}/{self.kv_heads}"
 
     @property
     def label(self) -> str:
         return (f"{self.impl} {self.dtype} d{self.head_dim} {'causal' if self.causal else 'full'}"
-                f"{' seg' if self.segments else ''}")
+                f"{' seg' if self.segments else ''} {self.shape} ({self.source})")
+
+
+def config_cases(impls=IMPLS, names=SHIPPED_CONFIGS, odd_seq: bool = True) -> list[Case]:
+    """The attention call each shipped config's training step makes on one device of an 8-GPU node, read from the
+    config (``jaxtrain.config.load_config``): dtype ("auto" is bfloat16 on GPU), head dim, query and kv heads per
+    device (divided by the tensor axis), rows per device and microbatch, causal, segments when the config masks
+    documents, at ``data.seq_len`` and (``odd_seq``) 3 tokens less."""
+    from jaxtrain.config import load_config
+    from jaxtrain.mesh import MeshShape
+
+    cases = []
+    for name in names:
+        cfg = load_config(name, [])
+        m = cfg.model
+        sizes = MeshShape.resolve(cfg.mesh, GPUS_PER_NODE).axis_sizes
+        rows = cfg.train.global_batch // cfg.train.microbatches // (sizes["data"] * sizes["fsdp"])
+        dtype = "bfloat16" if m.dtype == "auto" else m.dtype
+        seqs = (cfg.data.seq_len, cfg.data.seq_len - 3) if odd_seq else (cfg.data.seq_len,)
+        for impl in impls:
+            for seq in seqs:
+                cases.append(Case(impl, dtype, m.resolved_head_dim, True, cfg.data.document_mask, (), max(1, rows),
+                                  seq, m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"], name))
+    return cases
 
 
 def full_matrix(impls=IMPLS) -> list[Case]:
-    return [Case(i, d, h, c, s) for i, d, h, c, s in
-            itertools.product(impls, DTYPES, HEAD_DIMS, (True, False), (True, False))]
+    """The shipped configs' calls (both sequence lengths) and the whole generic matrix."""
+    return config_cases(impls) + [Case(i, d, h, c, s) for i, d, h, c, s in
+                                  itertools.product(impls, DTYPES, HEAD_DIMS, (True, False), (True, False))]
 
 
 def ci_subset(impls=IMPLS) -> list[Case]:
-    """A subset that still covers every dtype, head dim, mask kind and both impls once (the whole matrix takes
-    about an hour on 2 cores: float32 kernels compile slowly)."""
-    picks = [("bfloat16", 128, True, True), ("bfloat16", 64, False, False), ("float16", 256, True, False),
+    """The 1B, 7B and 70B training calls (GQA groups 4, 1, 8; head dims 64 and 128; the EVEN path; unsplit dk/dv)
+    and generic cases that cover every dtype, head dim, mask kind, the masked path and the split dk/dv once, for
+    both impls (the whole set takes over an hour on 2 cores: float32 kernels compile slowly)."""
+    picks = [("bfloat16", 128, True, True), ("bfloat16", 32, False, False), ("float16", 256, True, False),
              ("float32", 64, True, True)]
-    return [Case(i, *p) for i in impls for p in picks]
+    return config_cases(impls, CI_CONFIGS, odd_seq=False) + [Case(i, *p) for i in impls for p in picks]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -175,9 +220,9 @@ def _lower_grad(case: Case) -> str:
     from kernels import flash_attention
 
     dtype = jnp.dtype(case.dtype)
-    q = jax.ShapeDtypeStruct((BATCH, SEQ, HEADS, case.head_dim), dtype)
-    kv = jax.ShapeDtypeStruct((BATCH, SEQ, KV_HEADS, case.head_dim), dtype)
-    seg = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32) if case.segments else None
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
+    seg = jax.ShapeDtypeStruct((case.batch, case.seq), jnp.int32) if case.segments else None
 
     def loss(q, k, v, seg):
         out = flash_attention(q, k, v, causal=case.causal, segment_ids=seg, impl=case.impl,
@@ -267,8 +312,9 @@ def _launch_settings(case: Case) -> dict:
     try:
         from kernels import api
 
-        return api.launch_settings((BATCH, SEQ, HEADS, case.head_dim), KV_HEADS, case.dtype, causal=case.causal,
-                               has_segments=case.segments, impl=case.impl, **dict(case.block_sizes))
+        return api.launch_settings((case.batch, case.seq, case.heads, case.head_dim), case.kv_heads, case.dtype,
+                                   causal=case.causal, has_segments=case.segments, impl=case.impl,
+                                   **dict(case.block_sizes))
     except (ImportError, AttributeError):
         return {}
 
@@ -302,10 +348,13 @@ def run_ptxas(ptx: str, workdir: str, name: str) -> dict:
 def analyse(case: Case, kernel: dict, workdir: str, settings: dict) -> dict:
     ptx, ttir = kernel["ptx"], kernel["ttir"]
     kind = _kind(kernel["name"])
-    row = dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
-               segments=case.segments, kernel=kind, name=kernel["name"])
+    row = _case_fields(case) | dict(kernel=kind, name=kernel["name"])
     tiles = settings.get("dkdv" if kind in ("dk", "dv") else kind, {})
     row["tiles"] = f"{tiles['block_q']}x{tiles['block_k']}" if "block_q" in tiles else "?"
+    if "block_q" in tiles:
+        row["even"] = case.seq % tiles["block_q"] == 0 and case.seq % tiles["block_k"] == 0
+        if kind in ("dkdv", "dk", "dv"):
+            row["splits"] = _dkdv_splits(case, tiles["block_k"])
     row.update(warps=kernel["warps"], stages=kernel["stages"])
     row.update(run_ptxas(ptx, workdir, f"{case.impl}_{kernel['name'].replace(':', '_')}"))
     row.update(
@@ -333,6 +382,20 @@ def analyse(case: Case, kernel: dict, workdir: str, settings: dict) -> dict:
     return row
 
 
+def _case_fields(case: Case) -> dict:
+    return dict(case=case.source, impl=case.impl, dtype=case.dtype, head_dim=case.head_dim,
+                group=case.heads // case.kv_heads, shape=case.shape, causal=case.causal, segments=case.segments)
+
+
+def _dkdv_splits(case: Case, block_k: int) -> int:
+    """Programs per GQA group of the dk/dv launch (1: the unsplit launch), as the kernels choose it."""
+    from kernels import tiling
+
+    forced = dict(case.block_sizes).get("dkdv_splits")
+    group = case.heads // case.kv_heads
+    return forced or tiling.choose_splits(case.batch, case.seq, case.kv_heads, group, block_k)
+
+
 def check_case(case: Case) -> list[dict]:
     """Lower and compile one configuration; one row per kernel (a compile error gives one failing row)."""
     with tempfile.TemporaryDirectory(prefix="compile_check_") as workdir:
@@ -342,8 +405,7 @@ def check_case(case: Case) -> list[dict]:
                 raise RuntimeError("no kernel was lowered")
         except Exception as e:  # noqa: BLE001 - a compile error is a result to report, not a crash
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:400]
-            return [dict(impl=case.impl, dtype=case.dtype, head_dim=case.head_dim, causal=case.causal,
-                         segments=case.segments, kernel="-", name="-", problems=[f"compile error: {msg}"])]
+            return [_case_fields(case) | dict(kernel="-", name="-", problems=[f"compile error: {msg}"])]
         settings = _launch_settings(case)
         return [analyse(case, k, workdir, settings) for k in kernels]
 
@@ -357,8 +419,9 @@ def _worker_init():
 # Command line
 # ----------------------------------------------------------------------------------------------------------------
 
-COLUMNS = ("impl", "dtype", "head_dim", "causal", "segments", "kernel", "tiles", "warps", "stages", "registers",
-           "spill_bytes", "smem", "wgmma", "mma_sync", "cp_async", "tma", "warnings", "seconds", "status")
+COLUMNS = ("case", "impl", "dtype", "head_dim", "group", "shape", "causal", "segments", "kernel", "tiles", "even",
+           "splits", "warps", "stages", "registers", "spill_bytes", "smem", "wgmma", "mma_sync", "cp_async", "tma",
+           "warnings", "seconds", "status")
 
 
 def _cell(row, col):
@@ -385,7 +448,10 @@ def _parse_args(argv):
     parser.add_argument("--impl", default=",".join(IMPLS), help="comma-separated: pallas, triton")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
     parser.add_argument("--cases", default="", help="only these configurations, comma-separated "
-                        "IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg (e.g. triton:bfloat16:128:causal:seg)")
+                        "IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg (e.g. triton:bfloat16:128:causal:seg) or "
+                        f"IMPL:CONFIG with CONFIG in {','.join(SHIPPED_CONFIGS)} (its training call at data.seq_len)")
+    parser.add_argument("--list", action="store_true", help="print the configurations (JSON with --json) and exit "
+                        "without compiling (needs no GPU toolchain)")
     parser.add_argument("--blocks", default="", help="block-size overrides for every case, NAME=VALUE,... "
                         "(the keywords of kernels.flash_attention for the impl)")
     args = parser.parse_args(argv)
@@ -408,11 +474,14 @@ def _parse_args(argv):
 
 def _parse_case(spec: str, parser, blocks) -> Case:
     parts = spec.split(":")
+    if len(parts) == 2 and parts[0] in IMPLS and parts[1] in SHIPPED_CONFIGS:
+        return dataclasses.replace(config_cases((parts[0],), (parts[1],), odd_seq=False)[0], block_sizes=blocks)
     ok = (len(parts) == 5 and parts[0] in IMPLS and parts[1] in DTYPES and parts[2].isdigit()
           and int(parts[2]) in HEAD_DIMS and parts[3] in ("causal", "full") and parts[4] in ("seg", "noseg"))
     if not ok:
         parser.exit(2, f"compile_check: case {spec!r} is not valid; use IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg "
-                       f"with IMPL in {IMPLS}, DTYPE in {DTYPES}, HEAD_DIM in {HEAD_DIMS}\n")
+                       f"with IMPL in {IMPLS}, DTYPE in {DTYPES}, HEAD_DIM in {HEAD_DIMS}, or IMPL:CONFIG with "
+                       f"CONFIG in {SHIPPED_CONFIGS}\n")
     return Case(parts[0], parts[1], int(parts[2]), parts[3] == "causal", parts[4] == "seg", blocks)
 
 
@@ -423,6 +492,12 @@ def main(argv=None) -> int:
     else:
         cases = full_matrix(impls) if args.subset == "full" else ci_subset(impls)
         cases = [dataclasses.replace(c, block_sizes=args.blocks) for c in cases]
+    if args.list:
+        if args.json:
+            print(json.dumps([dataclasses.asdict(c) | dict(label=c.label) for c in cases], indent=1))
+        else:
+            print("\n".join(c.label for c in cases))
+        return 0
     reason = toolchain_error({c.impl for c in cases})
     if reason:
         print(f"compile_check: {reason}", file=sys.stderr)
@@ -455,7 +530,8 @@ def main(argv=None) -> int:
         import triton
 
         print(f"sm_90a compile check: jax {jax.__version__}, triton {triton.__version__}, abstract NVIDIA H200, "
-              f"q [{BATCH}, {SEQ}, {HEADS}, d], kv heads {KV_HEADS}, smem limit {SMEM_LIMIT} B")
+              f"smem limit {SMEM_LIMIT} B; shape: q [batch, seq, heads, d] / kv heads (matrix cases: "
+              f"b{BATCH} s{SEQ} h{HEADS}/{KV_HEADS}; config cases: one device of an 8-GPU node)")
         print(markdown_table(rows))
         print(f"{len(rows)} kernels in {len(cases)} configurations, {len(failed)} failing, {elapsed:.0f} s")
     return 1 if failed else 0
