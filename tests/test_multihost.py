@@ -287,6 +287,39 @@ def test_real_slurm_gpu_layouts_as_each_task_sees_them(slurm, tmp_path, layout):
 
 
 @pytest.mark.slow
+def test_real_slurm_steps_get_the_container_and_the_batch_script_does_not(slurm, tmp_path):
+    """pyxis is not installable here: a PATH-front `srun` records each step's command line and runs the real srun
+    without the container options. Every step carries the image, mounts and workdir; the batch script itself runs
+    on the host (it calls the host's srun, and sbatch got no container option)."""
+    real = shutil.which("srun", path=slurm["PATH"])
+    bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"""#!/usr/bin/env bash
+printf '%s\\n' "$*" >> {calls}
+args=()
+for a in "$@"; do
+  case "$a" in --container-image=*|--container-mounts=*|--container-workdir=*) ;; *) args+=("$a") ;; esac
+done
+exec {real} "${{args[@]}}"
+""")
+    (bin_dir / "srun").chmod(0o755)
+    env = slurm | {"PATH": f"{bin_dir}:{slurm['PATH']}", "JAXTRAIN_IMAGE": "reg/jaxtrain@sha256:0123",
+                   "JAXTRAIN_CONTAINER_MOUNTS": f"{REPO}:{REPO},{tmp_path}:{tmp_path}"}
+    out = tmp_path / "job.out"
+    submit, job = sbatch(env, "-N1", "--ntasks-per-node=2", f"--output={out}",
+                         os.path.join(REPO, "launch/slurm.sbatch"), "env", "--json", timeout=300)
+    log = out.read_text()
+    assert submit.returncode == 0, submit.stderr + log[-3000:]
+    assert "--container" not in " ".join(submit.args)  # the batch script was not started in a container
+    (step,) = calls.read_text().splitlines()
+    assert step.startswith(f"--kill-on-bad-exit=1 --container-image=reg/jaxtrain@sha256:0123 "
+                           f"--container-mounts={REPO}:{REPO},{tmp_path}:{tmp_path} --container-workdir={REPO} "), step
+    rows = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert sorted(r["process_id"] for r in rows) == [0, 1]  # the step ran its 2 tasks through the real srun
+    assert "jaxtrain: each step runs in the container" in log
+
+
+@pytest.mark.slow
 def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
     """A job in partition `low` is preempted by one in `high`: Slurm signals the batch shell
     (preempt_send_user_signal), jaxtrain checkpoints at an agreed step and exits 75, the job is requeued, and the

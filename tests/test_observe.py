@@ -127,7 +127,7 @@ def scraped_run(tmp_path_factory):
         rc = job.finish()
     finally:
         job.kill()
-    assert rc == 0, job.text()[-3000:]
+    assert rc in (0, 75), job.text()[-3000:]  # 75: SIGTERM stopped it before train.steps (0: it had finished)
     return {"scrapes": scrapes, "text": job.text(), "run_dir": run_dir, "url": url}
 
 
@@ -282,7 +282,7 @@ def test_profile_window_and_sigusr1_write_traces_xprof_reads(tmp_path):
         assert end == start + 1 and start > 8
         job.wait_for(rf"profile of steps {start}-{end} written to")
         job.proc.send_signal(signal.SIGTERM)
-        assert job.finish() == 0, job.text()[-2000:]
+        assert job.finish() == 75, job.text()[-2000:]  # EXIT_PREEMPTED: stopped before train.steps
     finally:
         job.kill()
     runs = sorted((run_dir / "profile" / "process_0" / "plugins" / "profile").iterdir())
