@@ -51,10 +51,9 @@ def check_paths(cfg) -> None:
     """The paths of ``cfg`` (a :class:`~jaxtrain.config.Config`): token file, checkpoint sources, run and checkpoint
     directories. Read-only checks; the run itself creates the directories."""
     d, c = cfg.data, cfg.checkpoint
-    if d.source not in ("embedded", "synthetic"):
-        if not d.source.endswith((".bin", ".npy")):
-            raise ConfigError(f"data.source={d.source!r} must be 'embedded', 'synthetic' or a .bin/.npy token file")
-        existing_file(d.source, "data.source file")
+    from jaxtrain.data.checks import check_data_paths  # sources: files, shard directories, globs, mixtures, chat
+
+    check_data_paths(d, existing_file)
     if c.resume not in ("auto", "never") and not c.resume.isdigit():
         if not os.path.isdir(c.resume):
             kind = "is a file" if os.path.exists(c.resume) else "does not exist"

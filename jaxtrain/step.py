@@ -16,8 +16,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtrain import pipeline
+from jaxtrain import pipeline, pipeline_1f1b
 from jaxtrain.config import Config
+from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
 from jaxtrain.layout import Layout
 from jaxtrain.mesh import without_axes
 from jaxtrain.state import make_optimizer
@@ -35,6 +36,13 @@ def document_segments(inputs: jax.Array, eos_id: int) -> jax.Array:
     return jnp.cumsum(is_eos, axis=1) - is_eos
 
 
+def trained_targets(batch: jax.Array) -> jax.Array:
+    """float32 [batch, seq]: 1 where the target (token t + 1 of a row of batch int32 [batch, seq + 1]) is trained:
+    its word carries neither NO_LOSS (a prompt or padding token of chat data) nor DOC_START (the first token of the
+    next packed example, which the previous one must not learn to predict). Token files set no flag: all 1."""
+    return ((batch[:, 1:] & (NO_LOSS | DOC_START)) == 0).astype(jnp.float32)
+
+
 class Step:
     """The train and eval steps of one layout. Build with :func:`setup` (or ``Step(layout)``)."""
 
@@ -47,12 +55,29 @@ class Step:
         """The layout's resolved config."""
         return self.layout.cfg
 
-    def _loss(self, params, graphdef, tokens):
+    def _trained_tokens(self, batch):
+        """The loss's normaliser: the trained targets of the whole global batch int32 [global_batch, seq + 1] (all of
+        them for token data; chat data: the unmasked ones, at least 1), so that every microbatch's and data-parallel
+        group's sum of token losses divided by it adds up to the step's mean loss per trained token."""
+        if self.cfg.data.format != "chat":
+            return jnp.float32(batch.shape[0] * (batch.shape[1] - 1))
+        return jnp.maximum(trained_targets(batch).sum(), 1.0)
+
+    def _loss(self, params, graphdef, words, trained_tokens):
+        """Sum of the trained next-token losses of ``words`` int32 [rows, seq + 1] (flagged token words) divided by
+        ``trained_tokens`` (the whole step's count, :meth:`_trained_tokens`)."""
         model = nnx.merge(graphdef, params)
+        chat = self.cfg.data.format == "chat"
+        tokens = words & TOKEN_BITS if chat else words
         inputs, segments = tokens[:, :-1], None
-        if self.cfg.data.document_mask:
+        if chat and self.cfg.data.pack:  # each packed example is a document of its own
+            segments = jnp.cumsum((words[:, :-1] & DOC_START) > 0, axis=1, dtype=jnp.int32)
+        elif self.cfg.data.document_mask:
             segments = document_segments(inputs, self.cfg.data.eos_id)
-        return cross_entropy(model(inputs, segments), tokens[:, 1:])
+        losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs, segments), tokens[:, 1:])
+        if chat:
+            losses = losses * trained_targets(words)
+        return losses.sum() / trained_tokens
 
     def _pipelined_loss(self, params, graphdef, batch):
         """Mean loss of the global batch through the pipeline (jaxtrain/pipeline.py), split into
@@ -77,6 +102,16 @@ class Step:
 
         return jax.vmap(share_loss, spmd_axis_name=self.layout.stage_axis)(shares, targets).sum() / k
 
+    def _pipelined_1f1b_loss(self, params, graphdef, batch):
+        """The mean loss of :meth:`_pipelined_loss` through the 1F1B schedule (jaxtrain/pipeline_1f1b.py): the same
+        microbatches, the loss computed inside the loop by the last stage, the gradients written by hand there."""
+        micro = self._microbatches(batch)
+        inputs, segments = micro[:, :, :-1], None
+        if self.cfg.data.document_mask:
+            segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
+        return pipeline_1f1b.pipelined_loss(nnx.merge(graphdef, params), inputs, micro[:, :, 1:], segments,
+                                            self.layout, cross_entropy)
+
     def _microbatches(self, batch):
         """batch [b, seq+1] -> [k, b/k, seq+1] (k = train.microbatches): microbatch i takes rows i, i+k, ..., so each
         device's block of rows splits evenly over the microbatches and no data moves between devices."""
@@ -97,7 +132,8 @@ class Step:
         the parameters inside the loop (the memory of a step without accumulation, the collectives k times).
         """
         k = self.cfg.train.microbatches
-        grad_fn = jax.value_and_grad(self._loss)
+        trained = self._trained_tokens(batch)  # each microbatch's loss is its share of the step's mean
+        grad_fn = jax.value_and_grad(lambda p, d, tokens: self._loss(p, d, tokens, trained))
         micro = self._microbatches(batch)
         lay = self.layout
         dp_axes, dp, mesh = lay.batch_axes, lay.data_parallel, lay.mesh
@@ -109,7 +145,7 @@ class Step:
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
 
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
-            return loss / k, jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
+            return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
         micro = micro.reshape(k, dp, lay.rows_per_group, -1)  # group g of a microbatch: rows of the g-th device block
         micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, PartitionSpec(None, dp_axes)))
@@ -136,19 +172,21 @@ class Step:
             return (carry[0] + loss, grads), None
 
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((dp,), jnp.float32), zeros), micro)
-        grads = jax.tree.map(lambda g, p: (g.sum(0) / (k * dp)).astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: g.sum(0).astype(p.dtype), grads, params)
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, s)),
                              grads, specs)
-        return loss.sum() / (k * dp), grads
+        return loss.sum(), grads
 
     def train_step(self, state, batch):
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
         train_state = nnx.merge(self.layout.graphdef, state)
         model_def, params = nnx.split(train_state.model, nnx.Param)
         if self.layout.stages > 1:
-            loss, grads = jax.value_and_grad(self._pipelined_loss)(params, model_def, batch)
+            one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
+            pipelined = self._pipelined_1f1b_loss if one_f_one_b else self._pipelined_loss
+            loss, grads = jax.value_and_grad(pipelined)(params, model_def, batch)
         elif self.cfg.train.microbatches == 1:
-            loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch)
+            loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch, self._trained_tokens(batch))
         else:
             loss, grads = self._accumulated_grads(params, model_def, batch)
         # A non-finite loss poisons the gradients, so that optax.apply_if_finite skips the step for either cause.
@@ -164,8 +202,9 @@ class Step:
     def eval_step(self, state, batch):
         """Mean loss on one batch, no update."""
         model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, nnx.Param)
-        loss = self._pipelined_loss if self.layout.stages > 1 else self._loss
-        return loss(params, model_def, batch)
+        if self.layout.stages > 1:
+            return self._pipelined_loss(params, model_def, batch)
+        return self._loss(params, model_def, batch, self._trained_tokens(batch))
 
     def compile(self, state=None, *, with_eval: bool = True):
         """Ahead-of-time compiled (train_step, eval_step or None) for this state (arrays, or ShapeDtypeStructs with

@@ -152,3 +152,33 @@ def import_dir(src, out, *overrides):
     cfg, hf_cfg, tensors = convert.hf_import_config(str(src), str(out), ["data.threads=0", *overrides])
     convert.import_hf(cfg, hf_cfg, tensors, str(src), str(out))
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat data (test_sft*): a small word-level tokenizer with a ChatML template, as a Hugging Face tokenizer directory
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_WORDS = ("system user assistant tool hello hi what is the answer to a question sky blue red green one two "
+              "three four five yes no maybe you are helpful bot please say colour of grass sun moon night day "
+              "good bad why how when where who").split()
+
+
+def make_chat_tokenizer(path, vocab_size=96):
+    """A word-level tokenizer.json (ids: [UNK] 0, <s> 1, </s> 2, <|im_start|> 3, <|im_end|> 4, then CHAT_WORDS and
+    punctuation) and a tokenizer_config.json with a ChatML chat_template, in the directory ``path``; returns it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    specials = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    vocab = {w: i for i, w in enumerate([*specials, *CHAT_WORDS, ".", ",", "?", "!"])}
+    assert len(vocab) <= vocab_size
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "pad_token": "</s>",
+                   "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+                   "model_max_length": 64}, f)
+    return str(path)
