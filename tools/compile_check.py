@@ -236,8 +236,20 @@ def _lower_grad(case: Case) -> str:
             return lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
+# jax_triton 0.3.1 sets TRITON_CACHE_DIR="" when it is imported (by a triton case in the same process), after which
+# triton.compile finds no cache directory ("Could not create or locate cache dir"): Pallas cases put back the value
+# the process started with.
+_START_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR")
+
+
 def _pallas_kernels(case: Case, workdir: str) -> list[dict]:
     import triton
+
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+        if _START_CACHE_DIR:
+            os.environ["TRITON_CACHE_DIR"] = _START_CACHE_DIR
+        else:
+            del os.environ["TRITON_CACHE_DIR"]
     from jax._src.pallas.triton import pallas_call_registration as registration
     from triton.backends.compiler import GPUTarget
 
