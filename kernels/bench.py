@@ -41,8 +41,10 @@ import numpy as np
 from kernels import flash_attention, mha_reference
 
 IMPLS = ("pallas", "triton", "xla", "cudnn", "jax_pallas")
-COLUMNS = ("impl", "dtype", "batch", "seq", "heads", "kv_heads", "head_dim", "causal", "status", "fwd_ms",
-           "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "max_err_fwd", "max_err_grad")
+COLUMNS = ("impl", "dtype", "batch", "seq", "heads", "kv_heads", "head_dim", "causal", "doc_mask", "status",
+           "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "fwd_vs_cudnn", "fwdbwd_vs_cudnn", "max_err_fwd",
+           "max_err_grad")
+DOC_MEAN = 1024  # mean document length of the document-masking shapes (lengths drawn uniformly in 1..2*DOC_MEAN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Shape:
     kv_heads: int
     head_dim: int
     causal: bool
+    doc_mask: bool = False  # causal attention within documents (segment ids): FLOPs still counted as causal
 
     def fwd_flops(self) -> float:
         flops = 4.0 * self.batch * self.seq * self.seq * self.heads * self.head_dim
@@ -66,14 +69,33 @@ def _has_gpu() -> bool:
         return False
 
 
+def segments(shape: Shape):
+    """int32 [batch, seq] document ids (lengths uniform in 1..2*DOC_MEAN, seeded), or None without doc_mask."""
+    if not shape.doc_mask:
+        return None
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(shape.batch):
+        lengths = rng.integers(1, 2 * DOC_MEAN + 1, size=shape.seq)
+        rows.append(np.repeat(np.arange(shape.seq), lengths)[:shape.seq])
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
 def attention_fn(impl: str, shape: Shape, interpret: bool):
     """(q, k, v) -> out for one implementation; raises if it cannot run here."""
+    seg = segments(shape)
     if impl == "pallas":
-        return functools.partial(flash_attention, causal=shape.causal, impl="pallas", interpret=interpret)
+        return functools.partial(flash_attention, causal=shape.causal, segment_ids=seg, impl="pallas",
+                                 interpret=interpret)
     if impl == "triton":
-        return functools.partial(flash_attention, causal=shape.causal, impl="triton")
+        return functools.partial(flash_attention, causal=shape.causal, segment_ids=seg, impl="triton")
     if impl in ("xla", "cudnn"):
-        return functools.partial(jax.nn.dot_product_attention, is_causal=shape.causal, implementation=impl)
+        # jax.nn.dot_product_attention takes no segment ids: documents become a boolean mask [batch, 1, seq, seq].
+        mask = None if seg is None else (seg[:, None, :, None] == seg[:, None, None, :])
+        return functools.partial(jax.nn.dot_product_attention, mask=mask, is_causal=shape.causal,
+                                 implementation=impl)
+    if shape.doc_mask:
+        raise ValueError(f"{impl} is not run with document masking")
     if impl == "jax_pallas":
         with warnings.catch_warnings():  # jax 0.11 deprecates this module in favour of tokamax
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -127,7 +149,7 @@ def _fwd_bwd(fn):
 def _reference(shape: Shape, dtype_name: str, with_grads: bool):
     """Float32 XLA reference of the same (rounded) inputs: out, and dq, dk, dv when asked."""
     q, k, v, do = (x.astype(jnp.float32) for x in make_inputs(shape, jnp.dtype(dtype_name)))
-    ref = functools.partial(mha_reference, causal=shape.causal)
+    ref = functools.partial(mha_reference, causal=shape.causal, segment_ids=segments(shape))
     if with_grads:
         return jax.device_get(_fwd_bwd(ref)(q, k, v, do))
     return (jax.device_get(jax.jit(ref)(q, k, v)),)
@@ -139,7 +161,8 @@ def _max_err(got, want) -> float:
 
 def bench_one(impl: str, shape: Shape, dtype, *, iters: int, interpret: bool, grad_check_max_seq: int) -> dict:
     row = dict(impl=impl, dtype=jnp.dtype(dtype).name, batch=shape.batch, seq=shape.seq, heads=shape.heads,
-               kv_heads=shape.kv_heads, head_dim=shape.head_dim, causal=shape.causal, status="ok")
+               kv_heads=shape.kv_heads, head_dim=shape.head_dim, causal=shape.causal, doc_mask=shape.doc_mask,
+               status="ok")
     try:
         fn = attention_fn(impl, shape, interpret)
         q, k, v, do = make_inputs(shape, dtype)
@@ -162,6 +185,15 @@ def bench_one(impl: str, shape: Shape, dtype, *, iters: int, interpret: bool, gr
         if os.environ.get("BENCH_TRACEBACKS"):
             traceback.print_exc()
     return row
+
+
+def _versus_cudnn(rows: list[dict]) -> None:
+    """Each row's TFLOP/s over cuDNN's for the same shape (rows: one shape's), where cuDNN ran."""
+    base = next((r for r in rows if r["impl"] == "cudnn" and r["status"] == "ok"), None)
+    for r in rows:
+        if base is not None and r["status"] == "ok":
+            r["fwd_vs_cudnn"] = r["fwd_tflops"] / base["fwd_tflops"]
+            r["fwdbwd_vs_cudnn"] = r["fwdbwd_tflops"] / base["fwdbwd_tflops"]
 
 
 def _fmt(value) -> str:
@@ -191,8 +223,8 @@ def write_reports(rows: list[dict], out_dir: str, header: str) -> tuple[str, str
 
 
 def print_table(rows: list[dict]) -> None:
-    cols = ("impl", "batch", "seq", "head_dim", "causal", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops",
-            "max_err_fwd", "max_err_grad", "status")
+    cols = ("impl", "batch", "seq", "head_dim", "kv_heads", "causal", "doc_mask", "fwd_ms", "fwd_tflops",
+            "fwdbwd_ms", "fwdbwd_tflops", "fwdbwd_vs_cudnn", "max_err_fwd", "max_err_grad", "status")
     table = [[_fmt(r.get(c)) for c in cols] for r in rows]
     table = [[cell if len(cell) <= 60 else cell[:57] + "..." for cell in line] for line in table]
     widths = [max(len(c), *(len(line[i]) for line in table)) if table else len(c) for i, c in enumerate(cols)]
@@ -241,7 +273,11 @@ def parse_args(argv):
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--tokens", type=int, default=None, help="tokens per batch, batch*seq (default 16384)")
     p.add_argument("--model-dim", type=int, default=None, help="heads = model_dim // head_dim (default 2048)")
-    p.add_argument("--kv-heads", type=int, default=None, help="default: heads (multi-head attention)")
+    p.add_argument("--kv-heads", type=int, default=None, help="kv heads of every shape (default: from --groups)")
+    p.add_argument("--groups", default="1", help="comma-separated GQA groups (query heads per kv head), e.g. 4,1,8")
+    p.add_argument("--masks", default=None, help="comma-separated causal (no segments), doc (causal within "
+                   "documents), full (no mask); default from --causal")
+    p.add_argument("--jsonl", default=None, help="append each row as a JSON line to this file once its shape is done")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per measurement (default 10)")
     p.add_argument("--grad-check-max-seq", type=int, default=4096,
                    help="compare gradients with the float32 reference up to this seq (its S x S memory grows)")
@@ -275,7 +311,11 @@ def main(argv=None) -> list[dict]:
     tokens = args.tokens or defaults["tokens"]
     model_dim = args.model_dim or defaults["model_dim"]
     iters = args.iters or defaults["iters"]
-    causals = {"both": (True, False), "true": (True,), "false": (False,)}[args.causal]
+    masks = (args.masks.split(",") if args.masks else
+             {"both": ["causal", "full"], "true": ["causal"], "false": ["full"]}[args.causal])
+    if set(masks) - {"causal", "doc", "full"}:
+        raise SystemExit(f"kernels.bench: --masks {args.masks!r} must be a comma-separated subset of causal,doc,full")
+    groups = [int(x) for x in args.groups.split(",")]
     impls = [x for x in args.impls.split(",") if x]
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
@@ -287,28 +327,44 @@ def main(argv=None) -> list[dict]:
               + (", SMOKE MODE (interpret, tiny sizes: timings are meaningless)" if args.smoke else ""))
     print(header, flush=True)
     start = time.perf_counter()
-    rows = []
+    rows: list[dict] = []
+    shapes = []
     for d in head_dims:
-        for causal in causals:
-            for s in seq_lens:
-                heads = max(1, model_dim // d)
-                shape = Shape(batch=max(1, tokens // s), seq=s, heads=heads, kv_heads=args.kv_heads or heads,
-                              head_dim=d, causal=causal)
-                for impl in impls:
-                    if time.perf_counter() - start > args.time_budget:
-                        row = dict(impl=impl, dtype="bfloat16", batch=shape.batch, seq=s, heads=shape.heads,
-                                   kv_heads=shape.kv_heads, head_dim=d, causal=causal,
-                                   status=f"skipped: --time-budget {args.time_budget:.0f}s spent")
-                    else:
-                        row = bench_one(impl, shape, dtype, iters=iters, interpret=interpret,
-                                        grad_check_max_seq=args.grad_check_max_seq)
-                    rows.append(row)
-                    # Rewritten after every row: a crash that takes the process down keeps what was measured.
-                    write_reports(rows, args.out, header)
-                    print(f"  {impl:<10} d={d:<4} causal={causal!s:<5} seq={s:<6} "
-                          f"{_fmt(row.get('fwd_ms'))} ms / {_fmt(row.get('fwdbwd_ms'))} ms  {row['status'][:100]}",
-                          flush=True)
-                _reference.cache_clear()  # free the S x S-sized reference before the next shape
+        heads = max(1, model_dim // d)
+        for group in groups:
+            for mask in masks:
+                for s in seq_lens:
+                    if heads % group == 0:
+                        shapes.append(Shape(batch=max(1, tokens // s), seq=s, heads=heads,
+                                            kv_heads=args.kv_heads or heads // group, head_dim=d,
+                                            causal=mask != "full", doc_mask=mask == "doc"))
+    for shape in shapes:
+        d, s = shape.head_dim, shape.seq
+        first = len(rows)
+        for impl in impls:
+            if time.perf_counter() - start > args.time_budget:
+                row = dict(impl=impl, dtype="bfloat16", batch=shape.batch, seq=s, heads=shape.heads,
+                           kv_heads=shape.kv_heads, head_dim=d, causal=shape.causal,
+                           doc_mask=shape.doc_mask, status=f"skipped: --time-budget {args.time_budget:.0f}s spent")
+            else:
+                row = bench_one(impl, shape, dtype, iters=iters, interpret=interpret,
+                                grad_check_max_seq=args.grad_check_max_seq)
+            rows.append(row)
+            # Rewritten after every row: a crash that takes the process down keeps what was measured.
+            write_reports(rows, args.out, header)
+            print(f"  {impl:<10} d={d:<4} g={shape.heads // shape.kv_heads} causal={shape.causal!s:<5} "
+                  f"doc={shape.doc_mask!s:<5} seq={s:<6} "
+                  f"{_fmt(row.get('fwd_ms'))} ms / {_fmt(row.get('fwdbwd_ms'))} ms  {row['status'][:100]}",
+                  flush=True)
+        _versus_cudnn(rows[first:])
+        write_reports(rows, args.out, header)
+        if args.jsonl:
+            import json
+
+            with open(args.jsonl, "a") as f:
+                for row in rows[first:]:
+                    f.write(json.dumps(dict(section="bench", **row)) + "\n")
+        _reference.cache_clear()  # free the S x S-sized reference before the next shape
     print()
     print_table(rows)
     csv_path, md_path = write_reports(rows, args.out, header)
