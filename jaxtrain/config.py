@@ -212,8 +212,8 @@ class DistConfig:
 @dataclass
 class CheckConfig:
     # `python -m jaxtrain check`: collective bandwidth and per-device matmul health check.
-    # Message sizes per device; None: [0.25, 4, 16] MiB on CPU, [16, 256, 1024] MiB on GPU (1 GiB: the size of
-    # one LLM layer's collectives, where a GPU link reaches its bus bandwidth).
+    # Message sizes per device; None: [0.25, 4, 16] MiB on CPU; on GPU the one size an axis's link is judged at
+    # (1 ms at the link's rate, rounded up to a power of two: NVLink 4 512 MiB, 400 Gb/s NIC 64 MiB).
     sizes_mb: list | None = None
     iters: int = 5  # timed repetitions of each collective and matmul
     matmul_size: int | None = None  # None: 1024 (float32) on CPU, 8192 (bfloat16) on GPU

@@ -100,6 +100,7 @@ class AxisBuffer:
         fill = jax.shard_map(lambda: jnp.full(self.count, jax.lax.axis_index(axis) + 1, jnp.float32), mesh=mesh,
                              in_specs=(), out_specs=self.spec, check_vma=False)
         self.x = jax.jit(fill)()
+        self.programs: dict = {}  # (op, size) -> (collective, value check), jitted
 
     def measure(self, op: str, size_bytes: int, iters: int, sync: bool = True) -> Measurement:
         """``op`` over the axis with ``size_bytes`` per device: values checked on the devices, then ``iters`` timed
@@ -107,10 +108,13 @@ class AxisBuffer:
         the others)."""
         n, axis, spec = self.n, self.axis, self.spec
         count_in, count_out = _counts(op, n, size_bytes)
-        f = jax.jit(jax.shard_map(_collective(op, axis, count_in), mesh=self.mesh, in_specs=spec, out_specs=spec,
-                                  check_vma=False))
-        ok = jax.jit(jax.shard_map(lambda y: jnp.all(y == _expected(op, n, count_out))[None], mesh=self.mesh,
-                                   in_specs=spec, out_specs=spec, check_vma=False))
+        if (op, size_bytes) not in self.programs:  # compiled once: the re-runs of a wrong result reuse them
+            self.programs[op, size_bytes] = (
+                jax.jit(jax.shard_map(_collective(op, axis, count_in), mesh=self.mesh, in_specs=spec, out_specs=spec,
+                                      check_vma=False)),
+                jax.jit(jax.shard_map(lambda y: jnp.all(y == _expected(op, n, count_out))[None], mesh=self.mesh,
+                                      in_specs=spec, out_specs=spec, check_vma=False)))
+        f, ok = self.programs[op, size_bytes]
         flags = ok(f(self.x))
         correct = all(bool(np.asarray(s.data)[0]) for s in flags.addressable_shards)
         if sync:
@@ -275,11 +279,12 @@ def _any_process(flag: bool) -> bool:
 
 
 def default_sizes(gpu: bool, link_rate: float | None) -> list[int]:
-    """Message sizes in bytes when check.sizes_mb is unset: CPU 0.25/4/16 MiB; GPU 1 MiB (the latency regime) and
-    the size the link's bound is judged at (256 MiB for a link no hardware file describes)."""
+    """Message sizes in bytes when check.sizes_mb is unset: CPU 0.25/4/16 MiB; GPU only the size the link's bound
+    is judged at (256 MiB for a link no hardware file describes): each size costs two compiles per collective, and
+    compiles, not transfers, are the check's time on GPUs (docs/health-check.md)."""
     if not gpu:
         return [2**18, 2**22, 2**24]
-    return [2**20, judged_size_bytes(link_rate) if link_rate else 2**28]
+    return [judged_size_bytes(link_rate) if link_rate else 2**28]
 
 
 def run(cfg: Config) -> Decision:

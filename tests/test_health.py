@@ -134,7 +134,7 @@ def test_buffers_are_sized_by_the_link_the_bound_is_judged_on():
     assert judged_size_bytes(450e9) == 512 * 2**20  # NVLink 4 (h100-8x, h200-8x)
     assert judged_size_bytes(50e9) == 64 * 2**20  # NDR 400 Gb/s per GPU
     assert judged_size_bytes(900e9) == 1024 * 2**20  # NVLink 5 (b200-8x)
-    assert health.default_sizes(True, 50e9) == [2**20, 64 * 2**20]
+    assert health.default_sizes(True, 50e9) == [64 * 2**20] and health.default_sizes(True, None) == [256 * 2**20]
     # At 8 GPUs: fsdp=8 over NVLink and data over the NIC, 5 iterations, 1 s per compile: time is compiles.
     h100 = hardware.load_hardware("h100-8x")
     axes = [(8, h100.intra_node_bandwidth, health.default_sizes(True, h100.intra_node_bandwidth)),
