@@ -1,4 +1,4 @@
-"""Training data: token sources, shards and mixtures (:mod:`.tokens`), ``prepare`` (:mod:`.prepare`) and chat
+"""Training data: token sources, shards and mixtures (:mod:`.tokens`), ``prepare`` (:mod:`.corpus`) and chat
 data for supervised fine-tuning (:mod:`.chat`). ``from jaxtrain import data`` then ``data.train_batches`` etc.:
 the names are loaded on first use, so that config validation (:mod:`.checks`) imports neither Grain nor NumPy."""
 
@@ -10,7 +10,7 @@ _HOMES = {
     "tokens": ("EOS", "DOC_START", "NO_LOSS", "TOKEN_BITS", "INDEX", "Tokens", "Mixture", "Stream", "Windows", "Rows",
                "embedded_corpus", "synthetic_tokens", "check_token_ids", "load_source", "read_index",
                "tokenizer_json", "file_sha256", "train_batches", "eval_batches"),
-    "prepare": ("prepare",),
+    "corpus": ("prepare",),
     "chat": ("ChatTokenizer", "load_chat", "pack", "read_examples"),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}

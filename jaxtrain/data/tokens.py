@@ -84,7 +84,9 @@ class Stream:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("a Stream takes step-1 slices only")
         a, b, _ = key.indices(len(self))
-        return Stream(self.paths, self.dtypes, self.lengths, self.start + a, self.start + max(a, b))
+        view = Stream(self.paths, self.dtypes, self.lengths, self.start + a, self.start + max(a, b))
+        view._maps = self._maps  # views share the open shards: a window's read opens at most the shards it spans
+        return view
 
     def __array__(self, dtype=None, copy=None):
         lo, hi = self.start, self.stop

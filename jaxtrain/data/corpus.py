@@ -108,6 +108,7 @@ def _parquet_blocks(path: str, text_field: str):
 def _init_worker(tokenizer: str | None) -> None:
     global _tok
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: the processes are the parallelism
+    _tok = None
     if tokenizer is not None:
         from tokenizers import Tokenizer
 
