@@ -33,6 +33,6 @@ def test_a_spent_budget_skips_every_section_and_records_it(tmp_path):
     assert [r["section"] for r in lines] == ["setup", "step-auto", "step-triton", "step-pallas", "kernel-tests",
                                              "bench", "step-xla", "train-xla", "train-pallas"]
     assert lines[0]["status"] == "ok" and lines[0]["gpu_verdict"]  # the env report rides on the set-up line
-    assert lines[2]["status"] == "skipped: needs a GPU"
-    assert all(r["status"] == "skipped" for r in lines[1:2] + lines[3:]), lines
+    smoke_only = {"step-triton", "step-pallas", "step-xla"}  # not run in --smoke at all
+    assert all(r["status"] == ("skipped: --smoke" if r["section"] in smoke_only else "skipped") for r in lines[1:])
     assert "0 section(s) failed" in proc.stdout
