@@ -154,3 +154,10 @@ def test_the_values_check_on_the_devices_catches_a_wrong_result(op):
     buffer.x = buffer.x.at[3 * buffer.count].add(1.0)  # the last device's first element off by one
     assert not buffer.measure(op, 2**16, iters=1, sync=False).correct
     assert not buffer.measure(op, 2**12, iters=1, sync=False).correct
+
+
+@pytest.mark.parametrize("key", ["bound_misfit_fraction", "max_exclude_fraction"])
+def test_verdict_shares_are_validated_once_at_config_time(make_config, key):
+    with pytest.raises(ConfigError, match=rf"^check\.{key}=1\.5 must be in \[0, 1\]$"):
+        make_config(f"check.{key}=1.5")
+    assert getattr(make_config(f"check.{key}=1").check, key) == 1.0
