@@ -58,11 +58,16 @@ def tokenizer_source(meta: dict) -> str | None:
     if "hf" in meta:  # an import: its own tokenizer files, if it came with any
         tok_dir = meta["hf"].get("tokenizer_dir")
         return os.path.join(tok_dir, "tokenizer.json") if tok_dir else None
-    source = (meta.get("config") or {}).get("data", {}).get("source", "embedded")
+    data = (meta.get("config") or {}).get("data", {})
+    if data.get("tokenizer"):  # the model's tokenizer, named for chat data or shards (jaxtrain/data)
+        tok = data["tokenizer"]
+        return os.path.join(tok, "tokenizer.json") if os.path.isdir(tok) else tok
+    source = data.get("source", "embedded")
     if source == "embedded":
         return "bytes"
-    if source != "synthetic" and os.path.isfile(source + ".json"):
-        with open(source + ".json") as f:
+    sidecar = os.path.join(source, "index.json") if os.path.isdir(source) else source + ".json"  # shards / one file
+    if source != "synthetic" and os.path.isfile(sidecar):
+        with open(sidecar) as f:
             return json.load(f).get("tokenizer", "bytes")
     return None
 
