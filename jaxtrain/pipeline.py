@@ -192,8 +192,25 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     iteration. The remat policy applies to each stage's chunk as a whole: a pass through a stage keeps its input
     (and what the policy saves).
     """
-    stages, virtual, stage_axis = layout.stages, layout.cfg.train.virtual_stages, layout.stage_axis
     graphdef, stacked = nnx.split(model.blocks)
+    chunks = stack_chunks(stacked, layout)
+    stage_fn = chunk_function(graphdef, layout)
+
+    def embed(tokens):
+        with nnx.logical_axis_rules(layout.local_rules):
+            return model.embed_tokens(tokens)
+
+    policy = REMAT_POLICIES[model.cfg.remat] if model.cfg.remat != "none" else None
+    return circular(stage_fn, chunks, tokens, segment_ids, stages=layout.stages,
+                    virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
+                    batch_axes=layout.batch_axes, embed=embed, remat_policy=policy)
+
+
+def stack_chunks(stacked: Any, layout) -> Any:
+    """The layer stack's state (leaves [L, ...], logical ``layers`` split over stages) -> the schedule's chunks,
+    leaves [virtual, stages, L / (stages * virtual), ...] split over the stage axis on dim 1 and gathered over the
+    batch axes (once per step, before the loop; the gradients are summed over them once, where they leave it)."""
+    stages, virtual, stage_axis = layout.stages, layout.cfg.train.virtual_stages, layout.stage_axis
 
     def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
         # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual, stages,
@@ -204,20 +221,21 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
         return jax.lax.with_sharding_constraint(arrange_chunks(a, stages, virtual, stage_axis), chunk_spec(spec))
 
     specs = nnx.get_partition_spec(stacked)
-    chunks = jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
+    return jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
 
-    # Inside the loop each device holds its own rows: the batch axes are the loop's, not the partitioner's.
+
+def chunk_function(graphdef, layout, remat: str = "none") -> Callable[[Any, jax.Array, Any], jax.Array]:
+    """stage_fn(chunk state, h [rows, seq, embed], segment ids [rows, seq] or None) -> h: the layers of one chunk
+    (``graphdef``: one layer of the stack) as a scan, under the layout's local rules (the batch axes belong to the
+    schedule's loop). ``remat`` other than "none": each layer under that ``jax.checkpoint`` policy."""
+    def body(h, layer_state, segments):
+        return nnx.merge(graphdef, layer_state)(h, segments), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+
     def stage_fn(chunk, h, segments):
-        def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, segments), None
-
         with nnx.logical_axis_rules(layout.local_rules):
-            return jax.lax.scan(body, h, chunk)[0]
+            return jax.lax.scan(lambda h, layer: body(h, layer, segments), h, chunk)[0]
 
-    def embed(tokens):
-        with nnx.logical_axis_rules(layout.local_rules):
-            return model.embed_tokens(tokens)
-
-    policy = REMAT_POLICIES[model.cfg.remat] if model.cfg.remat != "none" else None
-    return circular(stage_fn, chunks, tokens, segment_ids, stages=stages, virtual=virtual, stage_axis=stage_axis,
-                    batch_axes=layout.batch_axes, embed=embed, remat_policy=policy)
+    return stage_fn

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from helpers import FAST
-from jaxtrain import loop, pipeline
+from jaxtrain import loop, pipeline, pipeline_1f1b
 from jaxtrain import step as step_lib
 from jaxtrain.config import MESH_AXES, ConfigError, load_config
 from jaxtrain.planner.collectives import stated_collectives
@@ -195,10 +195,12 @@ def test_bubble_fraction_values():
 
 PIPELINE = ["model.n_layers=8", "train.microbatches=4"]
 LAYOUTS = {
-    "stage2xfsdp4-v2": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"],
+    # The interleaved 1F1B schedule (jaxtrain/pipeline_1f1b.py); GPipe's run of this layout is in the slow pass.
+    "stage2xfsdp4-v2 1f1b": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2",
+                             "train.pipeline_schedule=1f1b"],
     "stage4xtensor2-v1": ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"],
 }
-TRAINED = "stage2xfsdp4-v2"  # the layout the default suite also trains
+TRAINED = "stage2xfsdp4-v2 1f1b"  # the layout the default suite also trains
 
 
 def _stage_shift(shape, pairs: np.ndarray) -> set[int]:
@@ -241,13 +243,20 @@ def test_compiled_step_permutes_only_along_stage_once_per_iteration(compiled, la
         assert group_span(ts.layout.shape, c.groups)[2] == ["stage"], (c.op_name, c.groups.tolist())
 
     stages, virtual, m = ts.layout.stages, cfg.train.virtual_stages, cfg.train.microbatches
-    iterations = m * virtual + stages - 1
     # The ring step: inside the schedule's loop (executed once per iteration), every device to its next stage in
-    # the forward pass, to its previous one in the backward (the transpose); per device one microbatch's
-    # activations [rows per device, seq, embed].
+    # the forward pass, to its previous one in the backward; per device one microbatch's activations (or their
+    # cotangents) [rows per device, seq, embed]. GPipe: the backward is the forward loop's transpose; 1F1B: both
+    # rings in the one loop, each permute once per iteration.
     ring = [c for c in permutes if c.count > 1]
-    forward = [c for c in ring if "transpose(" not in c.op_name]
-    backward = [c for c in ring if "transpose(" in c.op_name]
+    if cfg.train.pipeline_schedule == "1f1b":
+        iterations = pipeline_1f1b.iterations(stages, m, virtual)
+        forward = [c for c in ring if "forward_ring" in c.op_name]
+        backward = [c for c in ring if "backward_ring" in c.op_name]
+        assert len(forward) + len(backward) == len(ring), [c.op_name for c in ring]
+    else:
+        iterations = m * virtual + stages - 1
+        forward = [c for c in ring if "transpose(" not in c.op_name]
+        backward = [c for c in ring if "transpose(" in c.op_name]
     assert sum(c.count for c in forward) == iterations, [(c.op_name, c.count) for c in forward]
     assert sum(c.count for c in backward) == iterations, [(c.op_name, c.count) for c in backward]
     assert all(_stage_shift(ts.layout.shape, c.groups) == {1} for c in forward)
@@ -357,14 +366,16 @@ def test_pipelined_losses_match_single_device(reference, trained):
     _assert_matches(trained[0], reference)
 
 
+ONE_F_ONE_B = ["train.pipeline_schedule=1f1b"]
 SLOW_LAYOUTS = {
+    "stage2xfsdp4-v2": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"],
     "stage2xfsdp4-v1": ["mesh.ici.stage=2", "mesh.ici.fsdp=4"],
     "stage4xtensor2-v1": LAYOUTS["stage4xtensor2-v1"],
     "stage4xtensor2-v2": [*LAYOUTS["stage4xtensor2-v1"], "train.virtual_stages=2"],
     "stage2xdata2xtensor2-v1": ["mesh.ici.stage=2", "mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"],
     "stage2xdata2xtensor2-v2": ["mesh.ici.stage=2", "mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.tensor=2",
                                 "train.virtual_stages=2"],
-    "stage2xfsdp4-v2 remat=full": [*LAYOUTS["stage2xfsdp4-v2"], "model.remat=full"],
+    "stage2xfsdp4-v2 remat=full": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2", "model.remat=full"],
     # Stages across (emulated) nodes: the ring's permutes cross the network, as they would on a cluster.
     "dcn stage2 x ici fsdp4-v2": ["mesh.dcn.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"],
 }
@@ -376,15 +387,28 @@ def test_more_pipelined_layouts_match_single_device(reference, tmp_path, layout)
     _assert_matches(_run(SLOW_LAYOUTS[layout], tmp_path / "run", 8), reference)
 
 
+# With the default suite's stage2xfsdp4-v2 and the document-mask run (stage2 x data2 x tensor2, V=2): stages 2 and 4,
+# fsdp, tensor and data, V = 1 and 2, remat full and none.
+SLOW_1F1B_LAYOUTS = ["stage4xtensor2-v2", "stage2xdata2xtensor2-v1", "stage2xfsdp4-v2 remat=full"]
+
+
 @pytest.mark.slow
-def test_pipelined_document_mask_matches_single_device(reference, tmp_path):
+@pytest.mark.parametrize("layout", SLOW_1F1B_LAYOUTS)
+def test_more_1f1b_layouts_match_single_device(reference, tmp_path, layout):
+    _assert_matches(_run([*SLOW_LAYOUTS[layout], *ONE_F_ONE_B], tmp_path / "run", 8), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_document_mask_matches_single_device(reference, tmp_path, schedule):
     # Segment ids travel with their microbatch through the schedule (the side input); a wrong one changes the mask.
     # Documents cut at every newline: the byte corpus's own separator (0) ends a document only every ~6000 bytes,
     # too rarely for 8 steps of 32-token windows to meet one.
     masked = ["data.document_mask=true", "data.eos_id=10"]
     want = _run([*masked, "mesh.ici.fsdp=1"], tmp_path / "ref", 1)
     assert np.abs(want[0] / reference[0] - 1).max() > 1e-3  # the mask matters to these losses
-    _assert_matches(_run([*masked, *SLOW_LAYOUTS["stage2xdata2xtensor2-v2"]], tmp_path / "run", 8), want)
+    _assert_matches(_run([*masked, *SLOW_LAYOUTS["stage2xdata2xtensor2-v2"], f"train.pipeline_schedule={schedule}"],
+                         tmp_path / "run", 8), want)
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 checkpoint written with stages resumes without them or with another stage count, and two processes that are the two
 stages (mesh.dcn.stage=2) train like one device."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -27,6 +29,27 @@ def test_checkpoint_from_two_stages_resumes_on_one_and_on_four(tmp_path):
                        ("four", ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"])]:
         first = loop.train(cfg(name, "train.steps=4", *two_stages), devices=jax.devices()[:8])
         assert sorted(first.losses) == [1, 2, 3, 4]
+        resumed = loop.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
+        assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
+        np.testing.assert_allclose([resumed.losses[s] for s in range(5, 9)], [full.losses[s] for s in range(5, 9)],
+                                   rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.slow
+def test_1f1b_checkpoint_resumes_under_gpipe_and_without_a_pipeline(tmp_path):
+    """The 1F1B schedule stores the layer stack as GPipe and no pipeline do (its chunks exist inside the step only):
+    4 steps with it resume on GPipe (4 stages x tensor 2) and on fsdp 8, each as the uninterrupted GPipe run."""
+    def cfg(run, *extra):
+        return load_config(None, [f"run.dir={tmp_path / run}", *PIPE, "checkpoint.every=4", *extra])
+
+    gpipe = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"]
+    full = loop.train(cfg("full", "train.steps=8", *gpipe), devices=jax.devices()[:8])
+    first = loop.train(cfg("1f1b", "train.steps=4", *gpipe, "train.pipeline_schedule=1f1b"), devices=jax.devices()[:8])
+    np.testing.assert_allclose([first.losses[s] for s in range(1, 5)], [full.losses[s] for s in range(1, 5)],
+                               rtol=1e-4)
+    for name, mesh in [("gpipe", ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"]),
+                       ("none", ["mesh.ici.stage=1", "mesh.ici.fsdp=8"])]:
+        shutil.copytree(tmp_path / "1f1b", tmp_path / name)
         resumed = loop.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
         assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
         np.testing.assert_allclose([resumed.losses[s] for s in range(5, 9)], [full.losses[s] for s in range(5, 9)],

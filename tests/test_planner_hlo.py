@@ -154,6 +154,32 @@ def test_golden_pipeline_ring_permutes_per_iteration():
     assert unknown == []
 
 
+def test_golden_1f1b_rings_both_ways_in_one_loop():
+    """Stage 4 x fsdp 2, 8 microbatches, train.pipeline_schedule=1f1b: both rings run in the one loop of
+    M + 2 S - 2 = 14 iterations (no transposed loop), the activations one stage on and their cotangents one stage
+    back, each one microbatch's bfloat16 [rows, seq, embed] per device; along the stage axis only, nothing else
+    permuted, and no all-to-all (the last stage computes the loss inside the loop)."""
+    name = "stage4fsdp2-mb8-1f1b-bf16"
+    cfg, _, colls, unknown = golden(name)
+    t, m = cfg.train, cfg.model
+    iterations = t.microbatches + 2 * 4 - 2
+    microbatch = t.global_batch // t.microbatches // 2 * cfg.data.seq_len * m.d_model * 2
+    permutes = [c for c in colls if c.kind == "collective-permute"]
+    assert [(c.bytes, c.count) for c in permutes] == [(microbatch, iterations)] * 2
+    sizes = tuple(INDEX[name]["mesh_sizes"])
+    assert sizes == (1, 4, 2, 1)
+    shifts = set()
+    for c in permutes:  # each pair: the same data and fsdp coordinates, the stage one on (+1) or one back (-1)
+        src, dst = np.unravel_index(c.groups[:, 0], sizes), np.unravel_index(c.groups[:, 1], sizes)
+        assert (src[0] == dst[0]).all() and (src[2] == dst[2]).all() and len(c.groups) == 8
+        shift = set(((dst[1] - src[1]) % 4).tolist())
+        assert len(shift) == 1
+        shifts |= shift
+    assert shifts == {1, 3}  # one ring each way
+    assert not [c for c in colls if c.kind == "all-to-all"]
+    assert unknown == []
+
+
 def test_mesh_sizes_name_every_axis():
     with pytest.raises(ValueError, match="must give the size of each of"):
         passes.collectives(LOOP_HLO, (2, 1, 1))

@@ -58,6 +58,8 @@ TRITON_CAUSAL = ("tests/test_flash_attention.py::test_triton_kernels_in_triton_i
                  "[float32-b2-s50-h4-kv2-d64-causalTrue-packed]")
 
 PIPE_SCHEDULE = "tests/test_pipeline.py::test_circular_schedule_matches_sequential_layers"
+PIPE_1F1B = "tests/test_pipeline_1f1b.py::test_timetable_moves_each_item_one_stage_per_iteration"
+PIPE_1F1B_TOY = "tests/test_pipeline_1f1b.py::test_toy_stack_loss_and_gradients_match_numpy_float64"
 
 MUTANTS = [
     # -- config --------------------------------------------------------------------------------------------------
@@ -196,6 +198,21 @@ MUTANTS = [
            "t.microbatches >= stages and t.microbatches % stages == 0", "t.microbatches >= 1",
            ("tests/test_cli.py::test_bad_input_exits_2_with_one_line",),
            "fewer microbatches than stages (or not a multiple) reach the step and fail inside XLA"),
+    Mutant("1f1b-one-slot-short", "pipeline", "jaxtrain/pipeline_1f1b.py",
+           "return min(2 * stages * virtual - 1, microbatches * virtual)",
+           "return min(2 * stages * virtual - 2, microbatches * virtual)",
+           (PIPE_1F1B, PIPE_1F1B_TOY), "the saved-input buffer one slot short: stage 0's oldest input overwritten"),
+    Mutant("1f1b-cotangent-ring-forwards", "pipeline", "jaxtrain/pipeline_1f1b.py",
+           "backward_ring = [((i + 1) % s_n, i) for i in range(s_n)]",
+           "backward_ring = [(i, (i + 1) % s_n) for i in range(s_n)]",
+           (PIPE_1F1B_TOY,), "cotangents sent on to the next stage instead of back to the previous one"),
+    Mutant("1f1b-embedding-grad-every-pass", "pipeline", "jaxtrain/pipeline_1f1b.py",
+           "b_ok & (me == 0) & (v_b == 0), embed_grad", "b_ok & (me == 0), embed_grad",
+           (PIPE_1F1B_TOY,), "stage 0's input cotangent of every pass, not only the first, reaches the embedding"),
+    Mutant("1f1b-grads-summed-over-groups", "pipeline", "jaxtrain/pipeline_1f1b.py",
+           "d_chunks = jax.tree.map(lambda g: (jax.lax.psum(g, batch_axes) if batch_axes else g)[:, None] / groups,",
+           "d_chunks = jax.tree.map(lambda g: (jax.lax.psum(g, batch_axes) if batch_axes else g)[:, None],",
+           (PIPE_1F1B_TOY,), "layer gradients summed, not averaged, over the data-parallel groups"),
     Mutant("accumulate-modes-swapped", "train", "jaxtrain/step.py",
            'if self.cfg.train.accumulate == "sharded" or not dp_axes:',
            'if self.cfg.train.accumulate == "unreduced" or not dp_axes:',

@@ -7,9 +7,12 @@ memory-bound optimizer update.
 
 With pipeline stages (mesh axis ``stage`` > 1) the step runs ``M * V + S - 1`` iterations (M microbatches, V virtual
 stages, S stages) of which each stage works in ``M * V``: the compute time is divided by (1 - bubble fraction),
-bubble ``(S - 1) / (M * V + S - 1)`` (``jaxtrain.pipeline``). The pipeline's own traffic (the ring's collective
-permutes, once per iteration in the forward and the backward loop, the weight exchange of interleaving, the
-all-to-all that hands out the outputs) is read from the HLO like every other collective.
+bubble ``(S - 1) / (M * V + S - 1)`` (``jaxtrain.pipeline``). The 1F1B schedule (``train.pipeline_schedule=1f1b``)
+has the same bubble (its stages skip the half of an iteration they have no work for) and recomputes each pass's
+forward in its backward: one more forward, a third of the model FLOPs (:func:`pipeline_recompute`). The pipeline's
+own traffic (the ring's collective permutes, once per iteration in the forward and the backward loop, the weight
+exchange of interleaving, the all-to-all that hands out the outputs) is read from the HLO like every other
+collective.
 """
 
 from __future__ import annotations
@@ -79,6 +82,12 @@ def remat_factor(cfg: Config) -> float:
     return 1.0
 
 
+def pipeline_recompute(cfg: Config, shape: MeshShape) -> float:
+    """Hardware FLOPs the pipeline schedule adds, over model FLOPs: 1F1B's backward recomputes each pass from its
+    saved stage input (one forward, 1/3 of forward + backward); 0 for GPipe and without a pipeline."""
+    return 1 / 3 if shape.axis_sizes["stage"] > 1 and cfg.train.pipeline_schedule == "1f1b" else 0.0
+
+
 def optimizer_bytes_moved(params_bytes: float, opt_bytes: float) -> float:
     """Bytes the AdamW update reads and writes per device: gradients, parameters and moments in, the three out."""
     return 2 * (params_bytes + opt_bytes) + params_bytes
@@ -121,9 +130,11 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
              opt_bytes: float) -> tuple[Estimate, list[dict]]:
     """Step-time estimate of one mesh, and its collectives summarised by (kind, axes), most bytes first.
 
-    compute = model FLOPs per device x remat factor / (peak x efficiency) / (1 - pipeline bubble)."""
+    compute = model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency) / (1 -
+    pipeline bubble)."""
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
+    recompute = remat_factor(cfg) + pipeline_recompute(cfg, shape)
+    flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * recompute
     bubble = pipeline_schedule(cfg, shape)[3]
     compute_s = flops / (hw.peak_flops * hw.compute_efficiency) / (1 - bubble)
     ici_bytes = dcn_bytes = ici_latency = dcn_latency = permute_ici = permute_dcn = 0.0

@@ -141,6 +141,10 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         notes.append(f"bubble: share of a pipeline stage's iterations spent idle, (S-1)/(M V + S-1) for S stages, "
                      f"M = {cfg.train.microbatches} microbatches, V = {cfg.train.virtual_stages} virtual stages; "
                      "compute is divided by 1 - bubble. The pipeline's permutes are in the in-node / x-node bytes.")
+    if any(r.get("schedule") == "1f1b" for r in result["candidates"]):
+        notes.append("1f1b: the 1F1B schedule (train.pipeline_schedule=1f1b, planned too where GPipe does not fit): "
+                     "stage inputs bounded by the stages, the same bubble, compute x (remat + 1/3) for the forward "
+                     "each backward recomputes.")
     if short:
         notes.append(f"{SHORT_LABELS} (the full names do not fit in {WIDTH} columns; --json has them).")
     if result["pruned"]:

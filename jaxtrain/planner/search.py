@@ -7,12 +7,13 @@ sizes and costed for every split.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxtrain import pipeline
+from jaxtrain import pipeline, pipeline_1f1b
 from jaxtrain.config import MESH_AXES, Config, check_divisibility
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
@@ -166,9 +167,11 @@ def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled
     by_kind = {k: 0 for k in KINDS}
     for c in comp.collectives:
         by_kind[c.kind] += c.total_bytes
+    one_f_one_b = stages > 1 and cfg.train.pipeline_schedule == "1f1b"
     return {
         "mesh": shape.as_dict(),
-        "label": shape.label,
+        "label": shape.label + (" 1f1b" if one_f_one_b else ""),
+        "schedule": cfg.train.pipeline_schedule if stages > 1 else None,
         "memory_bytes_per_device": comp.memory_bytes,
         "memory": {"params": comp.params_bytes, "optimizer": comp.opt_bytes, "temp": comp.temp_bytes,
                    "usable": hw.usable_bytes},
@@ -187,7 +190,8 @@ def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled
         "bubble_fraction": bubble,
         "microbatches": micro,
         "virtual_stages": virtual,
-        "pipeline": {"stages": stages, "iterations": pipeline.iterations(stages, micro, virtual) if stages > 1 else 0,
+        "pipeline": {"stages": stages, "iterations": 0 if stages == 1 else
+                     (pipeline_1f1b if one_f_one_b else pipeline).iterations(stages, micro, virtual),
                      "permute_bytes_per_device": {"intra_node": est.permute_ici_bytes,
                                                   "inter_node": est.permute_dcn_bytes},
                      "temp_bytes_per_stage": comp.temp_bytes * (shape.num_devices // stages)},
@@ -228,4 +232,14 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
         sizes_text = " ".join(f"{ax}={n}" for ax, n in group[0].axis_sizes.items())
         progress(f"[{i}/{len(by_sizes)}] {sizes_text}: compiled in {time.perf_counter() - t0:.1f} s")
         results += [candidate_result(cfg, s, hw, comp) for s in group]
+        if group[0].axis_sizes["stage"] > 1 and cfg.train.pipeline_schedule == "gpipe" and \
+                comp.memory_bytes > hw.usable_bytes:
+            # GPipe keeps every microbatch's stage inputs: where that does not fit, plan the 1F1B schedule too,
+            # whose stage inputs are bounded by the stages (the ranking then puts it first if it fits).
+            one_f_one_b = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pipeline_schedule="1f1b"))
+            t0 = time.perf_counter()
+            comp = _compile(_step(one_f_one_b, group[0], devices))
+            progress(f"[{i}/{len(by_sizes)}] {sizes_text} 1f1b (GPipe does not fit): compiled in "
+                     f"{time.perf_counter() - t0:.1f} s")
+            results += [candidate_result(one_f_one_b, s, hw, comp) for s in group]
     return {"candidates": rank(results), "pruned": pruned}

@@ -57,6 +57,9 @@ GOLDENS = {
     "tensor8-bf16": ["mesh.ici.tensor=8", "mesh.ici.fsdp=1", "model.n_kv_heads=8", "model.dtype=bfloat16"],
     # Pipeline: 2 stages x fsdp 4, 4 microbatches (5 iterations), bfloat16 activations round the ring.
     "stage2fsdp4-mb4-bf16": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.microbatches=4", "model.dtype=bfloat16"],
+    # The 1F1B schedule: 4 stages x fsdp 2, 8 microbatches (8 + 2 * 4 - 2 = 14 iterations), both rings in one loop.
+    "stage4fsdp2-mb8-1f1b-bf16": ["mesh.ici.stage=4", "mesh.ici.fsdp=2", "train.microbatches=8",
+                                  "model.dtype=bfloat16", "train.pipeline_schedule=1f1b"],
 }
 
 
