@@ -82,11 +82,19 @@ def _collective(op: str, axis: str, count_in: int):
     return lambda x: ops[op](x[:count_in])
 
 
-def _expected(op: str, n: int, count_out: int):
-    """What every device must hold after ``op`` on inputs ``axis index + 1`` (a traced [count_out] float32)."""
-    if op in ("all-reduce", "reduce-scatter"):
-        return jnp.full(count_out, n * (n + 1) / 2, jnp.float32)
-    return (jnp.arange(count_out) // (count_out // n) + 1).astype(jnp.float32)  # block j came from device j
+BLOCKS = ("all-gather", "all-to-all")  # results made of blocks j = j + 1; the others hold the sum everywhere
+
+
+def _values_ok(n: int):
+    """Per-device body for shard_map: whether ``y`` ([count] float32) is what every device must hold after a
+    collective on inputs ``axis index + 1``: block j (of n) equal to j + 1 when ``blocks`` (a traced bool, so that
+    one compiled program serves every collective whose result has this shape), else n(n+1)/2 everywhere."""
+
+    def body(y, blocks):
+        pattern = (jnp.arange(y.shape[0]) // max(1, y.shape[0] // n) + 1).astype(jnp.float32)
+        return jnp.all(y == jnp.where(blocks, pattern, n * (n + 1) / 2))[None]
+
+    return body
 
 
 class AxisBuffer:
@@ -100,7 +108,10 @@ class AxisBuffer:
         fill = jax.shard_map(lambda: jnp.full(self.count, jax.lax.axis_index(axis) + 1, jnp.float32), mesh=mesh,
                              in_specs=(), out_specs=self.spec, check_vma=False)
         self.x = jax.jit(fill)()
-        self.programs: dict = {}  # (op, size) -> (collective, value check), jitted
+        self.programs: dict = {}  # (op, size) -> the collective, jitted
+        # One value check for all: compiled once per result shape (all-reduce, all-gather and all-to-all share one).
+        self.values_ok = jax.jit(jax.shard_map(_values_ok(self.n), mesh=mesh, in_specs=(self.spec, P()),
+                                               out_specs=self.spec, check_vma=False))
 
     def measure(self, op: str, size_bytes: int, iters: int, sync: bool = True) -> Measurement:
         """``op`` over the axis with ``size_bytes`` per device: values checked on the devices, then ``iters`` timed
@@ -108,14 +119,11 @@ class AxisBuffer:
         the others)."""
         n, axis, spec = self.n, self.axis, self.spec
         count_in, count_out = _counts(op, n, size_bytes)
-        if (op, size_bytes) not in self.programs:  # compiled once: the re-runs of a wrong result reuse them
-            self.programs[op, size_bytes] = (
-                jax.jit(jax.shard_map(_collective(op, axis, count_in), mesh=self.mesh, in_specs=spec, out_specs=spec,
-                                      check_vma=False)),
-                jax.jit(jax.shard_map(lambda y: jnp.all(y == _expected(op, n, count_out))[None], mesh=self.mesh,
-                                      in_specs=spec, out_specs=spec, check_vma=False)))
-        f, ok = self.programs[op, size_bytes]
-        flags = ok(f(self.x))
+        if (op, size_bytes) not in self.programs:  # compiled once: the re-runs of a wrong result reuse it
+            self.programs[op, size_bytes] = jax.jit(jax.shard_map(
+                _collective(op, axis, count_in), mesh=self.mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        f = self.programs[op, size_bytes]
+        flags = self.values_ok(f(self.x), jnp.bool_(op in BLOCKS))
         correct = all(bool(np.asarray(s.data)[0]) for s in flags.addressable_shards)
         if sync:
             multihost_utils.sync_global_devices(f"check {axis} {op} {size_bytes}")
@@ -280,8 +288,8 @@ def _any_process(flag: bool) -> bool:
 
 def default_sizes(gpu: bool, link_rate: float | None) -> list[int]:
     """Message sizes in bytes when check.sizes_mb is unset: CPU 0.25/4/16 MiB; GPU only the size the link's bound
-    is judged at (256 MiB for a link no hardware file describes): each size costs two compiles per collective, and
-    compiles, not transfers, are the check's time on GPUs (docs/health-check.md)."""
+    is judged at (256 MiB for a link no hardware file describes): each size costs 6 compiles per axis, and compiles,
+    not transfers, are the check's time on GPUs (docs/health-check.md)."""
     if not gpu:
         return [2**18, 2**22, 2**24]
     return [judged_size_bytes(link_rate) if link_rate else 2**28]

@@ -125,14 +125,14 @@ BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (
 def estimate_seconds(axes: list[tuple[int, float, list[int]]], iters: int, compile_s: float,
                      matmul_size: int, peak_flops: float, devices_per_process: int) -> float:
     """The check's time on one node, from sizes and rates alone: ``axes`` are (devices along the axis, link rate in
-    bytes/s, message sizes in bytes). Each (axis, collective, size) costs two compiles (the collective and its value
-    check, ``compile_s`` each: an assumption) plus a checked run and ``iters`` timed runs at the link's rate; each of
-    a process's devices runs ``iters`` x 3 rounds + 1 matmuls of ``matmul_size`` at ``peak_flops``. Not counted:
-    start-up, NCCL's communicator set-up per device group, the host's float64 matmul reference, sub-checks."""
+    bytes/s, message sizes in bytes). Each (axis, size) compiles 6 programs (``compile_s`` each, an assumption):
+    the 4 collectives and the value check for its 2 result shapes; each collective runs once checked and ``iters``
+    times timed at the link's rate. Each of a process's devices runs ``iters`` x 3 rounds + 1 matmuls of
+    ``matmul_size`` at ``peak_flops``. Not counted: start-up, NCCL's communicator set-up per device group, the host's
+    float64 matmul reference, sub-checks."""
     total = 0.0
     for n, rate, sizes in axes:
-        for factor in BUS_FACTOR.values():
-            for size in sizes:
-                total += 2 * compile_s + (1 + iters) * size * factor(n) / rate
+        for size in sizes:
+            total += 6 * compile_s + sum((1 + iters) * size * factor(n) / rate for factor in BUS_FACTOR.values())
     total += devices_per_process * (3 * iters + 1) * 2 * matmul_size**3 / peak_flops
     return total
