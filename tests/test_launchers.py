@@ -182,13 +182,14 @@ def _stub(directory, name, body):
     path.chmod(0o755)
 
 
-def _run_sbatch_with_stubs(tmp_path, extra_env, *args, srun_rc=0):
+def _run_sbatch_with_stubs(tmp_path, extra_env, *args, srun_rc=0, srun_says=""):
     """launch/slurm.sbatch run by bash on this host, with srun/scontrol/scancel/sbatch replaced by stubs that record
-    their command lines (one per line) and exit: srun's `check` step 0, its other steps `srun_rc`."""
+    their command lines (one per line) and exit: srun's `check` step 0, its other steps print `srun_says` on stderr
+    and exit `srun_rc`."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     _stub(bin_dir, "srun", f'printf "srun %s\\n" "$*" >> {calls}\n'
-          f'[[ " $* " == *" check "* ]] && exit 0\nexit {srun_rc}')
+          f'[[ " $* " == *" check "* ]] && exit 0\nprintf "{srun_says}" >&2\nexit {srun_rc}')
     for name in ("scontrol", "scancel", "sbatch"):
         _stub(bin_dir, name, f'printf "{name} %s\\n" "$*" >> {calls}')
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": REPO, "SLURM_JOB_ID": "7",
@@ -223,12 +224,20 @@ def test_sbatch_gives_the_container_to_every_srun_step_and_runs_on_the_host(tmp_
     assert proc.returncode == 0 and len(calls) == 2 and not any("--container" in c for c in calls), calls
 
 
-@pytest.mark.parametrize("srun_rc, requeued", [(0, False), (75, True), (1, False)])
-def test_sbatch_requeues_a_run_that_stopped_early(tmp_path, srun_rc, requeued):
+KILLED_AFTER_75 = ("srun: error: n1: task 0: Exited with exit code 75\\n"
+                   "srun: launch/slurm: _step_signal: Terminating StepId=7.0\\nsrun: error: n1: task 1: Terminated\\n")
+
+
+@pytest.mark.parametrize("srun_rc, says, status, requeued", [
+    (0, "", 0, False), (75, "", 75, True), (1, "", 1, False),
+    # Task 0 exited 75 first and --kill-on-bad-exit terminated task 1: srun returns 143 (as Slurm 22.05 does).
+    (143, KILLED_AFTER_75, 75, True)])
+def test_sbatch_requeues_a_run_that_stopped_early(tmp_path, srun_rc, says, status, requeued):
     """Exit 75 (stopped by a signal before train.steps, checkpoint saved) requeues the job even when the signal
     went to the tasks only (Slurm's preemption without send_user_signal); 0 (finished) and failures do not."""
-    proc, calls = _run_sbatch_with_stubs(tmp_path, {"JAXTRAIN_CHECK": "0"}, "train", srun_rc=srun_rc)
-    assert proc.returncode == srun_rc, proc.stderr
+    proc, calls = _run_sbatch_with_stubs(tmp_path, {"JAXTRAIN_CHECK": "0"}, "train", srun_rc=srun_rc,
+                                         srun_says=says)
+    assert proc.returncode == status, proc.stderr
     assert ("scontrol requeue 7" in calls) == requeued, calls
 
 

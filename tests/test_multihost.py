@@ -320,6 +320,24 @@ exec {real} "${{args[@]}}"
 
 
 @pytest.mark.slow
+def test_real_slurm_sees_exit_75_when_srun_kills_the_later_tasks(slurm, tmp_path):
+    """Two tasks stop early (exit 75) 3 s apart: --kill-on-bad-exit terminates the second on the first's 75 and srun
+    returns 143; the script still knows the run stopped early (requeue path, job exit 75)."""
+    stub = tmp_path / "python"
+    stub.write_text("#!/usr/bin/env bash\nsleep $((SLURM_PROCID * 3 + 1)); exit 75\n")
+    stub.chmod(0o755)
+    out = tmp_path / "job.out"
+    submit, job = sbatch(slurm | {"PYTHON": str(stub), "JAXTRAIN_CHECK": "0", "JAXTRAIN_METRICS_PORT": "off",
+                                  "JAXTRAIN_NO_REQUEUE": "1"}, "-N1", "--ntasks-per-node=2", f"--output={out}",
+                         os.path.join(REPO, "launch/slurm.sbatch"), "train", timeout=300)
+    log = out.read_text()
+    assert submit.returncode == 75, submit.stderr + log[-3000:]
+    assert "task 1: Terminated" in log  # srun did kill the later task (otherwise this test shows nothing)
+    assert "stopped for preemption or the time limit (step exit 143); not requeueing (JAXTRAIN_NO_REQUEUE=1)" in log
+    assert "ExitCode=75:0" in job_state(slurm, job)
+
+
+@pytest.mark.slow
 def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
     """A job in partition `low` is preempted by one in `high`: Slurm signals the batch shell
     (preempt_send_user_signal), jaxtrain checkpoints at an agreed step and exits 75, the job is requeued, and the
