@@ -198,15 +198,12 @@ class DistConfig:
     coordinator: str | None = None  # host:port of process 0's coordination service
     num_processes: int | None = None  # processes in the job (one per node, or one per GPU)
     process_id: int | None = None  # this process's index, 0 .. num_processes - 1
-    # How long to wait for every process to join; None: JAX's default (300 s in jax 0.10.2 and 0.11.2), which leaves
-    # room for nodes that start their container minutes apart. The error names the processes that never joined.
-    init_timeout_s: int | None = None
-    heartbeat_timeout_s: int | None = None  # a process silent this long is declared dead; None: JAX's default (100 s)
+    init_timeout_s: int | None = None  # seconds for every process to join (names the missing); None: JAX's 300
+    heartbeat_timeout_s: int | None = None  # a process silent this long is declared dead; None: JAX's default, 100
     # GPU ordinals (after CUDA_VISIBLE_DEVICES) this process drives; None: JAX_LOCAL_DEVICE_IDS, else derived from
     # Slurm's task layout, else all (see jaxtrain.distributed; `python -m jaxtrain env` shows the result).
     local_device_ids: list | None = None
-    # host:port process 0's coordinator listens on; None: JAX_COORDINATOR_BIND_ADDRESS, else [::]:<port> (all)
-    bind_address: str | None = None
+    bind_address: str | None = None  # process 0 listens here (host:port); None: JAX_COORDINATOR_BIND_ADDRESS, [::]
 
 
 @dataclass
@@ -401,9 +398,8 @@ def validate(cfg: Config) -> None:
         _positive("dist.num_processes", dist.num_processes)
         _require(0 <= dist.process_id < dist.num_processes,
                  f"dist.process_id={dist.process_id} must be in [0, dist.num_processes={dist.num_processes})")
-    for key in ("init_timeout_s", "heartbeat_timeout_s"):
-        if getattr(dist, key) is not None:  # None: JAX's own default
-            _positive(f"dist.{key}", getattr(dist, key))
+    for key in ("init_timeout_s", "heartbeat_timeout_s"):  # None: JAX's own default
+        _require(getattr(dist, key) is None or getattr(dist, key) > 0, f"dist.{key}={getattr(dist, key)} must be > 0")
     if dist.local_device_ids is not None:
         ids = dist.local_device_ids
         _require(bool(ids) and all(isinstance(i, int) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
