@@ -4,7 +4,7 @@ microbatch counts of a fixed microbatch size (``--rows`` sequences, so the globa
 microbatches). Prints a Markdown table; asserts nothing.
 
     python benchmarks/pipeline_bench.py [--steps N] [--warmup N] [--microbatches 4 16 64] [--rows 8]
-        [--stages 4] [--schedules gpipe 1f1b] [key=value ...]
+        [--stages 4] [--schedules gpipe 1f1b] [--virtual 1 2] [key=value ...]
 
 Stage 1 is plain FSDP over 8 devices with the same microbatches accumulated (train.accumulate as configured), so
 each row of one microbatch count does the same arithmetic on the same global batch. Every row compiles the real
@@ -76,10 +76,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rows", type=int, default=8, help="sequences per microbatch")
     parser.add_argument("--stages", type=int, nargs="+", default=[4])
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
+    parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2], help="train.virtual_stages values")
     parser.add_argument("overrides", nargs="*", help="extra config overrides, key=value")
     args = parser.parse_args(argv)
     runs = [(1, m, 1, "gpipe") for m in args.microbatches]
-    runs += [(s, m, v, sched) for s in args.stages for v in (1, 2) for sched in args.schedules
+    runs += [(s, m, v, sched) for s in args.stages for v in args.virtual for sched in args.schedules
              for m in args.microbatches]
     load_before, t_start = os.getloadavg(), time.perf_counter()
     rows = []

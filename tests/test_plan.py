@@ -358,3 +358,33 @@ def test_table_fits_120_columns_with_the_longest_mesh_label(pipelined):
                      for w in longest.split())
     assert f"1  {short} " in text or f"2  {short} " in text
     assert report.SHORT_LABELS in text
+
+
+def test_1f1b_rows_add_one_forward_and_keep_the_bubble(pipelined):
+    """The cost model of train.pipeline_schedule=1f1b on the same compile: compute x (1 + 1/3) for the forward each
+    backward recomputes (remat none), GPipe's bubble, the 1F1B loop's iterations, the row marked as 1F1B."""
+    from jaxtrain import pipeline_1f1b
+
+    cfg, comp = pipelined
+    one_f_one_b = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pipeline_schedule="1f1b"))
+    shape, hw = MeshShape.resolve(cfg.mesh, 8), small_hardware(1e12)
+    gpipe, row = search.candidate_result(cfg, shape, hw, comp), search.candidate_result(one_f_one_b, shape, hw, comp)
+    assert row["time"]["compute"] == pytest.approx(gpipe["time"]["compute"] * 4 / 3)
+    assert row["bubble_fraction"] == gpipe["bubble_fraction"] == pytest.approx(1 / 9)
+    assert row["pipeline"]["iterations"] == pipeline_1f1b.iterations(2, 4, 2) == 8 + 3 * 2 - 2
+    assert (row["schedule"], gpipe["schedule"]) == ("1f1b", "gpipe") and row["label"] == gpipe["label"] + " 1f1b"
+    assert cost.pipeline_recompute(one_f_one_b, MeshShape.resolve(tiny().mesh, 8)) == 0.0  # no stages: no pipeline
+
+
+@pytest.mark.slow
+def test_plan_adds_1f1b_where_gpipe_does_not_fit():
+    """Stage 4 x fsdp 2, 16 microbatches of one sequence per device: GPipe's compiled step needs more than the
+    hardware's memory, so the plan compiles the 1F1B schedule too, which fits and ranks first."""
+    cfg = tiny("mesh.ici.stage=4", "mesh.ici.fsdp=2", "train.microbatches=16", "train.global_batch=32",
+               "data.seq_len=64")
+    shape = MeshShape.resolve(cfg.mesh, 8)
+    result = search.plan(cfg, [shape], small_hardware(12e6), jax.devices()[:8])
+    rows = result["candidates"]
+    assert [r["schedule"] for r in rows] == ["1f1b", "gpipe"]
+    assert rows[0]["fits"] and not rows[1]["fits"]
+    assert rows[0]["memory"]["temp"] < rows[1]["memory"]["temp"] / 4
