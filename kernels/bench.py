@@ -1,9 +1,9 @@
 """Benchmark flash attention: ``python -m kernels.bench [--out DIR] [--smoke]``.
 
 For bfloat16, head dims 64 and 128, GQA groups (--groups: query heads per kv head), masks (--masks: causal
-without segments, causal within documents of random lengths (mean DOC_MEAN), none) and sequence lengths 1k..16k at
-a constant number of tokens per batch (batch = tokens // seq), the shipped models' head dim and group first, it
-times forward and forward+backward of each implementation, reports TFLOP/s
+without segments, causal within documents of random lengths (mean DOC_MEAN, or seq/4 if less), none) and
+sequence lengths 1k..16k at a constant number of tokens per batch (batch = tokens // seq), the shipped models'
+head dim and group first, it times forward and forward+backward of each implementation, reports TFLOP/s
 (forward 4·B·S²·H·D, halved when causal; backward 2.5x forward, so forward+backward is 3.5x) and the largest error
 against a float32 XLA reference (largest absolute difference of the output, and of dq, dk, dv up to
 --grad-check-max-seq). Implementations:
@@ -75,13 +75,15 @@ def _has_gpu() -> bool:
 
 
 def segments(shape: Shape):
-    """int32 [batch, seq] document ids (lengths uniform in 1..2*DOC_MEAN, seeded), or None without doc_mask."""
+    """int32 [batch, seq] document ids (lengths uniform in 1..2*mean, mean DOC_MEAN or seq/4 if less: several
+    documents per row at any seq; seeded), or None without doc_mask."""
     if not shape.doc_mask:
         return None
     rng = np.random.default_rng(0)
+    mean = max(1, min(DOC_MEAN, shape.seq // 4))
     rows = []
     for _ in range(shape.batch):
-        lengths = rng.integers(1, 2 * DOC_MEAN + 1, size=shape.seq)
+        lengths = rng.integers(1, 2 * mean + 1, size=shape.seq)
         rows.append(np.repeat(np.arange(shape.seq), lengths)[:shape.seq])
     return jnp.asarray(np.stack(rows), jnp.int32)
 
