@@ -380,8 +380,9 @@ def validate(cfg: Config) -> None:
     _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
     _not_negative("data.threads", d.threads)
     _not_negative("data.prefetch", d.prefetch)
-    from jaxtrain.data.checks import check_data_config  # mixture and chat rules (docs/data.md)
+    from jaxtrain.data.checks import check_chat_attention, check_data_config  # mixture and chat (docs/data.md)
     check_data_config(d)
+    check_chat_attention(cfg)
 
     c = cfg.checkpoint
     _not_negative("checkpoint.every", c.every, " (0: only at the last step)")

@@ -74,7 +74,7 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     if attention == "auto":
         attention = "xla"
         if platform == "gpu" and dtype != "float32" and shards == 1:
-            if not cfg.data.document_mask:
+            if not (cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)):  # packed chat: segments
                 attention = "cudnn"
             elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton

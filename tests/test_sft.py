@@ -224,3 +224,15 @@ def test_step_loss_is_per_trained_token_of_the_whole_step_across_microbatches(tm
         ts1, state1, _ = random_model(tmp_path / "m", *chat, "train.global_batch=2", seed=5)
         micro_means.append(_numpy_loss(ts1, state1, sub)[0])
     assert abs(np.mean(micro_means) - losses[2]) > 1e-3
+
+
+def test_chat_with_pipeline_stages_or_cudnn_packing_exits_before_training(tmp_path, chat):
+    from jaxtrain import loop
+
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", *chat, "mesh.ici.stage=2", "mesh.ici.fsdp=1",
+                             "mesh.ici.data=4", "train.microbatches=2", "train.global_batch=8"])
+    with pytest.raises(ConfigError, match="not yet supported with pipeline stages"):
+        loop.train(cfg)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="cudnn cannot keep packed chat examples apart"):
+        load_config(None, [*chat, "model.attention=cudnn"])

@@ -35,6 +35,13 @@ def check_data_config(d) -> None:
         raise ConfigError(f"data.format=chat needs data.source to be a .jsonl of conversations, not {d.source!r}")
 
 
+def check_chat_attention(cfg) -> None:
+    """Packed chat examples are separate documents: an attention that takes no segment ids cannot train them."""
+    if cfg.data.format == "chat" and cfg.data.pack and cfg.model.attention == "cudnn":
+        raise ConfigError("model.attention=cudnn cannot keep packed chat examples apart (it takes no segment ids); "
+                          "use data.pack=false, or model.attention pallas, triton or xla")
+
+
 def _check_source(spec: str, name: str, chat: bool, existing_file) -> None:
     if any(ch in spec for ch in "*?[") and not os.path.exists(spec):
         if not any(os.path.isfile(f) for f in glob.glob(spec)):
