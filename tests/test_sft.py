@@ -171,7 +171,7 @@ def chat(tmp_path, tok_dir):
     return ["data.format=chat", f"data.tokenizer={tok_dir}", f"data.source={src}", f"data.seq_len={SEQ}"]
 
 
-@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("pack", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_masked_tokens_no_trained_token_sees_change_nothing(tmp_path, chat, pack):
     """Packed: a prompt-only document after example A (as a cut example leaves) is changed entirely; padded: the
     padding after A. Neither is trained nor visible to A's trained tokens (a prompt token A's answer attends to

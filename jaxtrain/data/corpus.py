@@ -314,7 +314,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, *, text_f
             else:
                 os.environ["TOKENIZERS_PARALLELISM"] = old
     else:
-        with multiprocessing.get_context("fork").Pool(workers, _init_worker, (tok_file,)) as pool:
+        # fork: cheap, and `python -m jaxtrain` (whose __main__ spawn would rerun) has no threads yet; a process
+        # that already runs JAX's threads (a test, a notebook) spawns instead, since forking it may deadlock.
+        context = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
+        with context.Pool(workers, _init_worker, (tok_file,)) as pool:
             pending: collections.deque = collections.deque()
             for job in sized(jobs):
                 pending.append(pool.apply_async(_encode, (job,)))
