@@ -17,6 +17,7 @@ high bits of each token word (:data:`jaxtrain.data.tokens.NO_LOSS`, ``DOC_START`
 
 from __future__ import annotations
 
+import datetime
 import glob
 import json
 import os
@@ -94,7 +95,9 @@ class ChatTokenizer:
 
 
 def _compile(template: str):
-    """The template in the environment of transformers' ``_cached_compile_jinja_template``."""
+    """The template in the environment of transformers' ``_cached_compile_jinja_template`` (5.24): the sandbox, its
+    options and extensions, ``tojson``, ``raise_exception`` and ``strftime_now`` (transformers also swaps in
+    stricter ``dict``/``namespace`` objects; Jinja's own behave the same for templates that render)."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -108,6 +111,7 @@ def _compile(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3.x templates call it
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
