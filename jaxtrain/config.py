@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxtrain import locations
+from jaxtrain.data.checks import check_data_config
 from jaxtrain.errors import ConfigError
 from jaxtrain.schema import build, dotted_keys, find_yaml, load_yaml, set_dotted, unknown_key
 
@@ -129,9 +130,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # "embedded" (CPython's docs, byte-level), "synthetic", a token file (.bin raw memmap of `token_dtype`, or .npy),
-    # a directory of `prepare` shards or a glob of token files; format=chat: .jsonl conversations (docs/data.md).
-    source: str = "embedded"
+    source: str = "embedded"  # embedded | synthetic | .bin/.npy file | shard dir | glob | chat .jsonl (docs/data.md)
     mixture: Any = field(default_factory=list)  # instead of source: [{source: PATH, weight: W}, ...] drawn by weight
     format: Literal["tokens", "chat"] = "tokens"  # chat: supervised fine-tuning on `messages` .jsonl, loss-masked
     tokenizer: str | None = None  # the model's tokenizer.json (or its dir): renders chat, checks shards' index
@@ -327,7 +326,7 @@ def _not_negative(name: str, value: float, note: str = "") -> None:
 def validate(cfg: Config) -> None:
     """Check ranges and cross-field constraints; raise :class:`ConfigError` naming the first bad value."""
 
-    m, t, d = cfg.model, cfg.train, cfg.data
+    m, t = cfg.model, cfg.train
     _require(bool(cfg.run.dir), "run.dir must not be empty")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
         _positive(f"model.{name}", getattr(m, name))
@@ -376,13 +375,7 @@ def validate(cfg: Config) -> None:
     _require(t.global_batch % t.microbatches == 0,
              f"train.global_batch={t.global_batch} is not divisible by train.microbatches={t.microbatches}")
 
-    _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
-    _require(0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)")
-    _not_negative("data.threads", d.threads)
-    _not_negative("data.prefetch", d.prefetch)
-    from jaxtrain.data.checks import check_chat_attention, check_data_config  # mixture and chat (docs/data.md)
-    check_data_config(d)
-    check_chat_attention(cfg)
+    check_data_config(cfg)  # data.*: ranges, mixture, chat (jaxtrain/data/checks.py, docs/data.md)
 
     c = cfg.checkpoint
     _not_negative("checkpoint.every", c.every, " (0: only at the last step)")

@@ -9,9 +9,21 @@ import os
 from jaxtrain.errors import ConfigError
 
 
-def check_data_config(d) -> None:
-    """``data.mixture`` (a list of {source, weight > 0}, exclusive with data.source) and ``data.format=chat``'s
-    needs; ConfigError naming the bad value."""
+def check_data_config(cfg) -> None:
+    """The data section of a Config: ranges, ``data.mixture`` (a list of {source, weight > 0}, exclusive with
+    data.source) and ``data.format=chat``'s needs; ConfigError naming the first bad value."""
+    d = cfg.data
+    for ok, msg in ((d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2"),
+                    (0 < d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction} must be in (0, 1)"),
+                    (d.threads >= 0, f"data.threads={d.threads} must be >= 0"),
+                    (d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0")):
+        if not ok:
+            raise ConfigError(msg)
+    _check_mixture_and_chat(d)
+    check_chat_attention(cfg)
+
+
+def _check_mixture_and_chat(d) -> None:
     if not isinstance(d.mixture, list):
         raise ConfigError(f"data.mixture={d.mixture!r} must be a list of {{source: PATH, weight: W}}")
     for i, m in enumerate(d.mixture):
@@ -52,8 +64,8 @@ def _check_source(spec: str, name: str, chat: bool, existing_file) -> None:
         existing_file(spec, f"{name} file")
     else:
         if not spec.endswith((".bin", ".npy")):
-            raise ConfigError(f"{name}={spec!r} must be 'embedded', 'synthetic', a .bin/.npy token file, a directory "
-                              "of shards or a glob")
+            raise ConfigError(f"{name}={spec!r} must be 'embedded', 'synthetic' or a .bin/.npy token file (or a "
+                              "directory of shards, a glob)")
         existing_file(spec, f"{name} file")
 
 
