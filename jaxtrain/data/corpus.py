@@ -317,14 +317,27 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, *, text_f
         # fork: cheap, and `python -m jaxtrain` (whose __main__ spawn would rerun) has no threads yet; a process
         # that already runs JAX's threads (a test, a notebook) spawns instead, since forking it may deadlock.
         context = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
-        with context.Pool(workers, _init_worker, (tok_file,)) as pool:
-            pending: collections.deque = collections.deque()
+        pool = context.Pool(workers, _init_worker, (tok_file,))
+        pending: collections.deque = collections.deque()
+        error = None
+        try:
             for job in sized(jobs):
                 pending.append(pool.apply_async(_encode, (job,)))
                 if len(pending) >= 2 * workers:  # bounded: never more than two blocks per worker in flight
                     take(_get(pending.popleft()))
             while pending:
                 take(_get(pending.popleft()))
+        except ConfigError as e:
+            error = e
+        finally:
+            pool.terminate()
+            pool.join()
+        if error is not None:
+            # Raised once the pool is gone (no frame of the traceback holds it), so that its semaphores are freed
+            # now and the one-line error stays the last line (no resource_tracker warning at exit).
+            pending.clear()
+            del pool
+            raise error.with_traceback(None)
     bar.update(0, 0, final=True)
     listed = shards.finish()
     meta = {"format": "jaxtrain-tokens/1", "dtype": dtype, "vocab_size": vocab,
