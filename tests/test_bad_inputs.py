@@ -99,7 +99,7 @@ FAST = {
     "resume path a file": ([*T, "checkpoint.resume=a_file"], "checkpoint.resume='a_file' is a file"),
     "init_from a file": ([*T, "checkpoint.init_from=a_file"], "checkpoint.init_from='a_file' is a file"),
     "init_from missing": ([*T, "checkpoint.init_from=missing_dir"], "is a directory that does not exist"),
-    "data source a directory": ([*T, "data.source=dir.bin"], "data.source file 'dir.bin' is a directory, not a file"),
+    "data source a directory": ([*T, "data.source=dir.bin"], "data.source 'dir.bin' is a directory without an index.json"),
     "data source wrong suffix": ([*T, "data.source=notes.txt"], "data.source='notes.txt' must be 'embedded'"),
     "run.dir a file": (["train", "run.dir=a_file"], "run.dir='a_file' is a file, not a directory"),
     "run.dir under a file": (["train", "run.dir=a_file/run"], "run.dir='a_file/run' cannot be created"),
