@@ -19,37 +19,26 @@ PIPE = ["model.dtype=float32", "model.param_dtype=float32", "model.n_layers=8", 
 
 
 @pytest.mark.slow
-def test_checkpoint_from_two_stages_resumes_on_one_and_on_four(tmp_path):
+def test_checkpoints_cross_schedules_and_stage_counts(tmp_path):
+    """A checkpoint stores the layer stack in model order whatever wrote it (the 1F1B schedule's chunks exist inside
+    the step only): 4 steps on 2 stages, by GPipe or by 1F1B, resume under the other schedule on 4 stages (x tensor
+    2) and without a pipeline (fsdp 8), each with the uninterrupted GPipe run's next losses."""
     def cfg(run, *extra):
         return load_config(None, [f"run.dir={tmp_path / run}", *PIPE, "checkpoint.every=4", *extra])
 
     two_stages = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"]
+    four_stages = ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"]
+    one_f_one_b = "train.pipeline_schedule=1f1b"
     full = loop.train(cfg("full", "train.steps=8", *two_stages), devices=jax.devices()[:8])
-    for name, mesh in [("one", ["mesh.ici.stage=1", "mesh.ici.fsdp=8"]),
-                       ("four", ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"])]:
-        first = loop.train(cfg(name, "train.steps=4", *two_stages), devices=jax.devices()[:8])
-        assert sorted(first.losses) == [1, 2, 3, 4]
-        resumed = loop.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
-        assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
-        np.testing.assert_allclose([resumed.losses[s] for s in range(5, 9)], [full.losses[s] for s in range(5, 9)],
-                                   rtol=1e-4, err_msg=name)
-
-
-@pytest.mark.slow
-def test_1f1b_checkpoint_resumes_under_gpipe_and_without_a_pipeline(tmp_path):
-    """The 1F1B schedule stores the layer stack as GPipe and no pipeline do (its chunks exist inside the step only):
-    4 steps with it resume on GPipe (4 stages x tensor 2) and on fsdp 8, each as the uninterrupted GPipe run."""
-    def cfg(run, *extra):
-        return load_config(None, [f"run.dir={tmp_path / run}", *PIPE, "checkpoint.every=4", *extra])
-
-    gpipe = ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2"]
-    full = loop.train(cfg("full", "train.steps=8", *gpipe), devices=jax.devices()[:8])
-    first = loop.train(cfg("1f1b", "train.steps=4", *gpipe, "train.pipeline_schedule=1f1b"), devices=jax.devices()[:8])
+    first = loop.train(cfg("1f1b", "train.steps=4", *two_stages, one_f_one_b), devices=jax.devices()[:8])
     np.testing.assert_allclose([first.losses[s] for s in range(1, 5)], [full.losses[s] for s in range(1, 5)],
                                rtol=1e-4)
-    for name, mesh in [("gpipe", ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"]),
-                       ("none", ["mesh.ici.stage=1", "mesh.ici.fsdp=8"])]:
-        shutil.copytree(tmp_path / "1f1b", tmp_path / name)
+    gpipe = loop.train(cfg("gpipe", "train.steps=4", *two_stages), devices=jax.devices()[:8])
+    assert sorted(gpipe.losses) == [1, 2, 3, 4]
+    for name, written_by, mesh in [("1f1b-to-gpipe4", "1f1b", four_stages),
+                                   ("1f1b-to-none", "1f1b", ["mesh.ici.stage=1", "mesh.ici.fsdp=8"]),
+                                   ("gpipe-to-1f1b4", "gpipe", [*four_stages, one_f_one_b])]:
+        shutil.copytree(tmp_path / written_by, tmp_path / name)
         resumed = loop.train(cfg(name, "train.steps=8", *mesh), devices=jax.devices()[:8])
         assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
         np.testing.assert_allclose([resumed.losses[s] for s in range(5, 9)], [full.losses[s] for s in range(5, 9)],
