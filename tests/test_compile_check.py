@@ -117,29 +117,28 @@ def test_list_prints_the_cases_without_a_toolchain(capsys):
     assert lines[1] == "pallas bfloat16 d32 causal b2 s4093 h16/4 (matrix)"
 
 
-@needs_toolchain
-def test_the_1b_training_call_compiles_on_the_even_path_with_one_dkdv_program_per_group():
-    proc = run_check(TOOLCHAIN, "--json", "--jobs", "2", "--cases", "triton:1b,pallas:1b")
+def _three_kernels_of_each_impl(cases: str) -> list[dict]:
+    """The compile check's rows for ``cases`` (one Pallas and one Triton case), after checking that it passed and
+    compiled the forward, dq and dk/dv kernels of each."""
+    proc = run_check(TOOLCHAIN, "--json", "--jobs", "2", "--cases", cases)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["rows"]
     assert sorted((r["impl"], r["kernel"]) for r in rows) == [
         ("pallas", "dkdv"), ("pallas", "dq"), ("pallas", "fwd"), ("triton", "dkdv"), ("triton", "dq"),
         ("triton", "fwd")]
-    for r in rows:
+    return rows
+
+
+@needs_toolchain
+def test_the_1b_training_call_compiles_on_the_even_path_with_one_dkdv_program_per_group():
+    for r in _three_kernels_of_each_impl("triton:1b,pallas:1b"):
         assert r["case"] == "1b" and r["even"] is True and r["group"] == 4 and not r["problems"], r
         assert r.get("splits", 1) == 1 and r["wgmma"] > 0 and r["spill_bytes"] == 0, r
 
 
 @needs_toolchain
 def test_sixteen_bit_kernels_of_both_impls_pass():
-    proc = run_check(TOOLCHAIN, "--json", "--jobs", "2", "--cases",
-                     "pallas:bfloat16:128:causal:seg,triton:float16:64:full:noseg")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)["rows"]
-    assert sorted((r["impl"], r["kernel"]) for r in rows) == [
-        ("pallas", "dkdv"), ("pallas", "dq"), ("pallas", "fwd"), ("triton", "dkdv"), ("triton", "dq"),
-        ("triton", "fwd")]
-    for r in rows:
+    for r in _three_kernels_of_each_impl("pallas:bfloat16:128:causal:seg,triton:float16:64:full:noseg"):
         assert not r["problems"], r
         assert r["wgmma"] > 0 and r["spill_bytes"] == 0 and 0 < r["smem"] <= 227 * 1024, r
         assert r["registers"] and r["registers"] <= 255, r

@@ -183,6 +183,9 @@ def _bad_inputs(tmp):
     return cases
 
 
+# Slow pass: 19 s of CLI starts; tests/test_bad_inputs.py covers the same one-line, exit-2, nothing-written rule by
+# default for every other command.
+@pytest.mark.slow
 def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path):
     for name, src, phrase in _bad_inputs(tmp_path):
         out = tmp_path / f"out_{name.replace(' ', '_')}"

@@ -93,6 +93,8 @@ def test_distributed_settings_errors():
     assert resolve(cfg.dist, {}).source == "single"
 
 
+# Slow pass: real processes waiting out a start-up deadline (13 s); the roll call's decisions are tested by default.
+@pytest.mark.slow
 def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_path):
     # A worker whose coordinator never comes up: jaxtrain's own one-line error.
     env = launcher_env() | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}

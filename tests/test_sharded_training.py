@@ -50,8 +50,10 @@ def test_losses_match_single_device(make_config, reference, name, tmp_path):
                                                        rel=1e-9)
 
 
-# sharded accumulation's numbers are also checked against a hand-written AdamW (test_reference_optim) by default.
-@pytest.mark.parametrize("accumulate", ["unreduced", pytest.param("sharded", marks=pytest.mark.slow)])
+# Slow pass: both accumulation modes' numbers are checked against a hand-written AdamW (test_reference_optim) by
+# default.
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", ["unreduced", "sharded"])
 def test_gradient_accumulation_matches_one_big_batch(make_config, reference, accumulate):
     losses = _losses(make_config, ["train.microbatches=4", "mesh.ici.data=2", "mesh.ici.fsdp=2",
                                    f"train.accumulate={accumulate}"], 4)
