@@ -291,7 +291,8 @@ def test_resume_restores_adamw_moments_and_continues_bit_exact(tmp_path):
     assert logged_losses(tmp_path / "resumed") == logged_losses(tmp_path / "full")
 
 
-@pytest.mark.parametrize("every, keep, expected", [(0, 3, [7]), (2, 2, [6, 7]), (3, 5, [3, 6, 7])])
+@pytest.mark.parametrize("every, keep, expected", [(0, 3, [7]), (2, 2, [6, 7]),
+                                                     pytest.param(3, 5, [3, 6, 7], marks=pytest.mark.slow)])
 def test_save_schedule_and_retention(tmp_path, every, keep, expected):
     from jaxtrain.config import load_config
 

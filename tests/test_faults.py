@@ -141,6 +141,8 @@ def test_cli_resume_past_a_damaged_step_and_a_torn_metrics_line(trained, tmp_pat
     assert {s: got[s] for s in range(6, 11)} == {s: expected[s] for s in range(6, 11)}  # bit-exact resume
 
 
+# Slow pass (keeps the default suite under 10 minutes); the loop's skipping of non-finite steps is tested by default.
+@pytest.mark.slow
 def test_a_non_finite_step_changes_nothing(tmp_path):
     ts = step_lib.setup(_cfg(tmp_path, "data.seq_len=32", "train.global_batch=4"), jax.devices()[:1])
     step, _, _ = ts.compile(ts.layout.abstract_state)

@@ -186,6 +186,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
+# Slow pass (keeps the default suite under 10 minutes); the verdict and grouping are tested by default in
+# tests/test_health.py, a whole check by test_health_check_bounds_from_a_hardware_file.
+@pytest.mark.slow
 def test_health_check_on_8_devices(tmp_path):
     proc = run_cli("check", "runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
                    "check.sizes_mb=[0.25,1]", "check.iters=2", "check.matmul_size=256", "check.min_matmul_fraction=0")
