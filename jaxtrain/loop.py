@@ -41,7 +41,6 @@ class RunResult:
     start_step: int = 0  # the step restored from a checkpoint (0: fresh)
     save_block_seconds: list[float] = dataclasses.field(default_factory=list)
     preempted_at: int | None = None
-    stopped_early: bool = False  # stopped by a signal before train.steps: the CLI exits EXIT_PREEMPTED (75), not 0
 
 
 def train(cfg: Config, devices: list | None = None) -> RunResult:
@@ -205,7 +204,6 @@ class _Loop:
                     with obs.goodput.phase("checkpoint"):
                         checkpointer.wait()
                     result.preempted_at = step
-                    result.stopped_early = step < t.steps  # a signal at the last step changes nothing: finished
                     log.info(f"stopped by a signal after step {step}; checkpoint saved to "
                              f"{checkpointer.directory}/{step}")
                     break

@@ -19,4 +19,6 @@ def run(args) -> int:
     result = loop.train(cfg)
     # EX_TEMPFAIL, not 0: a scheduler must tell "finished" from "saved and stopped early" to restart the latter
     # (a JobSet counts a pod that exits 0 as completed and never restarts it).
-    return EXIT_PREEMPTED if result.stopped_early else 0
+    # A signal at the last step changes nothing: that run finished.
+    stopped_early = result.preempted_at is not None and result.preempted_at < cfg.train.steps
+    return EXIT_PREEMPTED if stopped_early else 0
