@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,7 @@ from kernels.tiling import BlockSizes, Launch, choose_splits, segment_tile_range
 # Finite, so that fully masked tiles give exp2(MASK - MASK) = 1 rather than NaN; see the module docstring.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tiles must be powers of two for the Triton lowering
 BACKENDS = ("triton",)
@@ -68,8 +70,10 @@ class _Config:
 
     causal: bool
     sm_scale: float
-    seq_len: int  # true (unpadded) sequence length
-    padded_len: int
+    seq_q: int  # true (unpadded) query length
+    seq_k: int  # true key length
+    padded_q: int
+    padded_k: int
     fwd: Launch
     dq: Launch
     dkdv: Launch
@@ -77,10 +81,16 @@ class _Config:
     has_segments: bool
     interpret: bool
     backend: str
+    # q_offset - kv_offset (the causal mask is q_pos + shift >= k_pos) when static; None: traced, read by the
+    # kernels from an int32 [1] operand.
+    shift: int | None = 0
+    empty_rows: bool = False  # a query row may see no key (offsets, separate key segments): out 0, lse -inf
+    out_dtype: str | None = None  # forward output (None: q's dtype)
+    grad_dtype: str | None = None  # dq, dk, dv (None: the inputs' dtype)
 
     @property
-    def padded(self) -> bool:
-        return self.padded_len != self.seq_len
+    def padded(self) -> bool:  # keys past seq_k exist and must be masked
+        return self.padded_k != self.seq_k
 
 
 def _compiler_params(cfg: _Config, launch: Launch):
@@ -107,11 +117,20 @@ def _dot_nn(a, b):
                            preferred_element_type=jnp.float32)
 
 
+def _is_zero(shift) -> bool:
+    return isinstance(shift, int) and shift == 0
+
+
+def _plus(x, shift):
+    """x + shift, adding nothing for a static zero shift (the no-offset call compiles as before offsets existed)."""
+    return x if _is_zero(shift) else x + shift
+
+
 def _mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None, kv_major: bool = False):
     """Boolean mask of visible (query, key) pairs, [bq, bk] (or [bk, bq] with ``kv_major``); None when all visible.
 
-    q_pos [bq], k_pos [bk]: absolute positions; q_seg [bq] / k_seg [bk]: segment ids or None;
-    seq_len: mask keys at or past it (sequence padding), or None when there is no padding.
+    q_pos [bq] (shifted into key positions), k_pos [bk]: absolute positions; q_seg [bq] / k_seg [bk]: segment ids
+    or None; seq_len: mask keys at or past it (sequence padding), or None when there is no padding.
     """
     if kv_major:  # rows are keys
         q_, k_ = (lambda x: x[None, :]), (lambda x: x[:, None])  # noqa: E731
@@ -139,27 +158,36 @@ def _clamp(ranges, bounds):
     return [(jnp.maximum(a, lo), jnp.minimum(b, hi), diag) for a, b, diag in ranges]
 
 
-def _kv_ranges(q_block, block_q, block_k, num_k_blocks, causal):
-    """[(lo, hi, on_diagonal)] kv-tile ranges a query tile must visit, unmasked first; tiles above the diagonal are
-    not listed."""
+def _kv_ranges(q_block, block_q, block_k, num_k_blocks, causal, shift=0):
+    """[(lo, hi, on_diagonal)] kv-tile ranges a query tile must visit, unmasked first; tiles the causal mask hides
+    wholly (past the tile's last query + shift) are not listed, so never loaded or computed."""
     if not causal:
         return [(0, num_k_blocks, False)]
-    # Tile j is wholly visible when its last key <= the tile's first query: (j+1)*bk - 1 <= q_block*bq.
-    end = lax.div(q_block * block_q + block_q + block_k - 1, block_k)
-    full = jnp.minimum(lax.div(q_block * block_q + 1, block_k), end)
+    first = _plus(q_block * block_q, shift)  # the tile's first query, in key positions
+    # Tile j is wholly visible when its last key <= first: (j+1)*bk - 1 <= first; visited while j*bk <= last query.
+    if _is_zero(shift):
+        end = jnp.minimum(lax.div(first + block_q + block_k - 1, block_k), num_k_blocks)
+        full = jnp.minimum(lax.div(first + 1, block_k), end)
+    else:  # lax.div truncates toward zero: clamp negative numerators (a tile before every key visits none)
+        end = jnp.minimum(lax.div(jnp.maximum(first + block_q - 1, -1) + block_k, block_k), num_k_blocks)
+        full = jnp.minimum(lax.div(jnp.maximum(first + 1, 0), block_k), end)
     return [(0, full, False), (full, end, True)]
 
 
-def _q_ranges(k_block, block_q, block_k, num_q_blocks, causal):
+def _q_ranges(k_block, block_q, block_k, num_q_blocks, causal, shift=0):
     """[(lo, hi, on_diagonal)] query-tile ranges that can see kv tile ``k_block``, unmasked first (the masked
     diagonal loop last: a loop of only-unmasked steps is what lets wgmma run without serialising); tiles wholly
     before it skipped."""
     if not causal:
         return [(0, num_q_blocks, False)]
-    # Tile t sees some key of the kv tile when its last row (t+1)*bq - 1 >= k_block*bk; it sees all of them
-    # when its first row t*bq >= (k_block+1)*bk - 1.
-    start = lax.div(k_block * block_k, block_q)
-    full = jnp.minimum(lax.div(k_block * block_k + block_k - 1 + block_q - 1, block_q), num_q_blocks)
+    # In query positions, the tile's keys span [first, last]. Query tile t sees some of them when its last row
+    # (t+1)*bq - 1 >= first; all of them when its first row t*bq >= last.
+    first = _plus(k_block * block_k, 0 if _is_zero(shift) else -shift)
+    last = first + (block_k - 1)
+    if not _is_zero(shift):  # lax.div truncates toward zero: negative numerators mean query tile 0
+        first, last = jnp.maximum(first, 0), jnp.maximum(last, 0)
+    start = lax.div(first, block_q)
+    full = jnp.minimum(lax.div(last + block_q - 1, block_q), num_q_blocks)
     return [(full, num_q_blocks, False), (start, full, True)]
 
 
@@ -172,25 +200,45 @@ def _bounds(ref):
     return None if ref is None else (ref[0], ref[1])
 
 
+def _unpack(refs, cfg: _Config):
+    """Kernel refs -> (shift, bounds_ref, seg_q_ref, seg_k_ref, rest): the optional leading operands (the traced
+    shift, then the document-mask tile ranges and the query / key segment ids) and the kernel's own."""
+    refs = list(refs)
+    shift = cfg.shift
+    if shift is None:
+        shift = refs.pop(0)[0]
+    if cfg.has_segments:
+        return (shift, *refs[:3], refs[3:])
+    return shift, None, None, None, refs
+
+
+def _leading(cfg: _Config, shift, seg_specs, seg_args: Callable[[], list]):
+    """(in_specs, args) of the optional leading operands, in ``_unpack``'s order."""
+    specs, args = [], []
+    if cfg.shift is None:
+        specs.append(pl.BlockSpec((1,), lambda *_: (0,)))
+        args.append(shift)
+    if cfg.has_segments:
+        specs += seg_specs
+        args += seg_args()  # a callable: the tile ranges are computed only for calls with segments
+    return specs, args
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------------------------
 
 
 def _fwd_kernel(*refs, cfg: _Config):
-    if cfg.has_segments:
-        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-    else:
-        q_ref, k_ref, v_ref, o_ref, lse_ref = refs
-        bounds_ref = seg_q_ref = seg_k_ref = None
+    shift, bounds_ref, seg_q_ref, seg_k_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = _unpack(refs, cfg)
     block_q, block_k = cfg.fwd.block_q, cfg.fwd.block_k
     head_dim = q_ref.shape[-1]
-    i = _tile_index(cfg, pl.program_id(0), cfg.padded_len // block_q)
+    i = _tile_index(cfg, pl.program_id(0), cfg.padded_q // block_q)
     q = q_ref[...]  # [bq, D]; stays resident for the whole kv loop
-    q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    q_pos = _plus(i * block_q + jnp.arange(block_q, dtype=jnp.int32), shift)
     q_seg = None if seg_q_ref is None else seg_q_ref[...]
     qk_scale = cfg.sm_scale * LOG2E  # work in base 2: exp2 is the cheap instruction
-    pad_len = cfg.seq_len if cfg.padded else None
+    pad_len = cfg.seq_k if cfg.padded else None
 
     def step(j, carry, on_diagonal):
         acc, m_prev, l_prev = carry
@@ -215,42 +263,48 @@ def _fwd_kernel(*refs, cfg: _Config):
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    num_k_blocks = cfg.padded_len // block_k
-    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal),
+    num_k_blocks = cfg.padded_k // block_k
+    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift),
                                       _bounds(bounds_ref)):
         carry = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), carry)
     acc, m, l = carry
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log2(l)
+    if cfg.empty_rows:
+        # A row without a visible key kept m at MASK_VALUE (it saw masked entries only) or -inf (no tile visited).
+        empty = m < 0.5 * MASK_VALUE
+        o_ref[...] = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+    else:
+        o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+        lse_ref[...] = m + jnp.log2(l)
 
 
-def _tile_ranges(seg, cfg: _Config, launch: Launch, kv_major: bool):
+def _tile_ranges(seg_q, seg_k, launch: Launch, kv_major: bool):
     """Document-mask ranges for one kernel: [B, tiles, 2] in units of the tiles its loop walks."""
     if kv_major:
-        return segment_tile_ranges(seg, launch.block_k, launch.block_q)
-    return segment_tile_ranges(seg, launch.block_q, launch.block_k)
+        return segment_tile_ranges(seg_k, launch.block_k, launch.block_q, col_ids=seg_q)
+    return segment_tile_ranges(seg_q, launch.block_q, launch.block_k, col_ids=seg_k)
 
 
-def _forward(q, k, v, seg, cfg: _Config):
-    """Padded inputs -> (o [B, Sp, H, D] in q.dtype, lse [B, H, Sp] float32, base 2)."""
+def _forward(q, k, v, seg_q, seg_k, shift, cfg: _Config):
+    """Padded inputs -> (o [B, Sq, H, D] in cfg.out_dtype or q's, lse [B, H, Sq] float32, base 2).
+
+    q [B, Sq, H, D]; k, v [B, Sk, KVH, D]; seg_q [B, Sq] / seg_k [B, Sk] int32 or None; shift int32 [1] or None."""
     b, sp, h, d = q.shape
+    sk = k.shape[1]
     group = h // k.shape[2]
     bq = cfg.fwd.block_q
     nq = sp // bq
     t = functools.partial(_tile_index, cfg, num_tiles=nq)
-    in_specs = [
+    lead_specs, lead_args = _leading(cfg, shift, [
+        pl.BlockSpec((None, None, 2), lambda qi, bi, hi: (bi, t(qi), 0)),
+        pl.BlockSpec((None, bq), lambda qi, bi, hi: (bi, t(qi))),
+        pl.BlockSpec((None, sk), lambda qi, bi, hi: (bi, 0)),
+    ], lambda: [_tile_ranges(seg_q, seg_k, cfg.fwd, False), seg_q, seg_k])
+    in_specs = lead_specs + [
         pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),
-        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),
-        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),
+        pl.BlockSpec((None, sk, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),
+        pl.BlockSpec((None, sk, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),
     ]
-    args = [q, k, v]
-    if cfg.has_segments:
-        in_specs = [
-            pl.BlockSpec((None, None, 2), lambda qi, bi, hi: (bi, t(qi), 0)),
-            pl.BlockSpec((None, bq), lambda qi, bi, hi: (bi, t(qi))),
-            pl.BlockSpec((None, sp), lambda qi, bi, hi: (bi, 0)),
-        ] + in_specs
-        args = [_tile_ranges(seg, cfg, cfg.fwd, False), seg, seg] + args
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(nq, b, h),  # the query tile on the fastest launch axis
@@ -259,11 +313,12 @@ def _forward(q, k, v, seg, cfg: _Config):
             pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),
             pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, t(qi))),
         ],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sp), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, cfg.out_dtype or q.dtype),
+                   jax.ShapeDtypeStruct((b, h, sp), jnp.float32)],
         compiler_params=_compiler_params(cfg, cfg.fwd),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
-    )(*args)
+    )(*lead_args, q, k, v)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -272,22 +327,19 @@ def _forward(q, k, v, seg, cfg: _Config):
 
 
 def _dq_kernel(*refs, cfg: _Config):
-    if cfg.has_segments:
-        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
-        bounds_ref = seg_q_ref = seg_k_ref = None
+    shift, bounds_ref, seg_q_ref, seg_k_ref, rest = _unpack(refs, cfg)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref = rest
     block_q, block_k = cfg.dq.block_q, cfg.dq.block_k
     head_dim = q_ref.shape[-1]
-    i = _tile_index(cfg, pl.program_id(0), cfg.padded_len // block_q)
+    i = _tile_index(cfg, pl.program_id(0), cfg.padded_q // block_q)
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
-    q_pos = i * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    q_pos = _plus(i * block_q + jnp.arange(block_q, dtype=jnp.int32), shift)
     q_seg = None if seg_q_ref is None else seg_q_ref[...]
     qk_scale = cfg.sm_scale * LOG2E
-    pad_len = cfg.seq_len if cfg.padded else None
+    pad_len = cfg.seq_k if cfg.padded else None
 
     def step(j, dq, on_diagonal):
         start = pl.multiple_of(j * block_k, block_k)
@@ -305,8 +357,8 @@ def _dq_kernel(*refs, cfg: _Config):
         return dq + _dot_nn(ds.astype(k.dtype), k)
 
     dq = jnp.zeros((block_q, head_dim), jnp.float32)
-    num_k_blocks = cfg.padded_len // block_k
-    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal),
+    num_k_blocks = cfg.padded_k // block_k
+    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift),
                                       _bounds(bounds_ref)):
         dq = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), dq)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
@@ -315,11 +367,8 @@ def _dq_kernel(*refs, cfg: _Config):
 def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
     """``want``: ("dk", "dv"), or one of them (a pass of a two-pass backward, see ``dkdv_passes``)."""
     refs, out_refs = refs[:len(refs) - len(want)], dict(zip(want, refs[len(refs) - len(want):]))
-    if cfg.has_segments:
-        bounds_ref, seg_q_ref, seg_k_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
-        bounds_ref = seg_q_ref = seg_k_ref = None
+    shift, bounds_ref, seg_q_ref, seg_k_ref, rest = _unpack(refs, cfg)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest
     block_q, block_k = cfg.dkdv.block_q, cfg.dkdv.block_k
     head_dim = k_ref.shape[-1]
     j = pl.program_id(0)  # kv tile 0 sees the most query tiles under causal: natural order is heaviest first
@@ -328,9 +377,9 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
     k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
     k_seg = None if seg_k_ref is None else seg_k_ref[...]
     qk_scale = cfg.sm_scale * LOG2E
-    pad_len = cfg.seq_len if cfg.padded else None
-    num_q_blocks = cfg.padded_len // block_q
-    ranges = _clamp(_q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal), _bounds(bounds_ref))
+    pad_len = cfg.seq_k if cfg.padded else None
+    num_q_blocks = cfg.padded_q // block_q
+    ranges = _clamp(_q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal, shift), _bounds(bounds_ref))
 
     def step(t, carry, g, on_diagonal):
         # Transposed: rows are keys, columns queries, so P^T and dS^T are produced, not transposed.
@@ -342,7 +391,7 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
         lse = lse_ref[g, rows]
         delta = delta_ref[g, rows]
         s_t = _dot_nt(k, q) * qk_scale  # [bk, bq]
-        q_pos = start + jnp.arange(block_q, dtype=jnp.int32)
+        q_pos = _plus(start + jnp.arange(block_q, dtype=jnp.int32), shift)
         q_seg = None if seg_q_ref is None else seg_q_ref[rows]
         mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, kv_major=True)
         if mask is not None:
@@ -385,48 +434,52 @@ def row_dot(o, do):
     return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
 
 
-def _backward(cfg: _Config, res, do):
-    q, k, v, seg, o, lse = res
+def _backward_kernels(q, k, v, seg_q, seg_k, shift, do, lse, delta, cfg: _Config):
+    """Padded inputs -> (dq [B, Sq, H, D], dk, dv [B, Sk, KVH, D]) in cfg.grad_dtype or the inputs' dtype.
+
+    lse [B, H, Sq] float32 base 2, +inf for rows without a visible key (so their p is 0); delta [B, H, Sq]."""
     b, sp, h, d = q.shape
+    sk = k.shape[1]
     kvh = k.shape[2]
     group = h // kvh
-    delta = row_dot(o, do)
 
-    bq, bk = cfg.dq.block_q, cfg.dq.block_k
+    bq = cfg.dq.block_q
     nq = sp // bq
     t = functools.partial(_tile_index, cfg, num_tiles=nq)
-    dq_specs = [
+    lead_specs, lead_args = _leading(cfg, shift, [
+        pl.BlockSpec((None, None, 2), lambda qi, bi, hi: (bi, t(qi), 0)),
+        pl.BlockSpec((None, bq), lambda qi, bi, hi: (bi, t(qi))),
+        pl.BlockSpec((None, sk), lambda qi, bi, hi: (bi, 0)),
+    ], lambda: [_tile_ranges(seg_q, seg_k, cfg.dq, False), seg_q, seg_k])
+    dq_specs = lead_specs + [
         pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),  # q
-        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),  # k
-        pl.BlockSpec((None, sp, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),  # v
+        pl.BlockSpec((None, sk, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),  # k
+        pl.BlockSpec((None, sk, None, d), lambda qi, bi, hi: (bi, 0, hi // group, 0)),  # v
         pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),  # do
         pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, t(qi))),  # lse
         pl.BlockSpec((None, None, bq), lambda qi, bi, hi: (bi, hi, t(qi))),  # delta
     ]
-    seg_args = []
-    if cfg.has_segments:
-        dq_specs = [
-            pl.BlockSpec((None, None, 2), lambda qi, bi, hi: (bi, t(qi), 0)),
-            pl.BlockSpec((None, bq), lambda qi, bi, hi: (bi, t(qi))),
-            pl.BlockSpec((None, sp), lambda qi, bi, hi: (bi, 0)),
-        ] + dq_specs
-        seg_args = [_tile_ranges(seg, cfg, cfg.dq, False), seg, seg]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(nq, b, h),
         in_specs=dq_specs,
         out_specs=pl.BlockSpec((None, bq, None, d), lambda qi, bi, hi: (bi, t(qi), hi, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, cfg.grad_dtype or q.dtype),
         compiler_params=_compiler_params(cfg, cfg.dq),
         interpret=cfg.interpret,
         name="flash_attention_bwd_dq",
-    )(*seg_args, q, k, v, do, lse, delta)
+    )(*lead_args, q, k, v, do, lse, delta)
 
     # Program (kv tile, batch, x) with x = kv head * splits + split takes the `per` = group // splits consecutive
     # query heads [x*per, (x+1)*per) of kv head x // splits: a block of `per` along the head axis, block index x.
     bk, splits = cfg.dkdv.block_k, cfg.splits
     per = group // splits
-    dkdv_specs = [
+    lead_specs, lead_args = _leading(cfg, shift, [
+        pl.BlockSpec((None, None, 2), lambda kj, bi, x: (bi, kj, 0)),
+        pl.BlockSpec((None, sp), lambda kj, bi, x: (bi, 0)),
+        pl.BlockSpec((None, bk), lambda kj, bi, x: (bi, kj)),
+    ], lambda: [_tile_ranges(seg_q, seg_k, cfg.dkdv, True), seg_q, seg_k])
+    dkdv_specs = lead_specs + [
         pl.BlockSpec((None, sp, per, d), lambda kj, bi, x: (bi, 0, x, 0)),  # q
         pl.BlockSpec((None, bk, None, d), lambda kj, bi, x: (bi, kj, x // splits, 0)),  # k
         pl.BlockSpec((None, bk, None, d), lambda kj, bi, x: (bi, kj, x // splits, 0)),  # v
@@ -434,52 +487,60 @@ def _backward(cfg: _Config, res, do):
         pl.BlockSpec((None, per, sp), lambda kj, bi, x: (bi, x, 0)),  # lse
         pl.BlockSpec((None, per, sp), lambda kj, bi, x: (bi, x, 0)),  # delta
     ]
-    seg_args = []
-    if cfg.has_segments:
-        dkdv_specs = [
-            pl.BlockSpec((None, None, 2), lambda kj, bi, x: (bi, kj, 0)),
-            pl.BlockSpec((None, sp), lambda kj, bi, x: (bi, 0)),
-            pl.BlockSpec((None, bk), lambda kj, bi, x: (bi, kj)),
-        ] + dkdv_specs
-        seg_args = [_tile_ranges(seg, cfg, cfg.dkdv, True), seg, seg]
+    grad_dtype = cfg.grad_dtype or k.dtype
     if splits == 1:
         out_block = pl.BlockSpec((None, bk, None, d), lambda kj, bi, x: (bi, kj, x, 0))
-        out_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    else:  # float32 partial sums [splits, B, Sp, KVH, D]
+        out_shape = jax.ShapeDtypeStruct(k.shape, grad_dtype)
+    else:  # float32 partial sums [splits, B, Sk, KVH, D]
         out_block = pl.BlockSpec((None, None, bk, None, d), lambda kj, bi, x: (x % splits, bi, kj, x // splits, 0))
         out_shape = jax.ShapeDtypeStruct((splits, *k.shape), jnp.float32)
     grads: dict[str, jax.Array] = {}
     for want in [("dk", "dv")] if dkdv_passes(d) == 1 else [("dv",), ("dk",)]:
         outs = pl.pallas_call(
             functools.partial(_dkdv_kernel, cfg=cfg, group=per, want=want),
-            grid=(sp // bk, b, kvh * splits),
+            grid=(sk // bk, b, kvh * splits),
             in_specs=dkdv_specs,
             out_specs=[out_block] * len(want),
             out_shape=[out_shape] * len(want),
             compiler_params=_compiler_params(cfg, cfg.dkdv),
             interpret=cfg.interpret,
             name="flash_attention_bwd_" + "".join(want),
-        )(*seg_args, q, k, v, do, lse, delta)
+        )(*lead_args, q, k, v, do, lse, delta)
         grads.update(zip(want, outs))
     if splits > 1:
-        grads = {name: g.sum(0).astype(k.dtype) for name, g in grads.items()}
-    return dq, grads["dk"], grads["dv"], None
+        grads = {name: g.sum(0).astype(grad_dtype) for name, g in grads.items()}
+    return dq, grads["dk"], grads["dv"]
 
 
-def named_forward(forward, q, k, v, seg, cfg):
-    """forward(...) -> (o, lse) with the checkpoint names ``attn_out`` / ``attn_lse`` (see the module docstring)."""
-    o, lse = forward(q, k, v, seg, cfg)
+def backward_lse(lse):
+    """The backward kernels' log-sum-exp: a row without a visible key (-inf) becomes +inf, so its p = exp2(s - lse)
+    is 0, not inf (and no 0 * inf = NaN reaches dk / dv)."""
+    return jnp.where(lse == -jnp.inf, jnp.inf, lse)
+
+
+def _backward(cfg: _Config, res, do):
+    q, k, v, seg_q, seg_k, shift, o, lse = res
+    if cfg.empty_rows:
+        lse = backward_lse(lse)
+    dq, dk, dv = _backward_kernels(q, k, v, seg_q, seg_k, shift, do, lse, row_dot(o, do), cfg)
+    return dq, dk, dv, None, None, None
+
+
+def named_forward(forward, *args):
+    """forward(*args) -> (o, lse) with the checkpoint names ``attn_out`` / ``attn_lse`` (see the module
+    docstring)."""
+    o, lse = forward(*args)
     return checkpoint_name(o, CHECKPOINT_NAMES[0]), checkpoint_name(lse, CHECKPOINT_NAMES[1])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash_padded(q, k, v, seg, cfg: _Config):
-    return named_forward(_forward, q, k, v, seg, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash_padded(q, k, v, seg_q, seg_k, shift, cfg: _Config):
+    return named_forward(_forward, q, k, v, seg_q, seg_k, shift, cfg)[0]
 
 
-def _flash_padded_fwd(q, k, v, seg, cfg: _Config):
-    o, lse = named_forward(_forward, q, k, v, seg, cfg)
-    return o, (q, k, v, seg, o, lse)
+def _flash_padded_fwd(q, k, v, seg_q, seg_k, shift, cfg: _Config):
+    o, lse = named_forward(_forward, q, k, v, seg_q, seg_k, shift, cfg)
+    return o, (q, k, v, seg_q, seg_k, shift, o, lse)
 
 
 _flash_padded.defvjp(_flash_padded_fwd, _backward)
@@ -490,66 +551,160 @@ def _round_up(x: int, m: int) -> int:
 
 
 def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float, has_segments: bool,
-                interpret: bool, backend: str, sizes: BlockSizes) -> _Config:
-    """Per-kernel launches (defaults by dtype and head_dim, user overrides, tiles clamped to the sequence), the
-    padded length (a multiple of every tile: all are powers of two, so the largest is their lcm) and the dk/dv
-    split of a GQA group."""
-    batch, seq_len, heads, head_dim = q_shape
-    launches = sizes.launches(dtype, head_dim, seq_len)
-    padded_len = _round_up(seq_len, max(max(x.block_q, x.block_k) for x in launches.values()))
+                interpret: bool, backend: str, sizes: BlockSizes, seq_k: int | None = None, shift: int | None = 0,
+                empty_rows: bool = False, out_dtype=None, grad_dtype=None) -> _Config:
+    """Per-kernel launches (defaults by dtype and head_dim, user overrides, query tiles clamped to the query length
+    and key tiles to the key length), the padded lengths (multiples of every tile: all are powers of two, so the
+    largest is their lcm) and the dk/dv split of a GQA group."""
+    batch, seq_q, heads, head_dim = q_shape
+    seq_k = seq_q if seq_k is None else seq_k
+    launches = sizes.launches(dtype, head_dim, seq_q, seq_k)
+    tile = max(max(x.block_q, x.block_k) for x in launches.values())
     group = heads // kv_heads
     # Not in interpret mode (CPU): more programs gain nothing there and partial sums cost memory.
-    splits = sizes.splits(group, lambda: 1 if interpret else choose_splits(batch, seq_len, kv_heads, group,
+    splits = sizes.splits(group, lambda: 1 if interpret else choose_splits(batch, seq_k, kv_heads, group,
                                                                           launches["dkdv"].block_k))
-    return _Config(causal=causal, sm_scale=float(sm_scale), seq_len=seq_len, padded_len=padded_len, splits=splits,
-                   has_segments=has_segments, interpret=interpret, backend=backend, **launches)
+    name = (lambda t: None if t is None else jnp.dtype(t).name)  # noqa: E731
+    return _Config(causal=causal, sm_scale=float(sm_scale), seq_q=seq_q, seq_k=seq_k,
+                   padded_q=_round_up(seq_q, tile), padded_k=_round_up(seq_k, tile), splits=splits,
+                   has_segments=has_segments, interpret=interpret, backend=backend,
+                   shift=shift if causal else 0, empty_rows=empty_rows, out_dtype=name(out_dtype),
+                   grad_dtype=name(grad_dtype), **launches)
+
+
+def _pad_to(x, length: int, value=0.0, mode="constant"):
+    """Pad axis 1 of x up to ``length`` (None passes through)."""
+    if x is None or x.shape[1] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, length - x.shape[1])
+    if mode == "edge":
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_inputs(q, k, v, seg_q, seg_k, cfg: _Config):
+    """Pad queries to cfg.padded_q and keys to cfg.padded_k. Padded keys are masked by position and padded rows are
+    sliced away; repeating the last segment id keeps the document-mask tile ranges as tight as without padding.
+    seg_k None with segments: the keys' ids are the queries' (self-attention)."""
+    q = _pad_to(q, cfg.padded_q)
+    k, v = _pad_to(k, cfg.padded_k), _pad_to(v, cfg.padded_k)
+    seg_q_p = _pad_to(seg_q, cfg.padded_q, mode="edge")
+    seg_k_p = seg_q_p if seg_k is None else _pad_to(seg_k, cfg.padded_k, mode="edge")
+    return q, k, v, seg_q_p, seg_k_p
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _flash_attention(q, k, v, segment_ids, cfg: _Config):
-    pad = cfg.padded_len - cfg.seq_len
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-        if segment_ids is not None:
-            # Padded keys are masked by position and padded rows are sliced away; repeating the last id keeps the
-            # document-mask tile ranges as tight as without padding.
-            segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
-    out = _flash_padded(q, k, v, segment_ids, cfg)
-    return out[:, : cfg.seq_len] if pad else out
+def _flash_attention(q, k, v, seg_q, seg_k, shift, cfg: _Config):
+    q, k, v, seg_q, seg_k = _pad_inputs(q, k, v, seg_q, seg_k, cfg)
+    out = _flash_padded(q, k, v, seg_q, seg_k, shift, cfg)
+    return out[:, : cfg.seq_q] if cfg.padded_q != cfg.seq_q else out
 
 
-def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
-                           interpret: bool = False, backend: str = "triton", **block_sizes):
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _fwd_entry(q, k, v, seg_q, seg_k, shift, cfg: _Config):
+    q, k, v, seg_q, seg_k = _pad_inputs(q, k, v, seg_q, seg_k, cfg)
+    o, lse = _forward(q, k, v, seg_q, seg_k, shift, cfg)
+    return o[:, : cfg.seq_q], lse[:, :, : cfg.seq_q] * LN2  # natural log; -inf stays -inf
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _bwd_entry(q, k, v, out, lse, do, seg_q, seg_k, shift, cfg: _Config):
+    delta = _pad_to(row_dot(out, do).transpose(0, 2, 1), cfg.padded_q).transpose(0, 2, 1)
+    lse = _pad_to(backward_lse(lse * LOG2E).transpose(0, 2, 1), cfg.padded_q, jnp.inf).transpose(0, 2, 1)
+    do = _pad_to(do, cfg.padded_q)
+    q, k, v, seg_q, seg_k = _pad_inputs(q, k, v, seg_q, seg_k, cfg)
+    dq, dk, dv = _backward_kernels(q, k, v, seg_q, seg_k, shift, do, lse, delta, cfg)
+    return dq[:, : cfg.seq_q], dk[:, : cfg.seq_k], dv[:, : cfg.seq_k]
+
+
+def split_shift(q_offset, kv_offset):
+    """(static shift or None, traced shift int32 [1] or None) for the causal mask q_offset + i >= kv_offset + j:
+    Python ints stay static (compiled into the kernels), anything else becomes an operand."""
+    if isinstance(q_offset, (int, np.integer)) and isinstance(kv_offset, (int, np.integer)):
+        return int(q_offset) - int(kv_offset), None
+    return None, (jnp.asarray(q_offset, jnp.int32) - jnp.asarray(kv_offset, jnp.int32)).reshape(1)
+
+
+def may_have_empty_rows(causal: bool, static_shift: int | None, separate_kv_segments: bool) -> bool:
+    """Can a query row see no key? Only with separate key segments or a causal shift that is traced or < 0 (with
+    a shift >= 0 every row sees key 0 or its own position)."""
+    return separate_kv_segments or (causal and (static_shift is None or static_shift < 0))
+
+
+def _prepare(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, sm_scale, interpret, backend,
+             block_sizes, out_dtype=None, grad_dtype=None):
+    if backend not in BACKENDS:
+        raise ValueError(_backend_error(backend))
+    static_shift, traced = split_shift(q_offset, kv_offset)
+    if not causal:
+        static_shift, traced = 0, None
+    cfg = call_config(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
+                      interpret=interpret, backend=backend, block_sizes=block_sizes, kv_heads=k.shape[2],
+                      seq_k=k.shape[1], shift=static_shift,
+                      empty_rows=may_have_empty_rows(causal, static_shift, kv_segment_ids is not None),
+                      out_dtype=out_dtype, grad_dtype=grad_dtype)
+    seg_q = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+    seg_k = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
+    return cfg, seg_q, seg_k, traced
+
+
+def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
+                           kv_offset=0, sm_scale: float | None = None, interpret: bool = False,
+                           backend: str = "triton", **block_sizes):
     """Pallas flash attention. Inputs are assumed validated (see ``kernels.api.flash_attention``).
 
     Args:
-      q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim].
-      segment_ids: optional int [batch, seq].
+      q: [batch, sq, heads, head_dim]; k, v: [batch, skv, kv_heads, head_dim].
+      segment_ids: optional int [batch, sq]; kv_segment_ids: int [batch, skv] (None: segment_ids).
+      q_offset, kv_offset: positions of the first query / key (ints, or traced int32 scalars).
       interpret: run the kernels with the Pallas interpreter (CPU).
       backend: GPU lowering, "triton" (Pallas' Triton backend); see the module docstring.
       block_sizes: fields of ``kernels.tiling.BlockSizes``.
 
     Returns:
-      [batch, seq, heads, head_dim] in q's dtype; differentiable w.r.t. q, k, v.
+      [batch, sq, heads, head_dim] in q's dtype; differentiable w.r.t. q, k, v.
     """
-    if backend not in BACKENDS:
-        raise ValueError(_backend_error(backend))
-    cfg = call_config(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
-                      interpret=interpret, backend=backend, block_sizes=block_sizes, kv_heads=k.shape[2])
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids, jnp.int32)
-    return _flash_attention(q, k, v, segment_ids, cfg)
+    cfg, seg_q, seg_k, shift = _prepare(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                        q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale,
+                                        interpret=interpret, backend=backend, block_sizes=block_sizes)
+    return _flash_attention(q, k, v, seg_q, seg_k, shift, cfg)
+
+
+def flash_attention_fwd_pallas(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
+                               kv_offset=0, sm_scale: float | None = None, interpret: bool = False,
+                               backend: str = "triton", out_dtype=None, **block_sizes):
+    """-> (out [batch, sq, heads, head_dim] in out_dtype or q's, lse [batch, heads, sq] float32, natural log)."""
+    cfg, seg_q, seg_k, shift = _prepare(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                        q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale,
+                                        interpret=interpret, backend=backend, block_sizes=block_sizes,
+                                        out_dtype=out_dtype)
+    return _fwd_entry(q, k, v, seg_q, seg_k, shift, cfg)
+
+
+def flash_attention_bwd_pallas(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
+                               kv_segment_ids=None, q_offset=0, kv_offset=0, sm_scale: float | None = None,
+                               interpret: bool = False, backend: str = "triton", grad_dtype=None, **block_sizes):
+    """-> (dq [batch, sq, heads, head_dim], dk, dv [batch, skv, kv_heads, head_dim]) of this key block, from the
+    final (merged) out and natural-log lse [batch, heads, sq]; in grad_dtype or the inputs' dtype."""
+    cfg, seg_q, seg_k, shift = _prepare(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                        q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale,
+                                        interpret=interpret, backend=backend, block_sizes=block_sizes,
+                                        grad_dtype=grad_dtype)
+    return _bwd_entry(q, k, v, out, jnp.asarray(lse, jnp.float32), dout, seg_q, seg_k, shift, cfg)
 
 
 def call_config(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
-                backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None) -> _Config:
+                backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None,
+                seq_k: int | None = None, shift: int | None = 0, empty_rows: bool = False, out_dtype=None,
+                grad_dtype=None) -> _Config:
     """The static configuration of a call; ValueError on bad block sizes. q_shape [batch, seq, heads, head_dim]."""
     sizes = BlockSizes.from_kwargs(block_sizes or {}, "pallas")
     d = q_shape[-1]
     scale = d**-0.5 if sm_scale is None else sm_scale
     return make_config(tuple(q_shape), kv_heads or q_shape[2], dtype, causal=causal, sm_scale=scale,
-                       has_segments=has_segments, interpret=interpret, backend=backend, sizes=sizes)
+                       has_segments=has_segments, interpret=interpret, backend=backend, sizes=sizes, seq_k=seq_k,
+                       shift=shift, empty_rows=empty_rows, out_dtype=out_dtype, grad_dtype=grad_dtype)
 
 
 def _backend_error(backend) -> str:

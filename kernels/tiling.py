@@ -120,15 +120,17 @@ class BlockSizes:
             raise ValueError(f"num_stages={sizes.num_stages!r} must be a positive int")
         return sizes
 
-    def launches(self, dtype, head_dim: int, seq: int) -> dict:
-        """{kind: Launch}: these overrides over the defaults, tiles clamped to the sequence."""
+    def launches(self, dtype, head_dim: int, seq: int, seq_k: int | None = None) -> dict:
+        """{kind: Launch}: these overrides over the defaults, query tiles clamped to the query length ``seq`` and
+        key tiles to the key length ``seq_k`` (None: ``seq``)."""
+        seq_k = seq if seq_k is None else seq_k
         out = {}
         for kind in KINDS:
             base = default_launch(kind, dtype, head_dim)
             q_names, k_names = OVERRIDES[kind]
             bq = next((getattr(self, n) for n in q_names if getattr(self, n) is not None), base.block_q)
             bk = next((getattr(self, n) for n in k_names if getattr(self, n) is not None), base.block_k)
-            out[kind] = Launch(clamp_tile(bq, seq), clamp_tile(bk, seq), self.num_warps or base.num_warps,
+            out[kind] = Launch(clamp_tile(bq, seq), clamp_tile(bk, seq_k), self.num_warps or base.num_warps,
                                self.num_stages or base.num_stages)
         return out
 
@@ -147,10 +149,11 @@ class BlockSizes:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def segment_tile_ranges(segment_ids, block_rows: int, block_cols: int, xp=None):
+def segment_tile_ranges(segment_ids, block_rows: int, block_cols: int, xp=None, col_ids=None):
     """For each row tile, the column tiles [lo, hi) that can share a segment id with it.
 
-    segment_ids: int [batch, seq] (rows and columns index the same sequence). Tile i covers positions
+    segment_ids: int [batch, seq] of the rows; col_ids: int [batch, cols] of the columns (None: the same as the
+    rows', self-attention; separate ones for a query block against another key block). Tile i covers positions
     [i*block_rows, (i+1)*block_rows); the last tile is completed with copies of the last id, which adds no id.
     Returns int32 [batch, row tiles, 2]: (lo, hi) in column-tile units. A column tile outside [lo, hi) has an id
     range [min, max] disjoint from the row tile's, so no pair in it has equal ids: skipping it is exact for any
@@ -159,21 +162,22 @@ def segment_tile_ranges(segment_ids, block_rows: int, block_cols: int, xp=None):
     """
     if xp is None:
         import jax.numpy as xp
+    col_ids = segment_ids if col_ids is None else col_ids
     b, s = segment_ids.shape
-    rows, cols = -(-s // block_rows), -(-s // block_cols)
+    rows, cols = -(-s // block_rows), -(-col_ids.shape[1] // block_cols)
 
-    def tile_min_max(block, n):
-        pad = n * block - s
-        seg = segment_ids if pad == 0 else xp.pad(segment_ids, ((0, 0), (0, pad)), mode="edge")
+    def tile_min_max(ids, block, n):
+        pad = n * block - ids.shape[1]
+        seg = ids if pad == 0 else xp.pad(ids, ((0, 0), (0, pad)), mode="edge")
         seg = seg.reshape(b, n, block)
         return seg.min(-1), seg.max(-1)
 
-    rmin, rmax = tile_min_max(block_rows, rows)
-    cmin, cmax = tile_min_max(block_cols, cols)
+    rmin, rmax = tile_min_max(segment_ids, block_rows, rows)
+    cmin, cmax = tile_min_max(col_ids, block_cols, cols)
     overlap = (cmin[:, None, :] <= rmax[:, :, None]) & (cmax[:, None, :] >= rmin[:, :, None])  # [b, rows, cols]
     lo = xp.argmax(overlap, axis=-1)
     hi = cols - xp.argmax(overlap[..., ::-1], axis=-1)
-    any_ = overlap.any(-1)  # always true (a tile overlaps the tile holding its own positions); kept for safety
+    any_ = overlap.any(-1)  # false only with separate column ids: then [0, 0), no tile visited
     return xp.stack([xp.where(any_, lo, 0), xp.where(any_, hi, 0)], axis=-1).astype(xp.int32)
 
 
