@@ -27,8 +27,8 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.schema import build, dotted_keys, find_yaml, load_yaml, set_dotted, unknown_key
 
 FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels.flash_pallas checks the same)
-# Mesh axes, outermost first: devices adjacent in a node differ in tensor first, then fsdp, stage, data.
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
+# Mesh axes, outermost first: devices adjacent in a node differ in tensor first, then context, fsdp, stage, data.
+MESH_AXES = ("data", "stage", "fsdp", "context", "tensor")
 
 
 @dataclass
@@ -48,6 +48,7 @@ class AxisSizes:
     data: int = 1  # data parallelism: replicas of the parameters, each with its rows of the batch
     stage: int = 1  # pipeline stages: the layer stack is split into this many consecutive groups of devices
     fsdp: int = 1  # fully sharded data parallelism: parameters, gradients and optimizer state sharded (ZeRO-3)
+    context: int = 1  # context parallelism: the sequence split, ring attention over it (docs/long-context.md)
     tensor: int = 1  # tensor parallelism: heads and MLP columns split (Megatron); inside a node only
 
 
@@ -68,7 +69,7 @@ def _default_rules() -> dict[str, Any]:
         # The pipeline's per-stage activation buffers [stage, microbatch, seq, embed] (jaxtrain/pipeline.py).
         "stage": "stage",
         "norm": None,
-        "act_seq": None,
+        "act_seq": "context",  # the activations' sequence dimension; ring attention when the context axis > 1
         "act_embed": None,
         "act_mlp": "tensor",
         "act_heads": "tensor",
@@ -270,10 +271,10 @@ def validate(cfg: Config) -> None:
     if m.attention in ("pallas", "triton"):
         _require(m.resolved_head_dim in FLASH_HEAD_DIMS, f"model.attention={m.attention} needs a head dim in "
                  f"{FLASH_HEAD_DIMS}, got {m.resolved_head_dim}; set model.head_dim")
-    _require(not (m.attention in ("pallas", "triton") and cfg.mesh.rules.get("act_seq") is not None),
+    _require(not (m.attention in ("pallas", "triton") and cfg.mesh.rules.get("act_seq") not in (None, "context")),
              f"model.attention={m.attention} runs its kernel on each device's slice of the sequence, so "
              f"mesh.rules.act_seq={cfg.mesh.rules.get('act_seq')!r} would attend only within a slice; set "
-             "mesh.rules.act_seq=null (context parallelism is not implemented) or model.attention=xla")
+             "mesh.rules.act_seq=context (ring attention over the context axis) or null, or model.attention=xla")
     _require(not (m.attention == "cudnn" and cfg.data.document_mask),
              "model.attention=cudnn cannot mask documents (data.document_mask=true); use pallas, triton or xla")
     _positive("model.rope_theta", m.rope_theta)
@@ -366,6 +367,12 @@ def check_divisibility(cfg: Config, axis_sizes: dict[str, int]) -> None:
     _require(micro % dp == 0,
              f"train.global_batch={t.global_batch} (/{t.microbatches} microbatches = {micro}) is not divisible by the "
              f"data-parallel size {dp} ({' x '.join(batch_axes)})")
+    context = axis_sizes.get("context", 1)
+    if context > 1:  # the zigzag order gives each device two chunks of seq_len / (2 * context) (docs/long-context.md)
+        _require(cfg.mesh.rules.get("act_seq") == "context", f"mesh.rules.act_seq={cfg.mesh.rules.get('act_seq')!r} "
+                 f"must be 'context' with a context axis of size {context} (it splits the activations' sequence)")
+        _require(cfg.data.seq_len % (2 * context) == 0, f"data.seq_len={cfg.data.seq_len} is not divisible by 2 x "
+                 f"the context axis size {context} (each device holds two chunks of the sequence)")
     stages = axis_sizes["stage"]
     if stages > 1:
         chunks = stages * t.virtual_stages

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtrain import context as context_schedule
 from jaxtrain.config import FLASH_HEAD_DIMS, Config, batch_mesh_axes
 from jaxtrain.errors import ConfigError
 from jaxtrain.mesh import MeshShape, Rules, build_mesh, rules_from_config
@@ -54,13 +55,13 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``) on ``num_devices`` devices (None: not known yet, as when
     planning; a ``-1`` mesh axis then counts as possibly sharding): the one place "auto" gets a meaning.
 
-    dtype: float32 on CPU, bfloat16 on accelerators. attention on GPU, for 16-bit compute only: cuDNN's fused
-    kernel without document masking (its entry point takes no segment ids) and with an unsharded sequence (it
-    refuses a sharded sequence dimension at compile time), else jaxtrain's flash kernel where it takes the head
-    dim and the sequence is not sharded; the XLA reference everywhere else, float32 included (the flash kernels'
-    float32 path is exact-FMA, 32x32 tiles without tensor cores: for checking, not speed; cuDNN has no float32
-    kernel). Concrete values pass through unchanged, so resolving twice is harmless; an explicit
-    ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
+    dtype: float32 on CPU, bfloat16 on accelerators. attention on GPU, for 16-bit compute only: cuDNN's fused kernel
+    without document masking (its entry point takes no segment ids) and with an unsharded sequence (it refuses a
+    sharded sequence dimension at compile time), else jaxtrain's flash kernel where it takes the head dim and the
+    sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
+    else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
+    checking, not speed; cuDNN has no float32 kernel). Concrete values pass through unchanged, so resolving twice is
+    harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
     """
     m = cfg.model
     dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
@@ -73,10 +74,12 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     attention = m.attention
     if attention == "auto":
         attention = "xla"
-        if platform == "gpu" and dtype != "float32" and shards == 1:
-            if not (cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)):  # packed chat: segments
-                attention = "cudnn"
-            elif m.resolved_head_dim in FLASH_HEAD_DIMS and cfg.mesh.rules.get("act_seq") is None:
+        seq_rule = cfg.mesh.rules.get("act_seq")
+        ring = seq_rule == "context" and shards is not None and shards > 1  # ring attention (jaxtrain/context.py)
+        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring):
+            if shards == 1 and not (cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)):
+                attention = "cudnn"  # packed chat data has segments too
+            elif m.resolved_head_dim in FLASH_HEAD_DIMS and seq_rule in (None, "context"):
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
                 # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
                 # tiles and wgmma counts for sm_90a (docs/kernels.md).
@@ -189,6 +192,28 @@ class Layout:
         axis = dict(self.rules)["stage"]
         assert isinstance(axis, str)  # config validation: mesh.rules.stage is "stage" whenever stages > 1
         return axis
+
+    @property
+    def context(self) -> int:
+        """Context-parallel size: the mesh's context axis (1: the sequence is not split; docs/long-context.md)."""
+        return self.shape.axis_sizes["context"]
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of each sequence one device holds: data.seq_len / context (two zigzag chunks when context > 1)."""
+        return self.cfg.data.seq_len // self.context
+
+    @functools.cached_property
+    def token_order(self) -> np.ndarray | None:
+        """int [seq_len]: the original position of each slot of the load-balanced (zigzag) order the step feeds the
+        model when context > 1 (device i holds chunks i and 2 context - 1 - i of 2 context); None without context."""
+        return None if self.context == 1 else context_schedule.token_order(self.cfg.data.seq_len, self.context)
+
+    @functools.cached_property
+    def causal_pairs(self) -> np.ndarray:
+        """float [context]: (query, key) pairs each context rank attends to per sequence and layer, in this order
+        (the planner's attention compute per device; attention FLOPs = 4 * head_dim * heads per pair)."""
+        return context_schedule.causal_pairs(self.cfg.data.seq_len, self.context, balanced=self.context > 1)
 
     @property
     def microbatches(self) -> int:

@@ -1,5 +1,5 @@
-"""The mesh: its shape (axes data, stage, fsdp, tensor, each an intra-node ici part times an inter-node dcn part)
-and the device mesh built from it.
+"""The mesh: its shape (axes data, stage, fsdp, context, tensor, each an intra-node ici part times an inter-node dcn
+part) and the device mesh built from it.
 
 :class:`MeshShape` owns every fact about a shape: resolving the config's ``-1`` axis, the axis sizes, its label and
 JSON form, the ``key=value`` overrides that reproduce it, the config with it pinned, and
@@ -58,7 +58,7 @@ class MeshShape:
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        """Total size of each mesh axis, e.g. ``{"data": 2, "stage": 1, "fsdp": 4, "tensor": 1}``."""
+        """Total size of each mesh axis, e.g. ``{"data": 2, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1}``."""
         return {ax: i * d for ax, i, d in zip(MESH_AXES, self.ici, self.dcn)}
 
     @property
@@ -101,8 +101,8 @@ class MeshShape:
     # -- device layout -------------------------------------------------------------------------------------------
 
     def coordinates(self, ids: np.ndarray) -> np.ndarray:
-        """Logical device ids (positions in the row-major (data, stage, fsdp, tensor) mesh) -> [..., 2 * axes]
-        coordinates ``(dcn_data, ici_data, dcn_stage, ici_stage, dcn_fsdp, ici_fsdp, dcn_tensor, ici_tensor)``.
+        """Logical device ids (positions in the row-major (data, stage, fsdp, context, tensor) mesh) -> [..., 2 * axes]
+        coordinates ``(dcn_data, ici_data, dcn_stage, ici_stage, ..., dcn_tensor, ici_tensor)``, MESH_AXES order.
 
         Within each axis the dcn index is the major part (dcn = coord // ici, ici = coord % ici): the layout
         :func:`build_mesh` gives the devices, so the dcn coordinates name the node a device sits on.

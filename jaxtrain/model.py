@@ -18,6 +18,7 @@ from flax.linen import partitioning as nn_partitioning
 from flax.linen import with_logical_constraint
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain import context
 from jaxtrain.config import ModelConfig
 from kernels import flash_attention, mha_reference
 from kernels.flash_pallas import CHECKPOINT_NAMES
@@ -43,6 +44,15 @@ def attention(q, k, v, segment_ids, impl: str, interpret: bool = False) -> jax.A
     cannot partition, so they run under ``shard_map`` on each device's shard: batch and heads split over the mesh
     axes their logical names map to (the config refuses a sharded sequence for them).
     """
+    mesh = jax.sharding.get_abstract_mesh()
+    ring = 1 if mesh.empty else dict(mesh.shape).get(context.AXIS, 1)
+    if ring > 1:  # the sequence is split over the context axis, in the zigzag order (jaxtrain/context.py)
+        if impl not in ("xla", "pallas", "triton"):
+            raise ValueError(f"attention impl {impl!r} cannot run over a context axis; use xla, pallas or triton")
+        blocks = context.XLA_BLOCKS if impl == "xla" else context.kernel_blocks(impl, interpret)
+        specs = tuple(nn_partitioning.logical_to_mesh_axes(axes) for axes in (
+            ("batch", "act_seq", "act_heads", None), ("batch", "act_seq", "act_kv_heads", None), ("batch", "act_seq")))
+        return context.context_attention(q, k, v, segment_ids, mesh=mesh, specs=specs, n=ring, blocks=blocks)
     if impl == "xla":
         return mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
     if impl == "cudnn":
@@ -55,7 +65,6 @@ def attention(q, k, v, segment_ids, impl: str, interpret: bool = False) -> jax.A
     def local(q, k, v, segment_ids):
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=impl, interpret=interpret)
 
-    mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return local(q, k, v, segment_ids)
     q_spec = nn_partitioning.logical_to_mesh_axes(("batch", "act_seq", "act_heads", None))
@@ -259,12 +268,13 @@ class Transformer(nnx.Module):
                  cache: dict | None = None):
         """tokens: int [batch, seq] -> logits float32 [batch, seq, vocab] (logical: batch, act_seq, act_vocab).
 
-        Decoding (prefill and each step) passes ``positions`` int [batch, seq] and ``cache`` (from
+        ``positions`` int [batch, seq]: each token's place for rotary (default 0..seq-1; the context axis's zigzag
+        order passes its real positions). Decoding (prefill and each step) passes them and ``cache`` (from
         :meth:`init_cache`: "k" and "v", [layers, batch, max_len, kv_heads, head_dim]) and gets (logits, cache).
         """
         x = self.embed_tokens(tokens)
         if cache is None:
-            return self.head(self.layers(x, segment_ids))
+            return self.head(self.layers(x, segment_ids, positions))
         graphdef, stacked = nnx.split(self.blocks)
 
         def decode_body(h, layer):
@@ -284,12 +294,13 @@ class Transformer(nnx.Module):
         lead = (None,) * (tokens.ndim - 2)
         return with_logical_constraint(x, (*lead, "batch", "act_seq", "act_embed"))
 
-    def layers(self, x: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """The layer stack, one scan: x [batch, seq, embed] -> same."""
+    def layers(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None) -> jax.Array:
+        """The layer stack, one scan: x [batch, seq, embed] -> same; ``positions`` int [batch, seq] each token's
+        place in its sequence for rotary (default 0..seq-1; the context axis's zigzag order passes them)."""
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, segment_ids), None
+            return nnx.merge(graphdef, layer_state)(h, segment_ids, positions), None
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)

@@ -69,14 +69,23 @@ class Step:
         model = nnx.merge(graphdef, params)
         chat = self.cfg.data.format == "chat"
         tokens = words & TOKEN_BITS if chat else words
-        inputs, segments = tokens[:, :-1], None
+        inputs, targets, segments, positions = tokens[:, :-1], tokens[:, 1:], None, None
         if chat and self.cfg.data.pack:  # each packed example is a document of its own
             segments = jnp.cumsum((words[:, :-1] & DOC_START) > 0, axis=1, dtype=jnp.int32)
         elif self.cfg.data.document_mask:
             segments = document_segments(inputs, self.cfg.data.eos_id)
-        losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs, segments), tokens[:, 1:])
-        if chat:
-            losses = losses * trained_targets(words)
+        weights = trained_targets(words) if chat else None
+        order = self.layout.token_order
+        if order is not None:
+            # Context parallelism: the int32 inputs, targets, segment ids, loss weights and their real positions
+            # (rotary) take the load-balanced zigzag order once per step; nothing is permuted per layer, and the
+            # summed loss does not depend on the order (jaxtrain/context.py).
+            inputs, targets, segments, weights = (None if x is None else jnp.take(x, order, axis=1)
+                                                  for x in (inputs, targets, segments, weights))
+            positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape)
+        losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs, segments, positions=positions), targets)
+        if weights is not None:
+            losses = losses * weights
         return losses.sum() / trained_tokens
 
     def _pipelined_loss(self, params, graphdef, batch):
