@@ -1,0 +1,189 @@
+"""Context parallelism (jaxtrain/context.py): the sequence split over the ``context`` mesh axis, ring and all-gather
+attention over it, the zigzag load balance, and training that equals the one-device run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from helpers import FAST
+from jaxtrain import context
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.layout import Layout
+from jaxtrain.mesh import build_mesh
+from jaxtrain.planner.collectives import stated_collectives
+from jaxtrain.planner.cost import group_span
+from jaxtrain.planner.hlo import parse_hlo
+from jaxtrain.step import Step
+
+# -- the schedule ----------------------------------------------------------------------------------------------------
+
+
+def _counted_pairs(seq: int, n: int, balanced: bool) -> np.ndarray:
+    """(query, key) pairs per device, counted from the causal mask itself (independent of the closed form)."""
+    order = context.token_order(seq, n, balanced).reshape(n, -1)  # each device's real positions
+    return np.array([sum(int(p) + 1 for p in row) for row in order], float)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balances_causal_work_within_5_percent(n):
+    seq = 64 * n
+    for balanced in (True, False):
+        pairs = context.causal_pairs(seq, n, balanced)
+        np.testing.assert_allclose(pairs, _counted_pairs(seq, n, balanced))
+        assert pairs.sum() == seq * (seq + 1) / 2
+    balanced, plain = context.causal_pairs(seq, n, True), context.causal_pairs(seq, n, False)
+    assert balanced.max() / balanced.mean() - 1 < 0.05
+    # The plain split: the last device does (2n - 1) / n times the average (its n - 1/2 chunk areas of n / 2).
+    assert plain.max() / plain.mean() == pytest.approx(2 - 1 / n, rel=0.02)
+
+
+def test_token_order_is_a_permutation_of_two_chunks_per_device():
+    order = context.token_order(16, 4)
+    assert sorted(order.tolist()) == list(range(16))
+    assert order.reshape(4, 2, 2)[0].tolist() == [[0, 1], [14, 15]]  # device 0: the first and the last chunk
+    assert context.choose_variant(2) == "allgather" and context.choose_variant(4) == "ring"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "mesh.rules.act_seq=fsdp"], "act_seq='fsdp' must be 'context'"),
+    (["mesh.ici.context=8", "mesh.ici.fsdp=1", "data.seq_len=40"], "data.seq_len=40 is not divisible by 2 x"),
+])
+def test_bad_context_layouts_are_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+# -- attention against the one-device reference ---------------------------------------------------------------------
+
+def _attention_case(seq=32, batch=2, heads=4, kv_heads=2, head_dim=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, seq, heads, head_dim))
+    k, v = (rng.normal(size=(batch, seq, kv_heads, head_dim)) for _ in range(2))
+    segments = np.sort(rng.integers(0, 3, size=(batch, seq)), axis=1).astype(np.int32)  # 3 documents per row
+    weights = rng.normal(size=q.shape)
+    return q, k, v, segments, weights
+
+
+def _reference(q, k, v, segments, weights):
+    """float64 NumPy: causal, document-masked, grouped-query attention; loss = sum(out * weights) and its grads."""
+    b, s, h, d = q.shape
+    g = h // k.shape[2]
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    logits = np.einsum("bqhd,bshd->bhqs", q, kr) / np.sqrt(d)
+    mask = (np.arange(s)[None, :] <= np.arange(s)[:, None]) & (segments[:, :, None] == segments[:, None, :])[:, None]
+    logits = np.where(mask, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhqs,bshd->bqhd", p, vr)
+    dp = np.einsum("bqhd,bshd->bhqs", weights, vr)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(d)
+    dq = np.einsum("bhqs,bshd->bqhd", ds, kr)
+    dk = np.einsum("bhqs,bqhd->bshd", ds, q).reshape(b, s, -1, g, d).sum(3)
+    dv = np.einsum("bhqs,bqhd->bshd", p, weights).reshape(b, s, -1, g, d).sum(3)
+    return (out * weights).sum(), dq, dk, dv
+
+
+def _context_grads(overrides, variant, blocks, case, n_devices=8):
+    """(loss, dq, dk, dv, compiled) of context attention on the mesh of ``overrides``, inputs in sequence order."""
+    q, k, v, segments, weights = case
+    cfg = load_config(None, [*overrides, f"data.seq_len={q.shape[1]}"])
+    mesh, shape = build_mesh(cfg, jax.devices()[:n_devices])
+    n = shape.axis_sizes["context"]
+    order = context.token_order(q.shape[1], n)
+    specs = (PartitionSpec(("data", "fsdp"), "context", "tensor"),) * 2 + (PartitionSpec(("data", "fsdp"), "context"),)
+
+    def loss(q, k, v):
+        qp, kp, vp, w = (jnp.take(x, order, axis=1) for x in (q, k, v, jnp.asarray(weights, jnp.float32)))
+        out = context.context_attention(qp, kp, vp, jnp.take(jnp.asarray(segments), order, axis=1), mesh=mesh,
+                                        specs=specs, n=n, variant=variant, blocks=blocks)
+        return (out * w).sum()
+
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    compiled = fn.lower(*args).compile()
+    value, grads = compiled(*args)
+    return (value, *grads), compiled, shape
+
+
+def _check(got, want):
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=2e-5)
+
+
+def test_ring_attention_matches_float64_and_permutes_only_along_context():
+    # fsdp 2 x context 2 x tensor 2 (heads split): GQA (4 heads on 2 kv heads) and three documents per row.
+    case = _attention_case(seq=16)
+    got, compiled, shape = _context_grads(["mesh.ici.fsdp=2", "mesh.ici.context=2", "mesh.ici.tensor=2"], "ring",
+                                          context.XLA_BLOCKS, case)
+    _check(got, _reference(*case))
+    stated = stated_collectives(parse_hlo(compiled.as_text()), 8)
+    permutes = [c for c in stated.others if c.kind == "collective-permute"]
+    assert permutes  # K/V forward, K/V and dK/dV backward
+    for c in permutes:
+        assert group_span(shape, c.groups)[2] == ["context"], (c.op_name, c.groups.tolist())
+    assert not [c for c in stated.others if c.kind == "all-gather"]  # the ring gathers nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, variant", [
+    (["mesh.ici.fsdp=4", "mesh.ici.context=2"], "allgather"),
+    (["mesh.ici.fsdp=1", "mesh.ici.context=8"], "ring"),
+    (["mesh.ici.data=2", "mesh.ici.fsdp=1", "mesh.ici.context=4"], "ring"),
+])
+def test_context_attention_variants_match_float64(overrides, variant):
+    case = _attention_case(seq=32 if "mesh.ici.context=8" not in overrides else 64)
+    got, _, _ = _context_grads(overrides, variant, context.XLA_BLOCKS, case)
+    _check(got, _reference(*case))
+
+
+@pytest.mark.slow
+def test_ring_on_the_pallas_kernels_in_interpret_mode_matches_float64():
+    case = _attention_case(seq=64, batch=1, heads=2, kv_heads=1, head_dim=32)
+    got, _, _ = _context_grads(["mesh.ici.fsdp=1", "mesh.ici.context=2"], "ring",
+                               context.kernel_blocks("pallas", interpret=True), case, n_devices=2)
+    _check(got, _reference(*case))
+
+
+# -- training equals the one-device run -------------------------------------------------------------------------------
+
+SMALL = [*FAST, "data.seq_len=64", "train.global_batch=4", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
+         "model.n_kv_heads=2", "model.d_ff=128", "data.document_mask=true"]
+
+
+def _two_steps(overrides, n_devices):
+    """(loss, grad norm) of two train steps on fixed random batches: the second step sees the first's update."""
+    layout = Layout.build(load_config(None, [*SMALL, *overrides]), jax.devices()[:n_devices])
+    train = Step(layout).compile(with_eval=False)[0]
+    state, rng, out = layout.init_state(), np.random.default_rng(0), []
+    for _ in range(2):
+        state, metrics = train(state, layout.to_device(rng.integers(0, 256, layout.batch_shape).astype(np.int32)))
+        out.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+    return np.array(out)
+
+
+@pytest.mark.slow
+def test_context_training_matches_one_device():
+    reference = _two_steps(["mesh.ici.fsdp=1"], 1)
+    for overrides in (["mesh.ici.fsdp=1", "mesh.ici.context=8"],
+                      ["mesh.ici.fsdp=2", "mesh.ici.context=2", "mesh.ici.tensor=2"]):
+        np.testing.assert_allclose(_two_steps(overrides, 8), reference, rtol=1e-4, err_msg=str(overrides))
+
+
+# -- memory ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_activation_memory_at_32k_falls_to_an_eighth_with_context_8():
+    # One sequence of 32k tokens on 8 devices, the batch not split (mesh.rules.batch=data, data=1): without context
+    # every device computes the whole sequence; with context=8 each holds 4k tokens. Read from XLA's analysis.
+    small = [*FAST, "data.seq_len=32768", "train.global_batch=1", "model.n_layers=1", "model.d_model=64",
+             "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=128", "mesh.rules.batch=data"]
+    temps = {}
+    for ctx in (1, 8):
+        layout = Layout.build(load_config(None, [*small, "mesh.ici.fsdp=-1", f"mesh.ici.context={ctx}"]),
+                              jax.devices()[:8])
+        train = Step(layout).compile(with_eval=False)[0]
+        temps[ctx] = train.memory_analysis().temp_size_in_bytes
+    print(f"per-device temporaries at 32k: context=1 {temps[1] / 2**20:.0f} MiB, context=8 {temps[8] / 2**20:.0f} MiB")
+    assert temps[8] <= temps[1] / 8 * 1.25
