@@ -46,6 +46,7 @@ from jaxtrain.health_verdict import (
     matmul_findings,
 )
 from jaxtrain.mesh import build_mesh
+from jaxtrain.planner import calibration
 
 
 @dataclass
@@ -325,6 +326,9 @@ def run(cfg: Config) -> Decision:
                                     f"of {hw.name if hw else ''}'s peak")
     if main:  # every process judged the same gathered rows
         findings += found
+    # Emulated CPU devices share the host's cores: each device's share when all compute at once is what a step sees.
+    calib_axes: dict[str, dict] = {}
+    calib_rate = median / (len(jax.local_devices()) if not gpu else 1)
     say(f"matmul {size}x{size} {jnp.dtype(dtype).name}, median {median:.1f} GFLOP/s"
         f"{f'; peak {hw.peak_flops / 1e12:.0f} TFLOP/s, bound {floor / 1e3:.0f}' if hw else ''}")
     say("| device | GFLOP/s | max rel. error | host |\n| --- | --- | --- | --- |")
@@ -350,8 +354,10 @@ def run(cfg: Config) -> Decision:
         buffer = AxisBuffer(mesh, axis, max(sizes))
         for op in BUS_FACTOR:
             m, wrong, words = None, False, ""
+            points = []
             for nbytes in sizes:
                 m = buffer.measure(op, nbytes, c.iters)
+                points.append((m.size_bytes, m.seconds))
                 say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.3g} | "
                     f"{m.busbw:.3g} | {'ok' if m.correct else 'WRONG'} |")
                 if _any_process(not m.correct):  # every process joins the re-runs
@@ -360,6 +366,9 @@ def run(cfg: Config) -> Decision:
                     if verdict.startswith("reproducible"):
                         wrong, words = True, f"{op} of {m.size_bytes} bytes returned wrong values; {verdict}"
             assert m is not None  # sizes is never empty
+            if op == "all-reduce":  # the planner's rings: bus rate at the largest size, latency from two sizes
+                latency, _ = calibration.latency_and_rate(points)
+                calib_axes[axis] = calibration.axis_entry(n, bool(crosses), m.busbw, latency)
             slow = bool(bound) and m.busbw < bound
             if slow and not wrong:
                 words = (f"{op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} MiB is below "
@@ -381,6 +390,12 @@ def run(cfg: Config) -> Decision:
     job_hosts = list(dict.fromkeys(hosts))
     decision = decide(job_hosts, unique, known_hardware=hw is not None, misfit_fraction=c.bound_misfit_fraction,
                       max_exclude_fraction=c.max_exclude_fraction)
+    if main:
+        path = calibration.write(os.path.join(cfg.run.dir, calibration.FILE), device_kind=device.device_kind,
+                                 platform=device.platform, devices=mesh.devices.size, hosts=len(set(hosts)),
+                                 matmul_gflops={jnp.dtype(dtype).name: calib_rate}, axes=calib_axes)
+        say(f"check: calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}; `jaxtrain "
+            "plan --calibration` and mesh.auto read it")
     for line in decision.misfits + decision.notes:
         say(f"check: {line}")
     for host in decision.exclude:

@@ -14,6 +14,11 @@ def add_arguments(p):
 
 def run(args) -> int:
     cfg = start(args)
+    if cfg.mesh.auto:  # the planner picks the layout where it is first needed (docs/auto-layout.md)
+        from jaxtrain import log
+        from jaxtrain.planner import auto
+
+        cfg = auto.resolve(cfg, log.info)
     from jaxtrain import loop
 
     result = loop.train(cfg)

@@ -19,6 +19,7 @@ part), ``measure`` (the devices at hand), ``report`` (table and JSON).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from jaxtrain.config import Config
@@ -30,7 +31,7 @@ def log(msg: str) -> None:
 
 def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None, nodes: int | None = None,
          efficiency: float | None = None, mem_fraction: float | None = None, as_json: bool = False,
-         wide: bool = False) -> int:
+         wide: bool = False, calibration_path: str | None = None) -> int:
     """``jaxtrain plan``: plan ``cfg`` (loaded from the command line's ``overrides``, which say whether a mesh is
     given) for the hardware named, or the devices at hand; print the table or JSON. Returns the exit status."""
     from jaxtrain.planner import target as target_lib
@@ -38,9 +39,21 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
                                 mem_fraction=mem_fraction)
     from jaxtrain import runtime
-    from jaxtrain.planner import report, search
+    from jaxtrain.planner import auto, calibration, report, search
 
     runtime.quiet_logs()
+    # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
+    path = calibration_path or calibration.in_run_dir(target.cfg.run.dir)
+    cal = calibration.apply(target.hw, calibration.read(path) if path else None, path or "", target.cfg.model.dtype)
+    target.hw = cal.hw
+    target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
+                                 "the devices at hand (measured by plan)"))
+    if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
+        res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
+                                 cache_dir=os.path.join(target.cfg.run.dir, auto.CACHE_DIR))
+        print(json.dumps({"notes": target.notes, **auto.to_json(res)}, indent=1) if as_json else
+              "\n".join([*(f"note: {n}" for n in target.notes), auto.format_result(res)]))
+        return 0
     log(f"planning {len(target.shapes)} mesh(es) over {target.n_devices} device(s) on {target.nodes} node(s) for "
         f"{target.hw.name}")
     result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtrain.config import MESH_AXES, Config
+from jaxtrain.config import MESH_AXES, Config, batch_mesh_axes
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
-from jaxtrain.model import attention_flops_per_token, train_flops_per_token
+from jaxtrain.model import attention_flops_per_token, count_params, train_flops_per_token
 from jaxtrain.pipeline import bubble_fraction
 from jaxtrain.planner.collectives import Collective
 
@@ -103,6 +103,15 @@ def pipeline_schedule(cfg: Config, shape: MeshShape) -> tuple[int, int, int, flo
     return stages, micro, virtual, bubble_fraction(stages, micro, virtual)
 
 
+def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
+    """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency) / (1 - bubble):
+    the compute part of every estimate, known before compiling (the auto search's lower bound on a step)."""
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    recompute = remat_factor(cfg) + pipeline_recompute(cfg, shape)
+    flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * recompute
+    return flops / (hw.peak_flops * hw.compute_efficiency) / (1 - pipeline_schedule(cfg, shape)[3])
+
+
 @dataclass
 class Estimate:
     compute_s: float  # bubble included: the idle iterations of a pipeline stage take time too
@@ -132,11 +141,7 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
 
     compute = model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency) / (1 -
     pipeline bubble)."""
-    tokens = cfg.train.global_batch * cfg.data.seq_len
-    recompute = remat_factor(cfg) + pipeline_recompute(cfg, shape)
-    flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * recompute
-    bubble = pipeline_schedule(cfg, shape)[3]
-    compute_s = flops / (hw.peak_flops * hw.compute_efficiency) / (1 - bubble)
+    compute_s, bubble = compute_seconds(cfg, shape, hw), pipeline_schedule(cfg, shape)[3]
     ici_bytes = dcn_bytes = ici_latency = dcn_latency = permute_ici = permute_dcn = 0.0
     summary: dict[tuple[str, str], dict] = {}
     for c in colls:
@@ -165,3 +170,87 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
                    ici_bytes=ici_bytes, dcn_bytes=dcn_bytes, bubble=bubble, permute_ici_bytes=permute_ici,
                    permute_dcn_bytes=permute_dcn)
     return est, sorted(summary.values(), key=lambda r: -r["bytes"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Before compiling: closed forms the auto search (planner/auto.py) prunes and orders candidates with. Rough by
+# design (the compiled program is the judge); ``state_bytes_lower`` and ``compute_seconds`` are lower bounds.
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _dtype_bytes(name: str) -> int:
+    return _BYTES.get(name, 4)  # "auto" before resolution: count float32, the larger
+
+
+def state_bytes_lower(cfg: Config, shape: MeshShape) -> float:
+    """Parameters and AdamW's two moments (both in param_dtype) per device, every parameter divided by the fsdp x
+    tensor x stage shards: a lower bound (the embedding is not split over stages, norms not at all)."""
+    s = shape.axis_sizes
+    return 3 * count_params(cfg.model)["total"] * _dtype_bytes(cfg.model.param_dtype) / (
+        s["fsdp"] * s["tensor"] * s["stage"])
+
+
+def _rows_and_seq(cfg: Config, shape: MeshShape) -> tuple[float, float]:
+    """(sequences of one microbatch per device, tokens of a sequence per device)."""
+    s = shape.axis_sizes
+    dp = float(np.prod([s[ax] for ax in batch_mesh_axes(cfg.mesh.rules) if ax in s]))
+    return cfg.train.global_batch / cfg.train.microbatches / dp, cfg.data.seq_len / s.get("context", 1)
+
+
+def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
+    """(lower bound, estimate) of the activations one device keeps for the backward of one microbatch.
+
+    Lower bound: each layer's input (what every remat policy saves). Estimate per layer and token: no remat ~ 8 x
+    d_model + 3 x d_ff values (projections, norms, the MLP's hidden) plus, with the XLA reference attention, the
+    heads' score rows; save_matmuls: the matmul outputs, ~4 x d_model + 2 x d_ff; full: the input alone, plus one
+    layer's worth recomputed. GPipe keeps every microbatch of its stage."""
+    m, s = cfg.model, shape.axis_sizes
+    rows, seq = _rows_and_seq(cfg, shape)
+    act = _dtype_bytes(m.dtype)
+    layers = m.n_layers / s["stage"]
+    tokens = rows * seq
+    lower = layers * tokens * m.d_model * act
+    scores = m.n_heads / s["tensor"] * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
+    full_layer = tokens * ((8 * m.d_model + 3 * m.d_ff) / s["tensor"] * act + scores)
+    per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s["tensor"] * act,
+                 "full": tokens * m.d_model * act}[m.remat]
+    logits = tokens * m.vocab_size / s["tensor"] * 4 * 2  # float32 logits and their gradient
+    est = layers * per_layer + full_layer + logits
+    if s["stage"] > 1 and cfg.train.pipeline_schedule == "gpipe":
+        est *= cfg.train.microbatches / s["stage"]
+    return lower, est
+
+
+def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
+    """A closed-form guess of one step's collective time, for ordering candidates before compiling: FSDP's
+    parameter gathers (forward, backward) and gradient reduce-scatter, data parallelism's gradient all-reduce,
+    tensor parallelism's two activation all-reduces per layer and pass, context parallelism's K/V ring, each at the
+    rate of the link its axis crosses, plus the fixed cost per collective."""
+    m, s = cfg.model, shape.axis_sizes
+    dcn = dict(zip(MESH_AXES, shape.dcn))
+    rate = {ax: hw.inter_node_bandwidth if dcn[ax] > 1 else hw.intra_node_bandwidth for ax in s}
+    pbytes = count_params(m)["total"] * _dtype_bytes(m.param_dtype) / (s["tensor"] * s["stage"])
+    rows, seq = _rows_and_seq(cfg, shape)
+    act = _dtype_bytes(m.dtype)
+    layers, micro = m.n_layers / s["stage"], cfg.train.microbatches
+    gathers = micro if cfg.train.accumulate == "sharded" else 1
+    t, count = 0.0, 0.0
+    if s["fsdp"] > 1:
+        f = s["fsdp"]
+        t += 3 * gathers * pbytes * (f - 1) / f / rate["fsdp"]
+        count += 3 * gathers * layers
+    if s["data"] > 1:
+        d = s["data"]
+        t += 2 * pbytes / s["fsdp"] * (d - 1) / d / rate["data"]
+        count += layers
+    if s["tensor"] > 1:
+        n = s["tensor"]
+        t += 4 * layers * micro * 2 * rows * seq * m.d_model * act * (n - 1) / n / rate["tensor"]
+        count += 4 * layers * micro
+    if s.get("context", 1) > 1:
+        c = s["context"]
+        kv = 2 * rows * seq * m.n_kv_heads * m.resolved_head_dim * act / s["tensor"]
+        t += 3 * layers * micro * (c - 1) * kv / rate["context"]  # forward, backward's K/V and their gradients
+        count += 3 * layers * micro * (c - 1)
+    return t + count * hw.collective_latency
