@@ -85,6 +85,10 @@ class MeshConfig:
     ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=_default_rules)  # logical axis -> mesh axis, list of axes, or null
+    # true: at start-up the planner picks the mesh sizes, model.remat, train.microbatches and train.pipeline_schedule
+    # (the fastest estimate that fits; docs/auto-layout.md) and run.dir/config.yaml records them, with auto false.
+    auto: bool = False  # let the planner choose the layout (mesh, remat, microbatches, pipeline schedule)
+    auto_memory_margin: float = 0.1  # mesh.auto: fraction of the usable device memory a choice must leave free
 
     def sizes(self) -> dict[tuple[str, str], int]:
         """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
@@ -325,6 +329,8 @@ def _validate_mesh(cfg: Config) -> None:
     for k, v in sizes.items():
         _require(v == -1 or v >= 1, f"{k}={v} must be >= 1 (or -1 for one axis to fill the rest)")
 
+    _require(0 <= cfg.mesh.auto_memory_margin < 1,
+             f"mesh.auto_memory_margin={cfg.mesh.auto_memory_margin} must be in [0, 1)")
     known = set(MESH_AXES)
     needed = set(_default_rules())
     for logical in cfg.mesh.rules:

@@ -19,6 +19,8 @@ def add_arguments(p):
                                                     "hardware file's compute_efficiency)")
     p.add_argument("--mem-fraction", type=float, help="fraction of HBM a step may use (default: "
                                                       "XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75)")
+    p.add_argument("--calibration", help="what `jaxtrain check` measured (its run.dir/calibration.json): those "
+                                         "figures replace the hardware file's (default: run.dir's, if any)")
     p.add_argument("--json", action="store_true", help="print JSON (every figure, per collective) instead of the table")
     p.add_argument("--wide", action="store_true", help="add memory and per-kind collective columns to the table")
     add_config_arguments(p)
@@ -30,4 +32,5 @@ def run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     return planner.main(cfg, args.overrides, hardware_name=args.hardware, nodes=args.nodes,
-                        efficiency=args.efficiency, mem_fraction=args.mem_fraction, as_json=args.json, wide=args.wide)
+                        efficiency=args.efficiency, mem_fraction=args.mem_fraction, as_json=args.json, wide=args.wide,
+                        calibration_path=args.calibration)
