@@ -53,11 +53,19 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 tl = None  # triton.language
 _TL_MASK_VALUE = None  # tl.constexpr(MASK_VALUE)
-_fwd_inner = _dq_inner = _dkdv_inner = None  # the jitted *_inner_src helpers
+_fwd_inner = _dq_inner = _dkdv_inner = _shifted = None  # the jitted *_src helpers
+
+
+def _shifted_src(x, OFFS, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr):
+    # x + (q_offset - kv_offset): a compile-time constant (0 adds nothing), or read from the int32 operand.
+    if DYN_SHIFT:
+        return x + tl.load(OFFS)
+    else:
+        return x + SHIFT
 
 
 def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
-                   SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SEQ_K: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                    HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -69,16 +77,16 @@ def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo
             k = tl.load(k_base + ptrs)
             v = tl.load(v_base + ptrs)
         else:
-            k = tl.load(k_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
-            v = tl.load(v_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
+            k = tl.load(k_base + ptrs, mask=offs_k[:, None] < SEQ_K, other=0.0)
+            v = tl.load(v_base + ptrs, mask=offs_k[:, None] < SEQ_K, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE
         valid = tl.full((BLOCK_K,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_k[None, :] < SEQ)
+            valid = valid & (offs_k[None, :] < SEQ_K)
         if ON_DIAG:
             valid = valid & (offs_q[:, None] >= offs_k[None, :])
         if HAS_SEG:
-            k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ, other=-1)
+            k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ_K, other=-1)
             valid = valid & (q_seg[:, None] == k_seg[None, :])
         if (not EVEN) or ON_DIAG or HAS_SEG:
             s = tl.where(valid, s, _TL_MASK_VALUE)
@@ -91,8 +99,9 @@ def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo
     return acc, m_i, l_i
 
 
-def _fwd_kernel_src(Q, K, V, SEG, RANGES, O, LSE,
-                    SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _fwd_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, O, LSE,
+                    SEQ: tl.constexpr, SEQ_K: tl.constexpr, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr,
+                    EMPTY_ROWS: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                     EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
@@ -107,40 +116,53 @@ def _fwd_kernel_src(Q, K, V, SEG, RANGES, O, LSE,
     offs_q = start_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = Q + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
-    k_base = K + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
-    v_base = V + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
-    seg_base = SEG + b * SEQ
+    k_base = K + b * (SEQ_K * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    v_base = V + b * (SEQ_K * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    seg_base = SEGK + b * SEQ_K  # the keys' segment ids
+    pos_q = _shifted(offs_q, OFFS, SHIFT, DYN_SHIFT)  # query positions in key positions, for the causal mask
     if EVEN:
         q = tl.load(q_ptrs)
     else:
         q = tl.load(q_ptrs, mask=offs_q[:, None] < SEQ, other=0.0)
     lo = 0
-    hi = SEQ
+    hi = SEQ_K
     if HAS_SEG:
-        q_seg = tl.load(seg_base + offs_q, mask=offs_q < SEQ, other=-1)
+        q_seg = tl.load(SEG + b * SEQ + offs_q, mask=offs_q < SEQ, other=-1)
         # Only kv tiles whose segment ids can match this tile's (document masking skips the rest).
         range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_Q) + start_q) * 2
         lo = tl.load(range_ptr) * BLOCK_K
-        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_K, SEQ)
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_K, SEQ_K)
     else:
         q_seg = offs_q  # unused placeholder: HAS_SEG is a constexpr
     acc = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
     if CAUSAL:
-        # Keys below the tile's first query row need no causal mask; keys past its last row are skipped.
-        full_hi = tl.minimum(((start_q * BLOCK_Q + 1) // BLOCK_K) * BLOCK_K, hi)
-        diag_hi = tl.minimum((start_q + 1) * BLOCK_Q, hi)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, full_hi,
-                                   SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base,
-                                   tl.maximum(full_hi, lo), diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, True,
+        # Keys at or below the tile's first query position need no causal mask; keys past its last one are
+        # skipped (whole tiles hidden by the mask are never loaded).
+        first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
+        full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+        if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
+            # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
+            full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
+        diag_hi = tl.minimum(first + BLOCK_Q, hi)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, pos_q, k_base, v_base, seg_base, lo, full_hi,
+                                   SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, pos_q, k_base, v_base, seg_base,
+                                   tl.maximum(full_hi, lo), diag_hi, SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, True,
                                    EVEN, QK_SCALE, INPUT_PRECISION)
     else:
-        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
-                                   SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
-    out = acc / l_i[:, None]
-    lse = m_i + tl.math.log2(l_i)
+        acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, pos_q, k_base, v_base, seg_base, lo, hi,
+                                   SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
+    if EMPTY_ROWS:
+        # A row without a visible key kept m at MASK_VALUE (masked entries only) or -inf (no tile visited).
+        empty = m_i < 0.5 * _TL_MASK_VALUE
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = tl.where(empty[:, None], 0.0, acc / l_safe[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    else:
+        out = acc / l_i[:, None]
+        lse = m_i + tl.math.log2(l_i)
     o_ptrs = O + b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
     lse_ptrs = LSE + (b * H + h) * SEQ + offs_q
     if EVEN:
@@ -152,7 +174,7 @@ def _fwd_kernel_src(Q, K, V, SEG, RANGES, O, LSE,
 
 
 def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
-                  SEQ: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SEQ_K: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                   HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -164,16 +186,16 @@ def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base
             k = tl.load(k_base + ptrs)
             v = tl.load(v_base + ptrs)
         else:
-            k = tl.load(k_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
-            v = tl.load(v_base + ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
+            k = tl.load(k_base + ptrs, mask=offs_k[:, None] < SEQ_K, other=0.0)
+            v = tl.load(v_base + ptrs, mask=offs_k[:, None] < SEQ_K, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * QK_SCALE
         valid = tl.full((BLOCK_K,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_k[None, :] < SEQ)
+            valid = valid & (offs_k[None, :] < SEQ_K)
         if ON_DIAG:
             valid = valid & (offs_q[:, None] >= offs_k[None, :])
         if HAS_SEG:
-            k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ, other=-1)
+            k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ_K, other=-1)
             valid = valid & (q_seg[:, None] == k_seg[None, :])
         if (not EVEN) or ON_DIAG or HAS_SEG:
             s = tl.where(valid, s, _TL_MASK_VALUE)
@@ -184,8 +206,9 @@ def _dq_inner_src(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base
     return dq
 
 
-def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
-                   SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dq_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, DO, LSE, DELTA, DQ,
+                   SEQ: tl.constexpr, SEQ_K: tl.constexpr, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr,
+                   EMPTY_ROWS: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                    EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr):
@@ -201,9 +224,10 @@ def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
     offs_d = tl.arange(0, HEAD_DIM)
     row_ptrs = b * (SEQ * H * HEAD_DIM) + h * HEAD_DIM + offs_q[:, None] * (H * HEAD_DIM) + offs_d[None, :]
     stat_ptrs = (b * H + h) * SEQ + offs_q
-    k_base = K + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
-    v_base = V + b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM
-    seg_base = SEG + b * SEQ
+    k_base = K + b * (SEQ_K * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    v_base = V + b * (SEQ_K * KVH * HEAD_DIM) + kvh * HEAD_DIM
+    seg_base = SEGK + b * SEQ_K
+    pos_q = _shifted(offs_q, OFFS, SHIFT, DYN_SHIFT)
     if EVEN:
         q = tl.load(Q + row_ptrs)
         do = tl.load(DO + row_ptrs)
@@ -215,25 +239,29 @@ def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
         lse = tl.load(LSE + stat_ptrs, mask=offs_q < SEQ, other=0.0)
         delta = tl.load(DELTA + stat_ptrs, mask=offs_q < SEQ, other=0.0)
     lo = 0
-    hi = SEQ
+    hi = SEQ_K
     if HAS_SEG:
-        q_seg = tl.load(seg_base + offs_q, mask=offs_q < SEQ, other=-1)
+        q_seg = tl.load(SEG + b * SEQ + offs_q, mask=offs_q < SEQ, other=-1)
         range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_Q) + start_q) * 2
         lo = tl.load(range_ptr) * BLOCK_K
-        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_K, SEQ)
+        hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_K, SEQ_K)
     else:
         q_seg = offs_q
     dq = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     if CAUSAL:
-        full_hi = tl.minimum(((start_q * BLOCK_Q + 1) // BLOCK_K) * BLOCK_K, hi)
-        diag_hi = tl.minimum((start_q + 1) * BLOCK_Q, hi)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, lo, full_hi,
-                       SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, tl.maximum(full_hi, lo),
-                       diag_hi, SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
+        first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
+        full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+        if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
+            # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
+            full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
+        diag_hi = tl.minimum(first + BLOCK_Q, hi)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, pos_q, k_base, v_base, seg_base, lo, full_hi,
+                       SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, pos_q, k_base, v_base, seg_base, tl.maximum(full_hi, lo),
+                       diag_hi, SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, True, EVEN, QK_SCALE, INPUT_PRECISION)
     else:
-        dq = _dq_inner(dq, q, do, lse, delta, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
-                       SEQ, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, q_seg, pos_q, k_base, v_base, seg_base, lo, hi,
+                       SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, EVEN, QK_SCALE, INPUT_PRECISION)
     dq = dq * SM_SCALE
     if EVEN:
         tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty))
@@ -241,11 +269,13 @@ def _dq_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DQ,
         tl.store(DQ + row_ptrs, dq.to(DQ.dtype.element_ty), mask=offs_q[:, None] < SEQ)
 
 
-def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delta_base, seg_base, lo, hi,
-                    SEQ: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr, QK_SCALE: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, WANT_DK: tl.constexpr, WANT_DV: tl.constexpr):
-    # Transposed: rows are this program's keys, columns the visited queries.
+def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_k, pos_k, q_base, do_base, lse_base, delta_base, seg_base, lo, hi,
+                    SEQ: tl.constexpr, SEQ_K: tl.constexpr, H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, HAS_SEG: tl.constexpr, ON_DIAG: tl.constexpr, EVEN: tl.constexpr,
+                    QK_SCALE: tl.constexpr, INPUT_PRECISION: tl.constexpr, WANT_DK: tl.constexpr,
+                    WANT_DV: tl.constexpr):
+    # Transposed: rows are this program's keys, columns the visited queries. pos_k: the keys' positions in query
+    # positions (offs_k - shift), for the causal mask.
     offs_d = tl.arange(0, HEAD_DIM)
     for start_q in range(lo, hi, BLOCK_Q):
         start_q = tl.multiple_of(start_q, BLOCK_Q)
@@ -264,9 +294,9 @@ def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delt
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * QK_SCALE  # [BLOCK_K, BLOCK_Q]
         valid = tl.full((BLOCK_Q,), 1, tl.int1)[None, :]
         if not EVEN:
-            valid = valid & (offs_q[None, :] < SEQ) & (offs_k[:, None] < SEQ)
+            valid = valid & (offs_q[None, :] < SEQ) & (offs_k[:, None] < SEQ_K)
         if ON_DIAG:
-            valid = valid & (offs_q[None, :] >= offs_k[:, None])
+            valid = valid & (offs_q[None, :] >= pos_k[:, None])
         if HAS_SEG:
             q_seg = tl.load(seg_base + offs_q, mask=offs_q < SEQ, other=-1)
             valid = valid & (k_seg[:, None] == q_seg[None, :])
@@ -282,8 +312,9 @@ def _dkdv_inner_src(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delt
     return dk, dv
 
 
-def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
-                     SEQ: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _dkdv_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, DO, LSE, DELTA, DK, DV,
+                     SEQ: tl.constexpr, SEQ_K: tl.constexpr, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr,
+                     EMPTY_ROWS: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_SEG: tl.constexpr,
                      EVEN: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, SPLITS: tl.constexpr, WANT_DK: tl.constexpr,
@@ -299,19 +330,21 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
     PER_SPLIT: tl.constexpr = GROUP // SPLITS
     offs_k = start_k + tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, HEAD_DIM)
-    kv_ptrs = b * (SEQ * KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_k[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
+    kv_ptrs = b * (SEQ_K * KVH * HEAD_DIM) + kvh * HEAD_DIM + offs_k[:, None] * (KVH * HEAD_DIM) + offs_d[None, :]
     if EVEN:
         k = tl.load(K + kv_ptrs)
         v = tl.load(V + kv_ptrs)
     else:
-        k = tl.load(K + kv_ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
-        v = tl.load(V + kv_ptrs, mask=offs_k[:, None] < SEQ, other=0.0)
-    seg_base = SEG + b * SEQ
+        k = tl.load(K + kv_ptrs, mask=offs_k[:, None] < SEQ_K, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=offs_k[:, None] < SEQ_K, other=0.0)
+    seg_base = SEG + b * SEQ  # the queries' segment ids
+    neg = -_shifted(0, OFFS, SHIFT, DYN_SHIFT)
+    pos_k = offs_k + neg  # the keys in query positions: query i sees key j when i >= j - shift
     lo = 0
     hi = SEQ
     if HAS_SEG:
-        k_seg = tl.load(seg_base + offs_k, mask=offs_k < SEQ, other=-1)
-        range_ptr = RANGES + (b * tl.cdiv(SEQ, BLOCK_K) + tl.program_id(0)) * 2
+        k_seg = tl.load(SEGK + b * SEQ_K + offs_k, mask=offs_k < SEQ_K, other=-1)
+        range_ptr = RANGES + (b * tl.cdiv(SEQ_K, BLOCK_K) + tl.program_id(0)) * 2
         lo = tl.load(range_ptr) * BLOCK_Q
         hi = tl.minimum(tl.load(range_ptr + 1) * BLOCK_Q, SEQ)
     else:
@@ -319,9 +352,12 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
     dk = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_K, HEAD_DIM), tl.float32)
     if CAUSAL:
-        # Query tiles wholly before this kv tile are skipped; those wholly after it need no causal mask.
-        diag_lo = tl.maximum((start_k // BLOCK_Q) * BLOCK_Q, lo)
-        full_lo = tl.maximum(tl.minimum(((start_k + BLOCK_K - 1 + BLOCK_Q - 1) // BLOCK_Q) * BLOCK_Q, hi), lo)
+        # Query tiles wholly before this kv tile (in query positions) are skipped, never loaded; those wholly
+        # after it need no causal mask.
+        first = tl.maximum(start_k + neg, 0)
+        last = tl.maximum(start_k + neg + BLOCK_K - 1, 0)
+        diag_lo = tl.maximum((first // BLOCK_Q) * BLOCK_Q, lo)
+        full_lo = tl.maximum(tl.minimum(((last + BLOCK_Q - 1) // BLOCK_Q) * BLOCK_Q, hi), lo)
     else:
         diag_lo = lo
         full_lo = lo
@@ -333,27 +369,27 @@ def _dkdv_kernel_src(Q, K, V, SEG, RANGES, DO, LSE, DELTA, DK, DV,
         lse_base = LSE + (b * H + h) * SEQ
         delta_base = DELTA + (b * H + h) * SEQ
         # Unmasked tiles first, then the masked diagonal ones.
-        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delta_base, seg_base,
-                             full_lo, hi, SEQ, H, HEAD_DIM, BLOCK_Q, HAS_SEG, False, EVEN, QK_SCALE,
+        dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_k, pos_k, q_base, do_base, lse_base, delta_base,
+                             seg_base, full_lo, hi, SEQ, SEQ_K, H, HEAD_DIM, BLOCK_Q, HAS_SEG, False, EVEN, QK_SCALE,
                              INPUT_PRECISION, WANT_DK, WANT_DV)
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_k, q_base, do_base, lse_base, delta_base, seg_base,
-                                 diag_lo, full_lo, SEQ, H, HEAD_DIM, BLOCK_Q, HAS_SEG, True, EVEN, QK_SCALE,
-                                 INPUT_PRECISION, WANT_DK, WANT_DV)
+            dk, dv = _dkdv_inner(dk, dv, k, v, k_seg, offs_k, pos_k, q_base, do_base, lse_base, delta_base,
+                                 seg_base, diag_lo, full_lo, SEQ, SEQ_K, H, HEAD_DIM, BLOCK_Q, HAS_SEG, True, EVEN,
+                                 QK_SCALE, INPUT_PRECISION, WANT_DK, WANT_DV)
     dk = dk * SM_SCALE
     if SPLITS > 1:  # float32 partial sums, one slab per split: [SPLITS, B, S, KVH, D]
-        part = split.to(tl.int64) * (tl.num_programs(1) // SPLITS) * (SEQ * HEAD_DIM)
+        part = split.to(tl.int64) * (tl.num_programs(1) // SPLITS) * (SEQ_K * HEAD_DIM)
         kv_ptrs = kv_ptrs + part
     if WANT_DK:
         if EVEN:
             tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty))
         else:
-            tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_k[:, None] < SEQ)
+            tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=offs_k[:, None] < SEQ_K)
     if WANT_DV:
         if EVEN:
             tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty))
         else:
-            tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_k[:, None] < SEQ)
+            tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=offs_k[:, None] < SEQ_K)
 
 
 @functools.cache
@@ -369,6 +405,7 @@ def _kernels() -> types.SimpleNamespace:
     g["_fwd_inner"] = triton.jit(_fwd_inner_src)
     g["_dq_inner"] = triton.jit(_dq_inner_src)
     g["_dkdv_inner"] = triton.jit(_dkdv_inner_src)
+    g["_shifted"] = triton.jit(_shifted_src)
     return types.SimpleNamespace(
         fwd=triton.jit(_fwd_kernel_src), dq=triton.jit(_dq_kernel_src), dkdv=triton.jit(_dkdv_kernel_src)
     )
@@ -381,38 +418,51 @@ def _kernels() -> types.SimpleNamespace:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _ranges_arg(call: CallConfig, seg, kind: str):
+def _ranges_arg(call: CallConfig, seg, seg_k, kind: str):
     """The RANGES operand: document-mask tile ranges with segments, else a one-element dummy never read."""
     if call.has_segments:
-        return call.tile_ranges(seg, kind)
+        return call.tile_ranges(seg, kind, seg_k)
     return seg  # the [1] int32 dummy
 
 
-def run_forward(launch, call: CallConfig, q, k, v, seg):
-    """-> (o [B, S, H, D] in q's dtype, lse [B, H, S] float32 base 2). ``seg`` is int32 [B, S] or a dummy [1]."""
+def _operands(call: CallConfig, seg, seg_k, offs):
+    """(SEG, SEGK, OFFS): the queries' and keys' segment ids (seg_k None: seg) and the traced shift (offs None:
+    a dummy never read, the shift being static)."""
+    dummy = seg.reshape(-1)[:1]
+    return seg, seg if seg_k is None else seg_k, dummy if offs is None else offs
+
+
+def run_forward(launch, call: CallConfig, q, k, v, seg, seg_k=None, offs=None):
+    """-> (o [B, S, H, D] in call.out_dtype or q's, lse [B, H, S] float32 base 2, -inf for rows without a visible
+    key). ``seg`` is int32 [B, S] or a dummy [1]; seg_k int32 [B, Sk] (None: seg); offs int32 [1], the traced
+    q_offset - kv_offset (None: static, in ``call``)."""
     grid, meta, lp = call.forward()
-    o, lse = launch(_kernels().fwd, (q, k, v, seg, _ranges_arg(call, seg, "fwd")),
-                    [(q.shape, q.dtype), ((call.batch, call.heads, call.seq), np.float32)],
+    seg, seg_k, offs = _operands(call, seg, seg_k, offs)
+    o, lse = launch(_kernels().fwd, (q, k, v, seg, seg_k, _ranges_arg(call, seg, seg_k, "fwd"), offs),
+                    [(q.shape, call.out_dtype or q.dtype), ((call.batch, call.heads, call.seq), np.float32)],
                     grid, meta, lp.num_warps, lp.num_stages)
     return o, lse
 
 
-def run_backward(launch, call: CallConfig, q, k, v, seg, do, lse, delta):
-    """-> (dq, dk, dv). ``delta`` = rowsum(o * do) as float32 [B, H, S]."""
+def run_backward(launch, call: CallConfig, q, k, v, seg, do, lse, delta, seg_k=None, offs=None):
+    """-> (dq, dk, dv) in call.grad_dtype or the inputs' dtype. ``delta`` = rowsum(o * do) as float32 [B, H, S];
+    ``lse`` base 2, +inf (not -inf) for rows without a visible key so that their p is 0."""
     kern = _kernels()
     grid, meta, lp = call.dq()
-    (dq,) = launch(kern.dq, (q, k, v, seg, _ranges_arg(call, seg, "dq"), do, lse, delta), [(q.shape, q.dtype)],
-                   grid, meta, lp.num_warps, lp.num_stages)
-    inputs = (q, k, v, seg, _ranges_arg(call, seg, "dkdv"), do, lse, delta)
-    # With splits, float32 partial sums [splits, B, S, KVH, D] that XLA adds up.
-    outs = [(k.shape, k.dtype)] * 2 if call.splits == 1 else [((call.splits, *k.shape), np.float32)] * 2
+    seg, seg_k, offs = _operands(call, seg, seg_k, offs)
+    grad_dtype = call.grad_dtype or q.dtype
+    (dq,) = launch(kern.dq, (q, k, v, seg, seg_k, _ranges_arg(call, seg, seg_k, "dq"), offs, do, lse, delta),
+                   [(q.shape, grad_dtype)], grid, meta, lp.num_warps, lp.num_stages)
+    inputs = (q, k, v, seg, seg_k, _ranges_arg(call, seg, seg_k, "dkdv"), offs, do, lse, delta)
+    # With splits, float32 partial sums [splits, B, Sk, KVH, D] that XLA adds up.
+    outs = [(k.shape, grad_dtype)] * 2 if call.splits == 1 else [((call.splits, *k.shape), np.float32)] * 2
     dk = dv = None
     for grid, meta, lp in call.dkdv():  # a pass leaves the output it does not compute unwritten
         got = launch(kern.dkdv, inputs, outs, grid, meta, lp.num_warps, lp.num_stages)
         dk = got[0] if meta["WANT_DK"] else dk
         dv = got[1] if meta["WANT_DV"] else dv
     if call.splits > 1:
-        dk, dv = dk.sum(0).astype(k.dtype), dv.sum(0).astype(v.dtype)
+        dk, dv = dk.sum(0).astype(grad_dtype), dv.sum(0).astype(grad_dtype)
     return dq, dk, dv
 
 
@@ -453,53 +503,102 @@ def _jax_triton_launch(kernel, inputs, out_shapes, grid, meta, num_warps, num_st
 def _custom_vjp():
     import jax
 
-    from kernels.flash_pallas import named_forward, row_dot
+    from kernels.flash_pallas import LN2, LOG2E, backward_lse, named_forward, row_dot
 
-    def forward(q, k, v, seg, call):
-        return run_forward(_jax_triton_launch, call, q, k, v, seg)
+    def forward(q, k, v, seg, seg_k, offs, call):
+        return run_forward(_jax_triton_launch, call, q, k, v, seg, seg_k, offs)
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-    def attention(q, k, v, seg, call):
-        return forward(q, k, v, seg, call)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+    def attention(q, k, v, seg, seg_k, offs, call):
+        return forward(q, k, v, seg, seg_k, offs, call)[0]
 
-    def fwd(q, k, v, seg, call):
-        o, lse = named_forward(forward, q, k, v, seg, call)  # checkpoint names attn_out / attn_lse
-        return o, (q, k, v, seg, o, lse)
+    def fwd(q, k, v, seg, seg_k, offs, call):
+        o, lse = named_forward(forward, q, k, v, seg, seg_k, offs, call)  # checkpoint names attn_out / attn_lse
+        return o, (q, k, v, seg, seg_k, offs, o, lse)
 
     def bwd(call, res, do):
-        q, k, v, seg, o, lse = res
-        dq, dk, dv = run_backward(_jax_triton_launch, call, q, k, v, seg, do, lse, row_dot(o, do))
-        return dq, dk, dv, None
+        q, k, v, seg, seg_k, offs, o, lse = res
+        lse = backward_lse(lse) if call.empty_rows else lse
+        dq, dk, dv = run_backward(_jax_triton_launch, call, q, k, v, seg, do, lse, row_dot(o, do), seg_k, offs)
+        return dq, dk, dv, None, None, None
+
+    def fwd_entry(q, k, v, seg, seg_k, offs, call):
+        o, lse = forward(q, k, v, seg, seg_k, offs, call)
+        return o, lse * LN2  # natural log; -inf stays -inf
+
+    def bwd_entry(q, k, v, out, lse, do, seg, seg_k, offs, call):
+        lse2 = backward_lse(lse.astype("float32") * LOG2E)
+        return run_backward(_jax_triton_launch, call, q, k, v, seg, do, lse2, row_dot(out, do), seg_k, offs)
 
     attention.defvjp(fwd, bwd)
-    return jax.jit(attention, static_argnums=(4,))
+    return types.SimpleNamespace(attention=jax.jit(attention, static_argnums=(6,)),
+                                 fwd=jax.jit(fwd_entry, static_argnums=(6,)),
+                                 bwd=jax.jit(bwd_entry, static_argnums=(9,)))
 
 
-_attention = None
+_jitted = None
 
 
-def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
-                           **block_sizes):
-    """Triton flash attention via jax-triton. Inputs are assumed validated (see ``kernels.api.flash_attention``).
+def _prepare(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, sm_scale, block_sizes,
+             out_dtype=None, grad_dtype=None):
+    """-> (jitted functions, call config, seg, seg_k, offs) for a validated call; RuntimeError without a GPU."""
+    global _jitted
+    from kernels.flash_pallas import may_have_empty_rows, split_shift
 
-    Args:
-      q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim]; segment_ids: int [batch, seq].
-      block_sizes: fields of ``kernels.tiling.BlockSizes``.
-
-    Returns:
-      [batch, seq, heads, head_dim] in q's dtype. Raises RuntimeError when no GPU / triton / jax_triton.
-    """
-    global _attention
+    static_shift, offs = split_shift(q_offset, kv_offset) if causal else (0, None)
     call = call_config(q.shape, k.shape[2], q.dtype, causal=causal, sm_scale=sm_scale,
-                     has_segments=segment_ids is not None, block_sizes=block_sizes)
+                       has_segments=segment_ids is not None, block_sizes=block_sizes, seq_k=k.shape[1],
+                       shift=static_shift, empty_rows=may_have_empty_rows(causal, static_shift,
+                                                                          kv_segment_ids is not None),
+                       out_dtype=out_dtype, grad_dtype=grad_dtype)
     reason = availability_error()
     if reason:
         raise RuntimeError(reason)
     import jax.numpy as jnp
 
     _kernels()
-    if _attention is None:
-        _attention = _custom_vjp()
+    if _jitted is None:
+        _jitted = _custom_vjp()
     # jax-triton passes arrays only; a kernel without segments gets a one-element dummy it never reads.
     seg = jnp.zeros((1,), jnp.int32) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return _attention(q, k, v, seg, call)
+    seg_k = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
+    return _jitted, call, seg, seg_k, offs
+
+
+def flash_attention_triton(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
+                           kv_offset=0, sm_scale: float | None = None, **block_sizes):
+    """Triton flash attention via jax-triton. Inputs are assumed validated (see ``kernels.api.flash_attention``).
+
+    Args:
+      q: [batch, sq, heads, head_dim]; k, v: [batch, skv, kv_heads, head_dim]; segment_ids: int [batch, sq];
+      kv_segment_ids: int [batch, skv] (None: segment_ids); q_offset, kv_offset: ints or traced int32 scalars.
+      block_sizes: fields of ``kernels.tiling.BlockSizes``.
+
+    Returns:
+      [batch, sq, heads, head_dim] in q's dtype. Raises RuntimeError when no GPU / triton / jax_triton.
+    """
+    jitted, call, seg, seg_k, offs = _prepare(q, k, causal=causal, segment_ids=segment_ids,
+                                              kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+                                              kv_offset=kv_offset, sm_scale=sm_scale, block_sizes=block_sizes)
+    return jitted.attention(q, k, v, seg, seg_k, offs, call)
+
+
+def flash_attention_fwd_triton(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
+                               kv_offset=0, sm_scale: float | None = None, out_dtype=None, **block_sizes):
+    """-> (out [batch, sq, heads, head_dim], lse [batch, heads, sq] float32 natural log); see kernels.api."""
+    jitted, call, seg, seg_k, offs = _prepare(q, k, causal=causal, segment_ids=segment_ids,
+                                              kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+                                              kv_offset=kv_offset, sm_scale=sm_scale, block_sizes=block_sizes,
+                                              out_dtype=out_dtype)
+    return jitted.fwd(q, k, v, seg, seg_k, offs, call)
+
+
+def flash_attention_bwd_triton(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
+                               kv_segment_ids=None, q_offset=0, kv_offset=0, sm_scale: float | None = None,
+                               grad_dtype=None, **block_sizes):
+    """-> (dq, dk, dv) of this key block from the final out and lse; see kernels.api.flash_attention_bwd."""
+    jitted, call, seg, seg_k, offs = _prepare(q, k, causal=causal, segment_ids=segment_ids,
+                                              kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+                                              kv_offset=kv_offset, sm_scale=sm_scale, block_sizes=block_sizes,
+                                              grad_dtype=grad_dtype)
+    return jitted.bwd(q, k, v, out, lse, dout, seg, seg_k, offs, call)

@@ -436,7 +436,13 @@ BAD_INPUTS = [
     (_bad(k=jnp.zeros((1, 8, 3, 64)), v=jnp.zeros((1, 8, 3, 64))), r"heads=4 is not divisible by kv_heads=3"),
     (_bad(v=jnp.zeros((1, 8, 1, 64))), r"k and v must have the same shape"),
     (_bad(k=jnp.zeros((2, 8, 2, 64)), v=jnp.zeros((2, 8, 2, 64))), r"batch mismatch"),
-    (_bad(k=jnp.zeros((1, 9, 2, 64)), v=jnp.zeros((1, 9, 2, 64))), r"sequence mismatch"),
+    (_bad(k=jnp.zeros((1, 9, 2, 64)), v=jnp.zeros((1, 9, 2, 64)), segment_ids=jnp.zeros((1, 8), jnp.int32)),
+     r"segment_ids alone needs sq == skv"),
+    (_bad(segment_ids=jnp.zeros((1, 8), jnp.int32), kv_segment_ids=jnp.zeros((1, 7), jnp.int32)),
+     r"kv_segment_ids must have shape \[batch, skv\]"),
+    (_bad(kv_segment_ids=jnp.zeros((1, 8), jnp.int32)), r"kv_segment_ids needs segment_ids"),
+    (_bad(q_offset=1.5), r"q_offset must be an int"),
+    (_bad(kv_offset=jnp.zeros((2,), jnp.int32)), r"kv_offset must be an int or an integer scalar"),
     (_bad(k=jnp.zeros((1, 8, 2, 128)), v=jnp.zeros((1, 8, 2, 128))), r"head_dim mismatch"),
     (_bad(q=jnp.zeros((1, 8, 4, 48)), k=jnp.zeros((1, 8, 2, 48)), v=jnp.zeros((1, 8, 2, 48))),
      r"unsupported head_dim=48"),
@@ -513,13 +519,13 @@ TRITON_CASES = [
 TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in TRITON_CASES]
 
 
-def _triton_interpreter_errors() -> dict:
-    """Child-process side: run every TRITON_CASES call (forward and backward kernels) in Triton's interpreter on
-    numpy arrays; return {case id: {output name: error vs the oracle}}.
+def interpreter_launch():
+    """The ``launch`` callable of ``flash_triton.run_forward`` / ``run_backward`` for Triton's CPU interpreter, on
+    numpy arrays (child-process side: TRITON_INTERPRET=1 must be set before triton is imported, since Triton's own
+    library functions are wrapped at import).
 
-    Needs TRITON_INTERPRET=1 before triton is imported (Triton's own library functions are wrapped at import),
-    hence a child process. Patches two interpreter internals that assume torch tensors (host copies; numpy memory
-    is already host memory) and one numpy >= 2.4 incompatibility (int() of a one-element array as a loop bound).
+    Patches two interpreter internals that assume torch tensors (host copies; numpy memory is already host memory)
+    and one numpy >= 2.4 incompatibility (int() of a one-element array as a loop bound).
     """
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from triton.runtime import interpreter
@@ -547,6 +553,13 @@ def _triton_interpreter_errors() -> dict:
         kernel[grid](*map(Ptr, inputs), *map(Ptr, outs), **meta)
         return outs
 
+    return launch
+
+
+def _triton_interpreter_errors() -> dict:
+    """Child-process side: run every TRITON_CASES call (forward and backward kernels) in Triton's interpreter on
+    numpy arrays; return {case id: {output name: error vs the oracle}}."""
+    launch = interpreter_launch()
     results = {}
     for case, case_id in zip(TRITON_CASES, TRITON_CASE_IDS):
         dtype, b, s, h, kvh, d, causal, segments, blocks = case
