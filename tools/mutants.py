@@ -292,15 +292,15 @@ MUTANTS = [
            "mask = _and(mask, q_(q_pos) >= k_(k_pos))", "mask = _and(mask, q_(q_pos) > k_(k_pos))",
            (PALLAS_CAUSAL,), "a token does not attend to itself (first row all masked)"),
     Mutant("pallas-diagonal-tile-unmasked", "kernels", "kernels/flash_pallas.py",
-           "full = jnp.minimum(lax.div(q_block * block_q + 1, block_k), end)", "full = end",
+           "full = jnp.minimum(lax.div(first + 1, block_k), end)", "full = end",
            (PALLAS_CAUSAL,), "diagonal tiles treated as wholly visible: future keys leak"),
     Mutant("triton-fwd-causal-off-by-one", "kernels", "kernels/flash_triton.py",
            "valid = valid & (offs_q[:, None] >= offs_k[None, :])",
            "valid = valid & (offs_q[:, None] > offs_k[None, :])",
            (TRITON_CAUSAL,), "forward kernel's diagonal mask off by one", occurrences=2, nth=0),
     Mutant("triton-dkdv-causal-off-by-one", "kernels", "kernels/flash_triton.py",
-           "valid = valid & (offs_q[None, :] >= offs_k[:, None])",
-           "valid = valid & (offs_q[None, :] > offs_k[:, None])",
+           "valid = valid & (offs_q[None, :] >= pos_k[:, None])",
+           "valid = valid & (offs_q[None, :] > pos_k[:, None])",
            (TRITON_CAUSAL,), "dk/dv kernel's diagonal mask off by one"),
 ]
 
