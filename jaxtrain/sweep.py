@@ -14,6 +14,11 @@ An experiment file (YAML, read by ``schema.load_typed`` into :class:`ExperimentF
     overrides: [runtime.cpu_devices=8, train.steps=12]   # every run
     runs:                         # a list, or "all": every mesh the planner finds valid
       - {name: data8, overrides: [mesh.ici.data=8, mesh.ici.fsdp=1]}
+    remat: [none, full]           # optional: every run once per remat policy (model.remat)
+    microbatches: [1, 4]          # optional: ... and per microbatch count (train.microbatches)
+
+``remat`` and ``microbatches`` cross every run with each value (the planner's ``mesh.auto`` searches the same
+axes), so a user can check the planner's choice on their own cluster.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class ExperimentFile:
     dir: str | None = None  # default: runs/sweep-<name>
     overrides: list[str] | None = None  # every run
     runs: Any = "all"  # a list of {name, overrides}, or "all"
+    remat: list[str] | None = None  # every run once per model.remat policy
+    microbatches: list[int] | None = None  # every run once per train.microbatches count
 
 
 @dataclass
@@ -62,6 +69,7 @@ class Experiment:
     dir: str
     overrides: list[str]
     runs: list[RunSpec] | str  # or "all"
+    axes: list[list[tuple[str, str]]] = field(default_factory=list)  # [(name suffix, override)] per crossed axis
 
 
 @dataclass
@@ -135,7 +143,34 @@ def load_experiment(path: str, extra_overrides: Sequence[str] = (), directory: s
             pass  # not a shipped name either: reported as a missing file below
         if not os.path.isfile(config):
             raise ConfigError(f"experiment file {path!r}: config file {raw.config!r} does not exist")
-    return Experiment(name, config, directory or raw.dir or f"runs/sweep-{name}", common, runs)
+    return Experiment(name, config, directory or raw.dir or f"runs/sweep-{name}", common, runs,
+                      _crossed_axes(path, raw))
+
+
+def _crossed_axes(path: str, raw: ExperimentFile) -> list[list[tuple[str, str]]]:
+    """The ``remat`` and ``microbatches`` lists as [(run name suffix, override)] per axis."""
+    from jaxtrain.planner.auto import REMATS
+
+    axes = []
+    if raw.remat is not None:
+        bad = [r for r in raw.remat if r not in REMATS]
+        if not raw.remat or bad:
+            raise ConfigError(f"experiment file {path!r}: remat={raw.remat!r} must be a non-empty list of "
+                              f"{', '.join(REMATS)}")
+        axes.append([(f"remat_{r}", f"model.remat={r}") for r in raw.remat])
+    if raw.microbatches is not None:
+        if not raw.microbatches or not all(isinstance(k, int) and k >= 1 for k in raw.microbatches):
+            raise ConfigError(f"experiment file {path!r}: microbatches={raw.microbatches!r} must be a non-empty "
+                              "list of integers >= 1")
+        axes.append([(f"mb{k}", f"train.microbatches={k}") for k in raw.microbatches])
+    return axes
+
+
+def cross(runs: list[RunSpec], axes: list[list[tuple[str, str]]]) -> list[RunSpec]:
+    """Every run once per combination of the crossed axes' values, named ``<run>-<suffix>...``."""
+    for axis in axes:
+        runs = [RunSpec(f"{r.name}-{suffix}", r.overrides + [override]) for r in runs for suffix, override in axis]
+    return runs
 
 
 def _run_spec(index: int, raw: Any, common: list[str]) -> RunSpec:
@@ -153,13 +188,13 @@ def _run_spec(index: int, raw: Any, common: list[str]) -> RunSpec:
 def expand_runs(exp: Experiment) -> list[RunSpec]:
     """The experiment's runs; for ``all``, one per mesh the planner finds valid on the configured devices."""
     if not isinstance(exp.runs, str):
-        return list(exp.runs)
+        return cross(list(exp.runs), exp.axes)
     from jaxtrain.mesh import cpu_devices_per_process
     from jaxtrain.planner.search import enumerate_shapes
 
     cfg = load_config(exp.config, exp.overrides)
-    return [RunSpec(re.sub(r"[^A-Za-z0-9_.+-]+", "_", shape.label), exp.overrides + shape.overrides())
-            for shape in enumerate_shapes(cfg, cpu_devices_per_process(cfg), nodes=1)]
+    return cross([RunSpec(re.sub(r"[^A-Za-z0-9_.+-]+", "_", shape.label), exp.overrides + shape.overrides())
+                  for shape in enumerate_shapes(cfg, cpu_devices_per_process(cfg), nodes=1)], exp.axes)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -104,3 +104,24 @@ def test_sweep_cli_bad_input():
     proc = run_cli("sweep", "--config", "configs/experiments/missing.yaml")
     assert proc.returncode == 2 and proc.stderr.strip() == \
         "error: experiment file 'configs/experiments/missing.yaml' does not exist"
+
+
+def test_remat_and_microbatch_axes_cross_every_run(tmp_path):
+    exp = sweep.load_experiment(write(tmp_path, {
+        "overrides": ["runtime.cpu_devices=2"], "remat": ["none", "full"], "microbatches": [1, 2],
+        "runs": [{"name": "fsdp2", "overrides": ["mesh.ici.fsdp=2"]}]}))
+    runs = sweep.expand_runs(exp)
+    assert [r.name for r in runs] == ["fsdp2-remat_none-mb1", "fsdp2-remat_none-mb2", "fsdp2-remat_full-mb1",
+                                      "fsdp2-remat_full-mb2"]
+    cfg = load_config(exp.config, runs[3].overrides)
+    assert (cfg.model.remat, cfg.train.microbatches, cfg.mesh.ici.fsdp) == ("full", 2, 2)
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"remat": ["fast"]}, r"remat=\['fast'\] must be a non-empty list of none, save_matmuls, full"),
+    ({"microbatches": [0]}, r"microbatches=\[0\] must be a non-empty list of integers >= 1"),
+    ({"microbatches": []}, r"microbatches=\[\] must be a non-empty list"),
+])
+def test_bad_crossed_axes(tmp_path, body, expected):
+    with pytest.raises(ConfigError, match=expected):
+        sweep.load_experiment(write(tmp_path, body))
