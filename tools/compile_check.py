@@ -63,6 +63,10 @@ IMPLS = ("pallas", "triton")
 # Shape of the generic matrix's calls. seq 4093 (not a multiple of any tile) makes the kernels compile their
 # masked-load path, heads 16 / kv heads 4 makes them GQA kernels, and batch 2 splits the dk/dv launch.
 BATCH, SEQ, HEADS, KV_HEADS = 2, 4093, 16, 4
+# Ring-attention block calls (context parallelism): a query block of 2c tokens against a key block of c (zigzag's
+# load-balanced chunks), through flash_attention_fwd (float32 out) and flash_attention_bwd (float32 grads) with
+# traced offsets; odd lengths in the matrix (masked path), tile multiples in the CI's first ring case.
+RING_BATCH, RING_SEQ, RING_KV_SEQ = 1, 4093, 2045
 SHIPPED_CONFIGS = ("125m", "1b", "7b", "70b")
 CI_CONFIGS = ("1b", "7b", "70b")  # the training shapes the CI subset must compile
 GPUS_PER_NODE = 8  # the per-device shapes of config_cases are those of one 8-GPU node
@@ -82,11 +86,13 @@ class Case:
     seq: int = SEQ
     heads: int = HEADS
     kv_heads: int = KV_HEADS
-    source: str = "matrix"  # "matrix", or the shipped config the shape comes from
+    source: str = "matrix"  # "matrix", "ring", or the shipped config the shape comes from
+    kv_seq: int = 0  # > 0: a ring block call (queries [batch, seq], keys [batch, kv_seq], traced offsets)
 
     @property
     def shape(self) -> str:
-        return f"b{self.batch} s{self.seq} h{self.heads}/{self.kv_heads}"
+        kv = f"/{self.kv_seq}" if self.kv_seq else ""
+        return f"b{self.batch} s{self.seq}{kv} h{self.heads}/{self.kv_heads}"
 
     @property
     def label(self) -> str:
@@ -117,10 +123,17 @@ def config_cases(impls=IMPLS, names=SHIPPED_CONFIGS, odd_seq: bool = True) -> li
     return cases
 
 
+def ring_case(impl, dtype, head_dim, causal=True, segments=True, seq=RING_SEQ, kv_seq=RING_KV_SEQ) -> Case:
+    """A ring-attention block call: fwd + bwd entries, traced q/kv offsets, separate key segment ids."""
+    return Case(impl, dtype, head_dim, causal, segments, batch=RING_BATCH, seq=seq, kv_seq=kv_seq, source="ring")
+
+
 def full_matrix(impls=IMPLS) -> list[Case]:
-    """The shipped configs' calls (both sequence lengths) and the whole generic matrix."""
-    return config_cases(impls) + [Case(i, d, h, c, s) for i, d, h, c, s in
-                                  itertools.product(impls, DTYPES, HEAD_DIMS, (True, False), (True, False))]
+    """The shipped configs' calls (both sequence lengths), the whole generic matrix and the ring block calls
+    (every dtype and head dim, causal, with segments, odd lengths)."""
+    return (config_cases(impls) + [Case(i, d, h, c, s) for i, d, h, c, s in
+                                   itertools.product(impls, DTYPES, HEAD_DIMS, (True, False), (True, False))]
+            + [ring_case(i, d, h) for i, d, h in itertools.product(impls, DTYPES, HEAD_DIMS)])
 
 
 def ci_subset(impls=IMPLS) -> list[Case]:
@@ -129,7 +142,12 @@ def ci_subset(impls=IMPLS) -> list[Case]:
     both impls (the whole set takes over an hour on 2 cores: float32 kernels compile slowly)."""
     picks = [("bfloat16", 128, True, True), ("bfloat16", 32, False, False), ("float16", 256, True, False),
              ("float32", 64, True, True)]
-    return config_cases(impls, CI_CONFIGS, odd_seq=False) + [Case(i, *p) for i in impls for p in picks]
+    # Ring block calls: traced offsets, sq = 2 skv, the fwd / bwd entries; tile multiples with separate segments
+    # (a split dk/dv launch: 1 x 4 kv heads x 16 kv tiles), then the masked path without segments.
+    rings = [dict(dtype="bfloat16", head_dim=128, seq=4096, kv_seq=2048),
+             dict(dtype="bfloat16", head_dim=64, segments=False)]
+    return (config_cases(impls, CI_CONFIGS, odd_seq=False) + [Case(i, *p) for i in impls for p in picks]
+            + [ring_case(i, **r) for i in impls for r in rings])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -213,26 +231,38 @@ def _abstract_h200_mesh():
 
 
 def _lower_grad(case: Case) -> str:
-    """StableHLO text of grad(sum(flash_attention)) lowered for CUDA."""
+    """StableHLO text lowered for CUDA of grad(sum(flash_attention)), or for a ring block call (``kv_seq``) of
+    flash_attention_fwd then flash_attention_bwd with traced offsets and separate key segment ids."""
     import jax
     import jax.numpy as jnp
 
-    from kernels import flash_attention
+    from kernels import flash_attention, flash_attention_bwd, flash_attention_fwd
 
     dtype = jnp.dtype(case.dtype)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
-    kv = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((case.batch, case.kv_seq or case.seq, case.kv_heads, case.head_dim), dtype)
     seg = jax.ShapeDtypeStruct((case.batch, case.seq), jnp.int32) if case.segments else None
+    kv_seg = jax.ShapeDtypeStruct((case.batch, case.kv_seq), jnp.int32) if case.segments and case.kv_seq else None
 
     def loss(q, k, v, seg):
         out = flash_attention(q, k, v, causal=case.causal, segment_ids=seg, impl=case.impl,
                               **dict(case.block_sizes))
         return jnp.sum(out.astype(jnp.float32))
 
+    def ring_block(q, k, v, do, seg, kv_seg, offsets):
+        kw = dict(causal=case.causal, segment_ids=seg, kv_segment_ids=kv_seg, q_offset=offsets[0],
+                  kv_offset=offsets[1], impl=case.impl, **dict(case.block_sizes))
+        out, lse = flash_attention_fwd(q, k, v, out_dtype=jnp.float32, **kw)
+        return out, lse, flash_attention_bwd(q, k, v, out, lse, do, grad_dtype=jnp.float32, **kw)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # jax 0.11 deprecation warning of the Pallas Triton backend
         with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()):
-            lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg)
+            if case.kv_seq:
+                offsets = jax.ShapeDtypeStruct((2,), jnp.int32)
+                lowered = jax.jit(ring_block).trace(q, kv, kv, q, seg, kv_seg, offsets)
+            else:
+                lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg)
             return lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -326,7 +356,7 @@ def _launch_settings(case: Case) -> dict:
 
         return api.launch_settings((case.batch, case.seq, case.heads, case.head_dim), case.kv_heads, case.dtype,
                                    causal=case.causal, has_segments=case.segments, impl=case.impl,
-                                   **dict(case.block_sizes))
+                                   seq_k=case.kv_seq or None, **dict(case.block_sizes))
     except (ImportError, AttributeError):
         return {}
 
@@ -364,7 +394,7 @@ def analyse(case: Case, kernel: dict, workdir: str, settings: dict) -> dict:
     tiles = settings.get("dkdv" if kind in ("dk", "dv") else kind, {})
     row["tiles"] = f"{tiles['block_q']}x{tiles['block_k']}" if "block_q" in tiles else "?"
     if "block_q" in tiles:
-        row["even"] = case.seq % tiles["block_q"] == 0 and case.seq % tiles["block_k"] == 0
+        row["even"] = case.seq % tiles["block_q"] == 0 and (case.kv_seq or case.seq) % tiles["block_k"] == 0
         if kind in ("dkdv", "dk", "dv"):
             row["splits"] = _dkdv_splits(case, tiles["block_k"])
     row.update(warps=kernel["warps"], stages=kernel["stages"])
@@ -405,7 +435,7 @@ def _dkdv_splits(case: Case, block_k: int) -> int:
 
     forced = dict(case.block_sizes).get("dkdv_splits")
     group = case.heads // case.kv_heads
-    return forced or tiling.choose_splits(case.batch, case.seq, case.kv_heads, group, block_k)
+    return forced or tiling.choose_splits(case.batch, case.kv_seq or case.seq, case.kv_heads, group, block_k)
 
 
 def check_case(case: Case) -> list[dict]:
@@ -460,7 +490,9 @@ def _parse_args(argv):
     parser.add_argument("--impl", default=",".join(IMPLS), help="comma-separated: pallas, triton")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="parallel processes")
     parser.add_argument("--cases", default="", help="only these configurations, comma-separated "
-                        "IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg (e.g. triton:bfloat16:128:causal:seg) or "
+                        "IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg[:ring] (e.g. triton:bfloat16:128:causal:seg; "
+                        f":ring: a ring block call, q [{RING_BATCH}, {RING_SEQ}] against kv [{RING_BATCH}, "
+                        f"{RING_KV_SEQ}], fwd + bwd entries, traced offsets) or "
                         f"IMPL:CONFIG with CONFIG in {','.join(SHIPPED_CONFIGS)} (its training call at data.seq_len)")
     parser.add_argument("--list", action="store_true", help="print the configurations (JSON with --json) and exit "
                         "without compiling (needs no GPU toolchain)")
@@ -488,12 +520,17 @@ def _parse_case(spec: str, parser, blocks) -> Case:
     parts = spec.split(":")
     if len(parts) == 2 and parts[0] in IMPLS and parts[1] in SHIPPED_CONFIGS:
         return dataclasses.replace(config_cases((parts[0],), (parts[1],), odd_seq=False)[0], block_sizes=blocks)
-    ok = (len(parts) == 5 and parts[0] in IMPLS and parts[1] in DTYPES and parts[2].isdigit()
+    ring = len(parts) == 6 and parts[5] == "ring"
+    ok = ((len(parts) == 5 or ring) and parts[0] in IMPLS and parts[1] in DTYPES and parts[2].isdigit()
           and int(parts[2]) in HEAD_DIMS and parts[3] in ("causal", "full") and parts[4] in ("seg", "noseg"))
     if not ok:
-        parser.exit(2, f"compile_check: case {spec!r} is not valid; use IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg "
+        parser.exit(2, f"compile_check: case {spec!r} is not valid; use IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg"
+                       "[:ring] "
                        f"with IMPL in {IMPLS}, DTYPE in {DTYPES}, HEAD_DIM in {HEAD_DIMS}, or IMPL:CONFIG with "
                        f"CONFIG in {SHIPPED_CONFIGS}\n")
+    if ring:
+        return dataclasses.replace(ring_case(parts[0], parts[1], int(parts[2]), parts[3] == "causal",
+                                             parts[4] == "seg"), block_sizes=blocks)
     return Case(parts[0], parts[1], int(parts[2]), parts[3] == "causal", parts[4] == "seg", blocks)
 
 
@@ -543,7 +580,8 @@ def main(argv=None) -> int:
 
         print(f"sm_90a compile check: jax {jax.__version__}, triton {triton.__version__}, abstract NVIDIA H200, "
               f"smem limit {SMEM_LIMIT} B; shape: q [batch, seq, heads, d] / kv heads (matrix cases: "
-              f"b{BATCH} s{SEQ} h{HEADS}/{KV_HEADS}; config cases: one device of an 8-GPU node)")
+              f"b{BATCH} s{SEQ} h{HEADS}/{KV_HEADS}; config cases: one device of an 8-GPU node; ring cases: "
+              "q seq / kv seq, fwd + bwd entries with traced offsets)")
         print(markdown_table(rows))
         print(f"{len(rows)} kernels in {len(cases)} configurations, {len(failed)} failing, {elapsed:.0f} s")
     return 1 if failed else 0
