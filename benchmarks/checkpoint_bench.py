@@ -3,9 +3,11 @@
     python benchmarks/checkpoint_bench.py [key=value ...]     (default: configs/125m.yaml's train state on CPU)
 
 1. Blocking time of one save of the full train state (parameters + AdamW moments), asynchronous vs synchronous:
-   how long `save()` holds the loop, and how long the write takes in all.
+   how long `save()` holds the loop, and how long the write takes in all; into the persistent directory (a
+   temporary directory under BENCH_DIR, default the system's) and into a host-local RAM disk (LOCAL_DIR, default
+   /dev/shm when it exists), the kind of directory a local (emergency) checkpoint would use.
 2. End-to-end: the same short run with a checkpoint every N steps versus only at the end; the final save and its
-   wait are outside the compared window (the sum of step times).
+   wait are outside the compared window (the sum of step times). SAVES_ONLY=1 skips this part.
 """
 
 import os
@@ -38,21 +40,27 @@ def main(argv):
         state = trainer.layout.init_state()
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         rows = []
-        for async_save in (True, False):
-            c = load_config("configs/125m.yaml", [f"run.dir={tmp}/save-{async_save}", *overrides,
-                                                  f"checkpoint.async_save={str(async_save).lower()}"])
-            saver = ckpt.Checkpointer(c, {"benchmark": True})
-            blocked, total = [], []
-            for step in range(1, REPEATS + 1):
-                t0 = time.perf_counter()
-                blocked.append(saver.save(step, state, {"next_index": step}))
-                saver.wait()
-                total.append(time.perf_counter() - t0)
-            saver.close()
-            rows.append((async_save, statistics.median(blocked), statistics.median(total)))
+        local = os.environ.get("LOCAL_DIR", "/dev/shm" if os.path.isdir("/dev/shm") else "")
+        places = [("persistent", tmp)] + ([("local", local)] if local else [])
+        for where, root in places:
+            with tempfile.TemporaryDirectory(dir=root) as into:
+                for async_save in (True, False):
+                    c = load_config("configs/125m.yaml", [f"run.dir={tmp}/save-{where}-{async_save}", *overrides,
+                                                          f"checkpoint.dir={into}/{async_save}",
+                                                          f"checkpoint.async_save={str(async_save).lower()}"])
+                    saver = ckpt.Checkpointer(c, {"benchmark": True})
+                    blocked, total = [], []
+                    for step in range(1, REPEATS + 1):
+                        t0 = time.perf_counter()
+                        blocked.append(saver.save(step, state, {"next_index": step}))
+                        saver.wait()
+                        total.append(time.perf_counter() - t0)
+                    saver.close()
+                    rows.append((f"{where} ({root})", async_save, statistics.median(blocked),
+                                 statistics.median(total)))
 
         runs = {}
-        for label, n in ((f"every {every}", every), ("end only", 0)):
+        for label, n in ((f"every {every}", every), ("end only", 0)) if not os.environ.get("SAVES_ONLY") else ():
             c = load_config("configs/125m.yaml", [f"run.dir={tmp}/run-{n}", *overrides, f"train.steps={steps}",
                                                   f"checkpoint.every={n}"])
             result = loop.train(c)
@@ -60,10 +68,12 @@ def main(argv):
 
     print(f"\nmachine: {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "
           f"train state {nbytes / 1e9:.2f} GB (125M parameters + AdamW moments, float32)")
-    print(f"| save | loop blocked (median of {REPEATS}) | save complete |")
-    print("| --- | --- | --- |")
-    for async_save, blocked, total in rows:
-        print(f"| {'async' if async_save else 'sync'} | {blocked:.3f} s | {total:.3f} s |")
+    print(f"| directory | save | loop blocked (median of {REPEATS}) | save complete |")
+    print("| --- | --- | --- | --- |")
+    for where, async_save, blocked, total in rows:
+        print(f"| {where} | {'async' if async_save else 'sync'} | {blocked:.3f} s | {total:.3f} s |")
+    if not runs:
+        return
     base = runs["end only"][0]
     print(f"\n{steps} steps (sum of step times, steps 2-{steps}):")
     for label, (total, median, blocks) in runs.items():

@@ -36,6 +36,7 @@ from jaxtrain.checkpoint_io import (
     make_manager,
     partial_restore,
     reason,
+    save_in_flight,
     saved_tree,
 )
 from jaxtrain.config import Config, to_dict
@@ -424,6 +425,10 @@ class Checkpointer:
                                   "non-finite values (the previous checkpoints are intact)")
         meta = {**self._meta, "step": step, "data_iterator": data_iterator_state, "time": time.time(),
                 "fingerprint": sums}
+        while save_in_flight(self._manager):  # see save_in_flight: a failed write must not wait on its peers
+            self.raise_if_failed()
+            time.sleep(0.01)
+        self.raise_if_failed()
         try:
             self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                              meta=ocp.args.JsonSave(meta)), force=True)

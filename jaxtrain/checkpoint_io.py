@@ -101,6 +101,23 @@ def background_failure(manager: ocp.CheckpointManager) -> BaseException | None:
     return None
 
 
+def save_in_flight(manager: ocp.CheckpointManager) -> bool:
+    """True while the manager's previous save is still being finalised in the background.
+
+    A new ``manager.save`` first joins that save, and with several processes the join can wait on a peer forever
+    (until Orbax's barrier timeout, minutes): a process whose own write failed sits in Orbax's end-of-save barrier,
+    waiting for peers that wait for its write. Waiting here instead, while looking for this process's own write
+    failure (:func:`background_failure`), lets the failed process stop at once. Reads Orbax internals (0.12)
+    defensively: where their shape differs it says False and ``manager.save`` joins as before.
+    """
+    ref = getattr(manager, "_finalize_thread", None)
+    try:
+        thread = ref.get() if ref is not None else None
+    except Exception:  # another Orbax version's shape
+        return False
+    return bool(thread is not None and thread.is_alive())
+
+
 @jax.jit
 def _fingerprint(state: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(every floating-point value finite, {leaf name: wrapping uint32 sum of the leaf's bit patterns}).

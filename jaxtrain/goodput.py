@@ -5,8 +5,9 @@ Every moment belongs to exactly one category, so the fractions add up to 1:
 - ``startup``: process start (from the OS's record of it), imports, JAX and the coordination service, data, restore;
 - ``compilation``: compiling the train and eval steps;
 - ``productive``: training steps that no earlier invocation of this run had already done;
-- ``restarts``: steps recomputed after a resume, i.e. steps at or below the highest step the run's own history
-  (``run.dir/metrics.jsonl``, written before the previous invocation died) already holds;
+- ``restarts``: the work lost to the fault that ended the previous invocation: steps recomputed after a resume,
+  i.e. steps at or below the highest step the run's own history (``run.dir/metrics.jsonl``, written before the
+  previous invocation died) already holds (``summary.json``'s ``lost_work`` has the step count and seconds);
 - ``checkpoint``: the time saves held the loop, and the final wait for background saves;
 - ``evaluation``: the eval loss computations;
 - ``other``: everything else (writing the summary, closing files).
@@ -102,6 +103,14 @@ class Goodput:
         global _previous_end
         self.switch("other")
         _previous_end = time.time()
+
+    def lost_work(self) -> dict:
+        """``summary.json``'s ``lost_work``: what the fault before this invocation cost in recomputation: ``steps``
+        recomputed, their ``seconds`` (the ``restarts`` category), and ``fault_after_step``, the last step the
+        earlier invocation logged (0: no earlier invocation). Start-up and compilation of the restart are in their
+        own categories."""
+        return {"steps": self.recomputed_steps, "seconds": self.totals()["restarts"],
+                "fault_after_step": self.previous_last_step}
 
     def summary(self) -> dict:
         """``summary.json``'s ``goodput``: category -> fraction of wall time (``fractions``)."""

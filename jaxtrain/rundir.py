@@ -134,6 +134,7 @@ class Summary:
     goodput: dict  # category -> fraction of this invocation's wall time
     goodput_wall_seconds: float
     recomputed_steps: int
+    lost_work: dict = dataclasses.field(default_factory=dict)  # goodput's lost_work: steps, seconds, fault_after_step
 
     def write(self, run_dir: str) -> None:
         with open(path(run_dir, SUMMARY), "w") as f:

@@ -390,3 +390,18 @@ def test_checkpoint_fingerprint_matches_numpy_on_any_mesh(dtype):
         assert finite and sums == {"w": expected, "step": 7}
     finite, _ = ckpt.fingerprint({"w": x.at[5, 5].set(np.nan)})
     assert not finite
+
+
+def test_goodput_counts_the_work_a_fault_lost_in_its_own_bucket():
+    from jaxtrain.goodput import Goodput
+
+    g = Goodput(start_time=time.time(), previous_last_step=7)  # the faulted invocation had logged step 7
+    for step in range(5, 10):  # restored from step 4: steps 5-7 are recomputed, 8-9 are new
+        g.step(step)
+        time.sleep(0.01)
+    lost = g.lost_work()
+    assert lost["steps"] == 3 and lost["fault_after_step"] == 7
+    totals = g.totals()
+    assert lost["seconds"] == pytest.approx(totals["restarts"], abs=0.005) and 0.025 < lost["seconds"] < 1
+    assert totals["productive"] > 0.015
+    assert Goodput(previous_last_step=0).lost_work() == {"steps": 0, "seconds": 0.0, "fault_after_step": 0}
