@@ -34,6 +34,7 @@ def run_check(python, *args, timeout=900):
     (["--subset", "most"], "--subset 'most' is not valid"),
     (["--impl", "cuda"], "--impl 'cuda' is not valid"),
     (["--cases", "triton:bfloat16:96:causal:seg"], "case 'triton:bfloat16:96:causal:seg' is not valid"),
+    (["--cases", "pallas:bfloat16:64:causal:seg:rings"], "case 'pallas:bfloat16:64:causal:seg:rings' is not valid"),
     (["--blocks", "block_q=big"], "--blocks 'block_q=big' is not valid"),
     (["--jobs", "0"], "--jobs 0 is not valid"),
 ])
@@ -108,13 +109,31 @@ def test_cases_come_from_the_shipped_configs():
                                     tiling.default_launch("dkdv", c.dtype, c.head_dim).block_k) > 1 for c in matrix)
 
 
+def test_ring_block_calls_are_in_the_ci_subset_and_the_full_matrix():
+    """The ring-attention block calls (fwd + bwd entries, traced offsets, sq != skv) are checked in CI for both impls,
+    with separate key segments on the tile-multiple path and without segments on the masked path; the full matrix
+    has one per impl, dtype and head dim."""
+    tool = _load_tool()
+    rings = [c for c in tool.ci_subset() if c.source == "ring"]
+    assert sorted(c.impl for c in rings) == ["pallas", "pallas", "triton", "triton"]
+    for impl in ("pallas", "triton"):
+        mine = [c for c in rings if c.impl == impl]
+        assert all(c.kv_seq and c.kv_seq != c.seq and c.causal for c in mine)
+        assert any(c.segments and c.seq % 128 == 0 and c.kv_seq % 128 == 0 for c in mine)  # the EVEN path
+        assert any(not c.segments and c.seq % 16 and c.kv_seq % 16 for c in mine)  # masked loads
+    full = {(c.impl, c.dtype, c.head_dim) for c in tool.full_matrix() if c.source == "ring"}
+    assert full == {(i, d, h) for i in tool.IMPLS for d in tool.DTYPES for h in tool.HEAD_DIMS}
+
+
 def test_list_prints_the_cases_without_a_toolchain(capsys):
-    assert _load_tool().main(["--list", "--cases", "triton:70b,pallas:bfloat16:32:causal:noseg"]) == 0
+    assert _load_tool().main(["--list", "--cases", "triton:70b,pallas:bfloat16:32:causal:noseg,"
+                                                   "triton:float16:64:causal:seg:ring"]) == 0
     lines = capsys.readouterr().out.splitlines()
     head_dim, heads, kv_heads, seq = _yaml_model("70b")
     assert lines[0].startswith(f"triton bfloat16 d{head_dim} causal ")
     assert lines[0].endswith(f" s{seq} h{heads}/{kv_heads} (70b)")
     assert lines[1] == "pallas bfloat16 d32 causal b2 s4093 h16/4 (matrix)"
+    assert lines[2] == "triton float16 d64 causal seg b1 s4093/2045 h16/4 (ring)"
 
 
 def _three_kernels_of_each_impl(cases: str) -> list[dict]:
@@ -142,6 +161,14 @@ def test_sixteen_bit_kernels_of_both_impls_pass():
         assert not r["problems"], r
         assert r["wgmma"] > 0 and r["spill_bytes"] == 0 and 0 < r["smem"] <= 227 * 1024, r
         assert r["registers"] and r["registers"] <= 255, r
+
+
+@needs_toolchain
+def test_ring_block_kernels_of_both_impls_pass():
+    """The fwd / bwd entries with traced offsets, sq != skv and separate key segments compile without spills."""
+    for r in _three_kernels_of_each_impl("pallas:bfloat16:128:causal:seg:ring,triton:bfloat16:128:causal:seg:ring"):
+        assert r["case"] == "ring" and not r["problems"], r
+        assert r["wgmma"] > 0 and r["spill_bytes"] == 0, r
 
 
 @needs_toolchain
