@@ -65,8 +65,10 @@ class Candidate:
         """``cfg`` with this layout as concrete values and ``mesh.auto`` false: reproducible without the planner."""
         c = self.shape.apply(cfg)
         return dataclasses.replace(
-            c, mesh=dataclasses.replace(c.mesh, auto=False), model=dataclasses.replace(c.model, remat=self.remat),
-            train=dataclasses.replace(c.train, microbatches=self.microbatches, pipeline_schedule=self.schedule))
+            c, mesh=dataclasses.replace(c.mesh, auto=False),
+            model=dataclasses.replace(c.model, remat=self.remat),  # type: ignore[arg-type]  # one of REMATS
+            train=dataclasses.replace(c.train, microbatches=self.microbatches,
+                                      pipeline_schedule=self.schedule))  # type: ignore[arg-type]
 
     def overrides(self) -> list[str]:
         return [*self.shape.overrides(), f"model.remat={self.remat}", f"train.microbatches={self.microbatches}",
@@ -149,11 +151,25 @@ def _from_json(d: dict) -> search.Compiled:
                            d["compile_s"])
 
 
+def cache_path(cache_dir: str, cfg: Config, shape: MeshShape, devices: list) -> str:
+    return os.path.join(cache_dir, cache_key(shape.apply(cfg), devices[:shape.num_devices]) + ".json")
+
+
+def store(path: str, comp: search.Compiled) -> None:
+    """Write one reading to the cache (process 0; never a half-written entry)."""
+    import jax
+
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(_to_json(comp), f)
+        os.replace(f"{path}.tmp", path)
+
+
 def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str | None
                    ) -> tuple[search.Compiled, bool]:
     """The compiled step's reading for ``cfg`` on ``shape`` and whether it came from the cache."""
-    path = os.path.join(cache_dir, cache_key(shape.apply(cfg), devices[:shape.num_devices]) + ".json") \
-        if cache_dir else None
+    path = cache_path(cache_dir, cfg, shape, devices) if cache_dir else None
     if path and os.path.isfile(path):
         try:
             with open(path) as f:
@@ -162,13 +178,7 @@ def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str 
             pass  # a damaged entry is compiled again and rewritten
     comp = search.compile_step(cfg, shape, devices)
     if path:
-        import jax
-
-        if jax.process_index() == 0:
-            os.makedirs(cache_dir, exist_ok=True)  # type: ignore[arg-type]
-            with open(f"{path}.tmp", "w") as f:
-                json.dump(_to_json(comp), f)
-            os.replace(f"{path}.tmp", path)
+        store(path, comp)
     return comp, False
 
 

@@ -126,4 +126,4 @@ def apply(hw: Hardware, body: dict | None, source: str = "", compute_dtype: str 
     if latencies:
         values["collective_latency"] = max(latencies)
     measured = tuple(f for f in FIGURES if f in values)
-    return Calibrated(dataclasses.replace(hw, **values), measured, source)
+    return Calibrated(dataclasses.replace(hw, **values), measured, source)  # type: ignore[arg-type]

@@ -254,3 +254,46 @@ def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
         t += 3 * layers * micro * (c - 1) * kv / rate["context"]  # forward, backward's K/V and their gradients
         count += 3 * layers * micro * (c - 1)
     return t + count * hw.collective_latency
+
+
+def context_parallel(cfg: Config, shape: MeshShape, hw: Hardware) -> dict:
+    """Closed-form figures of context parallelism (ring attention over the ``context`` axis) per device and step.
+
+    - ring K/V bytes per layer per link: each device's K and V block (seq / C tokens, its kv heads, 16 or 32 bits)
+      passes C - 1 hops in the forward; the backward passes K/V again and their gradients: 3 (C - 1) blocks;
+    - compute: model FLOPs per device; causal attention with contiguous chunks gives chunk i (of C) i + 1/2 blocks
+      of work, so the last device does (C - 1/2) / (C / 2) = 2 - 1/C times the average attention work; with load
+      balancing (each device two chunks, i and 2C - 1 - i, the zigzag order) every device does the average;
+    - memory: ``state_bytes_lower`` + ``activation_bytes`` (the estimate), on seq / C tokens a device.
+    """
+    m, s = cfg.model, shape.axis_sizes
+    c = s.get("context", 1)
+    rows, seq = _rows_and_seq(cfg, shape)
+    act = _dtype_bytes(m.dtype)
+    kv_block = 2 * rows * seq * m.n_kv_heads / s["tensor"] * m.resolved_head_dim * act
+    ring_per_layer = 3 * (c - 1) * kv_block
+    link = hw.inter_node_bandwidth if dict(zip(MESH_AXES, shape.dcn)).get("context", 1) > 1 else \
+        hw.intra_node_bandwidth
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    rate = hw.peak_flops * hw.compute_efficiency
+    per_dev = train_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
+    attn = attention_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
+    layers = m.n_layers / s["stage"]
+    return {"context": c, "ring_bytes_per_layer": ring_per_layer, "ring_s_per_layer": ring_per_layer / link,
+            "compute_s_per_layer": per_dev / rate / layers, "compute_s_balanced": per_dev / rate,
+            "compute_s_unbalanced": (per_dev + attn * (1 - 1 / c)) / rate,
+            "memory_bytes": state_bytes_lower(cfg, shape) + activation_bytes(cfg, shape)[1]}
+
+
+def context_table(cfg: Config, shapes: list[MeshShape], hw: Hardware) -> str:
+    """:func:`context_parallel` for each mesh, as a markdown table (docs/planning.md)."""
+    lines = ["| mesh | ring K/V per layer per link | its time on the link | compute per layer | step compute, "
+             "balanced | unbalanced (last device) | memory per device (estimate) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for shape in shapes:
+        f = context_parallel(cfg, shape, hw)
+        label = shape.label.replace(" | ", " x ")  # a markdown cell
+        lines.append(f"| {label} | {f['ring_bytes_per_layer'] / 1e9:.2f} GB | {f['ring_s_per_layer'] * 1e3:.1f} "
+                     f"ms | {f['compute_s_per_layer'] * 1e3:.0f} ms | {f['compute_s_balanced']:.2f} s | "
+                     f"{f['compute_s_unbalanced']:.2f} s | {f['memory_bytes'] / 1e9:.1f} GB |")
+    return "\n".join(lines)

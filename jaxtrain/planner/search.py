@@ -144,11 +144,15 @@ def compile_step(cfg: Config, shape: MeshShape, devices: list) -> Compiled:
 
 
 def _compile(step) -> Compiled:
+    return reading(step, *compile_train_step(step))
+
+
+def reading(step, train, seconds: float) -> Compiled:
+    """What the planner reads off ``train``, the compiled train step of ``step`` (memory, collectives)."""
     from jaxtrain.layout import compiled_need
 
     layout = step.layout
     params, opt = layout.state_bytes
-    train, seconds = compile_train_step(step)
     need, text = compiled_need(train), train.as_text()
     if need is None or text is None:  # a backend without them cannot be planned on
         raise RuntimeError("the compiled step offers no memory analysis or HLO text on this backend")
