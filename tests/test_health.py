@@ -161,3 +161,25 @@ def test_verdict_shares_are_validated_once_at_config_time(make_config, key):
     with pytest.raises(ConfigError, match=rf"^check\.{key}=1\.5 must be in \[0, 1\]$"):
         make_config(f"check.{key}=1.5")
     assert getattr(make_config(f"check.{key}=1").check, key) == 1.0
+
+
+@pytest.mark.slow  # ~4 s of CPU (16 collective compiles)
+def test_check_writes_a_calibration_the_planner_reads(make_config, capsys):
+    """check on 8 CPU devices (fsdp8) saves its median matmul rate (per device: emulated devices share the cores),
+    the fsdp axis' all-reduce bus bandwidth and latency; the plan takes those figures and says they are measured."""
+    from jaxtrain.planner import calibration
+    from jaxtrain.planner.measure import measure_cpu
+
+    cfg = make_config("check.sizes_mb=[0.0625,1]", "check.iters=2", "check.matmul_size=128")
+    health.run(cfg)
+    path = calibration.in_run_dir(cfg.run.dir)
+    assert path is not None and f"calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}" \
+        in capsys.readouterr().out
+    body = calibration.read(path)
+    assert body["device_kind"] == "cpu" and body["devices"] == 8 and set(body["axes"]) == {"fsdp"}
+    fsdp = body["axes"]["fsdp"]
+    assert fsdp["devices"] == 8 and not fsdp["crosses_hosts"] and fsdp["busbw_gbps"] > 0
+    cal = calibration.apply(measure_cpu(jax.devices(), seconds=0.05), body, path, "float32")
+    assert cal.hw.peak_flops == body["matmul_gflops"]["float32"] * 1e9
+    assert cal.hw.intra_node_bandwidth == fsdp["busbw_gbps"] * 1e9
+    assert "peak_flops, intra_node_bandwidth" in cal.note("the devices at hand")
