@@ -62,7 +62,8 @@ def scraper(stop: threading.Event, log_path: str) -> None:
 def one_run(name: str, steps: int, tmp: str, i: int) -> float:
     run_dir = os.path.join(tmp, f"{i}-{name.split()[0]}")
     cfg = load_config(None, [f"run.dir={run_dir}", f"train.steps={steps}", "train.eval_every=0", "train.log_every=50",
-                             "checkpoint.every=0", "observe.straggler_every=0", *CONFIGS[name]])
+                             "checkpoint.every=0", "observe.straggler_every=0", "observe.prometheus_linger_s=0",
+                             *CONFIGS[name]])
     stop = threading.Event()
     t = threading.Thread(target=scraper, args=(stop, os.path.join(run_dir, "logs", "process_0.log")), daemon=True)
     t.start()
@@ -84,7 +85,7 @@ def hook_costs(tmp: str, n: int = 2000) -> dict[str, float]:
     from jaxtrain.metrics import Throughput
 
     cfg = load_config(None, [f"run.dir={tmp}/hooks", "observe.prometheus_port=0", "observe.straggler_every=0",
-                             "observe.collective_probe_every=1"])
+                             "observe.collective_probe_every=1", "observe.prometheus_linger_s=0"])
     layout = Layout.build(cfg, jax.devices()[:2])
     obs = observe.Observer(layout, cfg.run.dir, Throughput(2048, 1e9, layout.num_devices, None))
     probe, obs.probe = obs.probe, None
@@ -92,7 +93,9 @@ def hook_costs(tmp: str, n: int = 2000) -> dict[str, float]:
     t0 = time.perf_counter()
     for step in range(1, n + 1):
         t_begin = obs.step_begin(step)
-        obs.step_dispatched(step, t_begin, t_begin)
+        obs.step_dispatched(step, t_begin, t_begin, time.perf_counter())
+        t_wait = time.perf_counter()
+        obs.waited(t_wait, time.perf_counter())
         obs.report(step, values, 0.03, logged=step % 10 == 0)
         obs.step_end(step, None)
     per_step = (time.perf_counter() - t0) / n
@@ -104,7 +107,27 @@ def hook_costs(tmp: str, n: int = 2000) -> dict[str, float]:
         probe.maybe_run(1, x)
         runs.append(time.perf_counter() - t0)
     obs.close()
-    return {"hooks per step (endpoint on)": per_step, "one probe (2 devices, 1 MiB)": statistics.median(runs)}
+    return {"hooks per step (endpoint on)": per_step, "one probe (2 devices, 1 MiB)": statistics.median(runs),
+            "stall clock, share of a Python-bound main thread": stall_clock_share()}
+
+
+def stall_clock_share(rounds: int = 5) -> float:
+    """The fraction of a pure-Python main thread's time the straggler watch's StallClock thread (on with several
+    processes: it wakes every 5 ms and takes the GIL) costs: the same work timed with and without it, interleaved."""
+    from jaxtrain.observe import StallClock
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        sum(i * i for i in range(2_000_000))
+        return time.perf_counter() - t0
+
+    off, on = [], []
+    for _ in range(rounds):
+        off.append(work())
+        clock = StallClock()
+        on.append(work())
+        clock.close()
+    return statistics.median(on) / statistics.median(off) - 1
 
 
 EXCHANGE = """
@@ -118,7 +141,8 @@ with socket.socket() as s:
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0,
                            coordinator_bind_address=f"127.0.0.1:{port}")
 client = _kv_client()
-payload = json.dumps({"host": 0.0123, "data": 0.001, "device": 0.02, "first": 1, "last": 100})
+payload = json.dumps({"own": 0.0123, "data": 0.001, "wait": 0.02, "cycle": 0.0323, "stalled": 0.0, "first": 1,
+                      "last": 100})
 n = int(sys.argv[1])
 t0 = time.perf_counter()
 for step in range(n):
@@ -163,7 +187,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         for name, seconds in hook_costs(tmp).items():
-            print(f"{name}: {seconds * 1e6:.0f} us")
+            print(f"{name}: {seconds * 100:.2f}%" if "share" in name else f"{name}: {seconds * 1e6:.0f} us")
         for r in range(0 if a.hooks_only else a.rounds):
             for i, name in enumerate(CONFIGS):
                 times[name].append(one_run(name, a.steps, tmp, r * len(CONFIGS) + i))

@@ -54,10 +54,14 @@ class ObserveConfig:
     prometheus_port: int | None = None
     prometheus_address: str = "127.0.0.1"  # loopback; 0.0.0.0 lets a cluster's Prometheus scrape it
     prometheus_port_offset: Literal["process", "local", "none"] = "process"  # added to the port (above)
-    # Every N steps the processes swap their host-time figures (through the coordination service, not the devices)
-    # and process 0 warns about a process whose host time exceeds straggler_ratio x the median. 0: off.
+    # After the run the endpoint serves this long more, with jaxtrain_up 0, so that the last values (final save,
+    # goodput, last warning) are scraped: about two scrape intervals (launch/monitoring/prometheus.yml: 15 s). 0: none.
+    prometheus_linger_s: float = 30.0
+    # Every N steps the processes swap their own-time figures (host work outside waits for the devices and peers;
+    # through the coordination service, not the devices) and process 0 warns about a process whose own time
+    # exceeds straggler_ratio x the median. 0: off.
     straggler_every: int = 100
-    straggler_ratio: float = 1.5  # a process whose host time exceeds this x the median is named
+    straggler_ratio: float = 1.5  # a process whose own time per step exceeds this x the median is named
     # Every N steps a small all-reduce per mesh axis measures its bus bandwidth against the link's expected rate
     # (from `hardware`, else the shipped hardware file of these devices); below min_bandwidth_fraction it warns.
     collective_probe_every: int = 0  # 0: off
@@ -127,6 +131,8 @@ def _validate_observe(o: ObserveConfig) -> None:
     if o.prometheus_port is not None:
         require(0 <= o.prometheus_port <= 65535, f"observe.prometheus_port={o.prometheus_port} must be a "
                 "TCP port in [0, 65535] (0: any free port)")
+    require(o.prometheus_linger_s >= 0, f"observe.prometheus_linger_s={o.prometheus_linger_s} must be >= 0 "
+            "(seconds; 0: stop serving at once)")
     require(bool(o.prometheus_address), "observe.prometheus_address must not be empty (127.0.0.1 or 0.0.0.0)")
     not_negative("observe.straggler_every", o.straggler_every, " (0: off)")
     require(o.straggler_ratio > 1, f"observe.straggler_ratio={o.straggler_ratio} must be > 1 (e.g. 1.5)")

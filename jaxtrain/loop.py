@@ -115,8 +115,8 @@ class PendingMetrics:
     device was idle before it (the first step, the step after an evaluation).
     """
 
-    def __init__(self, report: Callable[[int, dict, float, Any], None]):
-        self._report = report
+    def __init__(self, report: Callable[[int, dict, float, Any], None], waited: Callable[[float, float], None]):
+        self._report, self._waited = report, waited  # waited(start, end): when the host waited for a step
         self._queue: list[tuple[int, Any, Any, float]] = []  # (step, metrics on device, state to evaluate, t dispatch)
         self._last_done: float | None = None
 
@@ -130,8 +130,10 @@ class PendingMetrics:
     def _flush(self, keep_newest: bool) -> None:
         while len(self._queue) > (1 if keep_newest else 0):
             step, metrics, eval_state, dispatched = self._queue.pop(0)
+            t0 = time.perf_counter()
             values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
             now = time.perf_counter()
+            self._waited(t0, now)
             start = dispatched if self._last_done is None else max(self._last_done, dispatched)
             self._report(step, values, now - start, eval_state)
             # Evaluation time is not the next step's time.
@@ -183,14 +185,17 @@ class _Loop:
         self.start, self.t_start = start, time.perf_counter()
         checkpointer = self.checkpointer
         watch = ckpt.PreemptionWatch(checkpointer)
-        pending = PendingMetrics(self.report)
+        pending = PendingMetrics(self.report, obs.waited)
+        failed = True  # until the loop ends normally; then the endpoint's linger waits until the summary is out
         try:
             for step in range(start + 1, t.steps + 1):
                 t_begin = obs.step_begin(step)
                 local = next(batches)
                 t_batch = time.perf_counter()
-                state, metrics = self.train_step(state, layout.to_device(local))
-                obs.step_dispatched(step, t_begin, t_batch)
+                batch = layout.to_device(local)
+                t_sent = time.perf_counter()
+                state, metrics = self.train_step(state, batch)
+                obs.step_dispatched(step, t_begin, t_batch, t_sent)
                 checkpointer.raise_if_failed()
                 preempted = watch.reached(step)
                 wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
@@ -210,6 +215,7 @@ class _Loop:
             pending.drain()
             with obs.goodput.phase("checkpoint"):
                 checkpointer.close()
+            failed = False
         except NonFiniteError:
             checkpointer.close()  # the saves in flight hold finite states (skipped steps change nothing): keep them
             raise
@@ -217,7 +223,7 @@ class _Loop:
             obs.out_of_memory(e, self.train_step)  # the device memory profile, if that is what it is
             raise
         finally:
-            obs.close()
+            obs.close(stop_serving=failed)
             watch.close()
             self.writer.close()
         if jax.process_index() == 0 and result.step_times:
@@ -226,6 +232,7 @@ class _Loop:
                                tokens_per_step=self.speed.tokens_per_step, final_loss=result.losses[max(result.losses)],
                                run_dir=self.run_dir), flush=True)
             print(obs.goodput.line(), flush=True)
+        obs.stop_serving()
         return result
 
     def report(self, step: int, m: dict, step_seconds: float, eval_state) -> None:

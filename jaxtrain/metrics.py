@@ -1,17 +1,29 @@
-"""Training metrics sinks: the progress line, ``metrics.jsonl`` and TensorBoard.
+"""Training metrics sinks: the progress line, ``metrics.jsonl`` and TensorBoard (process 0 only), and the
+Prometheus metrics every process serves (:class:`PrometheusMetrics`, driven by ``jaxtrain.observe``).
 
-Only process 0 writes. Sinks receive plain Python numbers: the loop converts device values (one step late) first.
+Sinks receive plain Python numbers: the loop converts device values (one step late) first.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import statistics
+import struct
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from jaxtrain import rundir
+
+# Histogram buckets, log-spaced so that histogram_quantile resolves a step time anywhere from sub-millisecond CPU
+# steps to multi-second GPU steps: 10 per decade (each bucket 1.26x the previous: a quantile interpolated inside
+# one is off by at most 26%, typically a few %) from 0.1 ms to 100 s. Coarser (5 per decade) for the other timings.
+STEP_BUCKETS = tuple(round(10 ** (k / 10), 12) for k in range(-40, 21))
+TIME_BUCKETS = tuple(round(10 ** (k / 5), 12) for k in range(-20, 11))
+QUANTILE_STEPS = 100  # the exact step-time quantiles exported as gauges are over this many recent steps
 
 
 @dataclass(frozen=True)
@@ -52,10 +64,8 @@ class MetricsWriter:
         if enabled:
             rundir.truncate_metrics(run_dir, start_step)
             self._jsonl = open(rundir.path(run_dir, rundir.METRICS), "a", buffering=1)
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(rundir.path(run_dir, rundir.TENSORBOARD),
-                                     purge_step=start_step + 1 if start_step else None)
+            self._tb = EventWriter(rundir.path(run_dir, rundir.TENSORBOARD),
+                                   purge_step=start_step + 1 if start_step else None)
 
     def write(self, record: dict, *, elapsed: float | None = None, eta: float | None = None) -> None:
         """Log one step's record; ``elapsed`` (since the loop started) and ``eta`` seconds go to the progress line."""
@@ -66,6 +76,7 @@ class MetricsWriter:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and value is not None and math.isfinite(value):
                 self._tb.add_scalar(key, value, step)
+        self._tb.flush()  # a logged step at a time: TensorBoard shows it while the run trains
         print(self._progress(record, elapsed, eta), flush=True)
 
     def _progress(self, r: dict, elapsed: float | None, eta: float | None) -> str:
@@ -91,6 +102,83 @@ class MetricsWriter:
             self._tb.close()
 
 
+class EventWriter:
+    """TensorBoard's event file (``events.out.tfevents.<time>.<host>.<pid>``) with scalar summaries, written
+    directly: TFRecord framing (length, masked CRC-32C of it, the record, its masked CRC-32C) around ``Event``
+    protocol buffers encoded by hand. tensorboardX, which this replaces, imports torch where it is installed (1.5 s
+    or more of every run's start-up) for the same few bytes.
+
+    ``purge_step``: a resumed run's first step; TensorBoard then drops the earlier files' events from it on (the
+    ``SessionLog`` START event that tensorboardX's ``purge_step`` writes).
+    """
+
+    def __init__(self, log_dir: str, purge_step: int | None = None):
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
+        self._f = open(os.path.join(log_dir, name), "wb")
+        self._record(_field(1, "d", time.time()) + _field(3, "s", b"brain.Event:2"))
+        if purge_step is not None:
+            self._record(_field(1, "d", time.time()) + _field(2, "v", purge_step) + _field(7, "m", _field(1, "v", 1)))
+        self._f.flush()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        value_proto = _field(1, "s", tag.encode()) + _field(2, "f", value)
+        self._record(_field(1, "d", time.time()) + _field(2, "v", step) + _field(5, "m", _field(1, "m", value_proto)))
+
+    def _record(self, data: bytes) -> None:
+        length = struct.pack("<Q", len(data))
+        self._f.write(length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data)))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    n &= (1 << 64) - 1  # negative int64: two's complement, as protobuf encodes it
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, kind: str, value) -> bytes:
+    """One protobuf field: ``kind`` d (double), f (float), v (varint), s (bytes), m (an encoded message)."""
+    if kind == "d":
+        return _varint(number << 3 | 1) + struct.pack("<d", value)
+    if kind == "f":
+        return _varint(number << 3 | 5) + struct.pack("<f", value)
+    if kind == "v":
+        return _varint(number << 3) + _varint(value)
+    return _varint(number << 3 | 2) + _varint(len(value)) + value
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1  # Castagnoli polynomial, reflected
+        table.append(c)
+    return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc(data: bytes) -> int:
+    """TFRecord's masked CRC-32C (records of a few hundred bytes: a table in Python is fast enough)."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = _CRC32C[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float,
                  run_dir: str) -> str:
     """One line for the end of a run: compile time, median step time, throughput, final loss, where it all went."""
@@ -104,3 +192,97 @@ def _clock(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class PrometheusMetrics:
+    """The metrics, in their own registry (not the library's global one: one process may train several times).
+
+    Every metric has the labels run, process, host; a few add one (device, axis, category, peer). Counters exist
+    at 0 from the start for every label set they will have (``increase()`` then sees the first increment).
+    """
+
+    def __init__(self, run: str, process: int, host: str, processes: int = 1):
+        import prometheus_client as prom  # only when the endpoint is on: an image without it still trains
+
+        self.registry = prom.CollectorRegistry()
+        prom.ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes...
+        self.base = {"run": run, "process": str(process), "host": host}
+        names = tuple(self.base)
+
+        def gauge(name, doc, extra=()):
+            return prom.Gauge(name, doc, names + extra, registry=self.registry)
+
+        def hist(name, doc, buckets=TIME_BUCKETS):
+            return prom.Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self.base)
+
+        # Gauges appear on the first value they get (a loss of 0 before the first step would be a false reading).
+        self._gauges = {name: gauge(f"jaxtrain_{name}", doc) for name, doc in (
+            ("up", "1 while the training process runs; 0 after it ended (served for observe.prometheus_linger_s)"),
+            ("start_time_seconds", "Unix time the training process started"),
+            ("step", "Last completed training step"), ("loss", "Training loss of the last step"),
+            ("eval_loss", "Last evaluation loss"), ("grad_norm", "Global gradient norm (before clipping)"),
+            ("learning_rate", "Learning rate of the last step"),
+            ("tokens_per_second", "Training tokens per second (all devices), last step"),
+            ("mfu_ratio", "Model FLOPs utilisation of the last step (0-1; absent without a peak rate)"),
+            ("step_host_seconds", "This process's own work in the last step: the loop's host work (data wait, "
+                                  "host-to-device, metrics) outside any wait for the devices or the other processes"),
+            ("step_device_seconds", "Time the last step's loop waited for the devices and the other processes "
+                                    "(dispatch blocked, results, checkpoint and evaluation)"))}
+        self._bound: dict[str, Any] = {}
+        self.step_seconds = hist("jaxtrain_step_seconds", "Wall time per training step", STEP_BUCKETS)
+        self.recent_step_seconds = gauge("jaxtrain_recent_step_seconds", f"Exact quantile of the last "
+                                         f"{QUANTILE_STEPS} steps' wall times", ("quantile",))
+        self._recent: list[float] = []
+        self.data_wait_seconds = hist("jaxtrain_data_wait_seconds", "Time each step waited for its batch")
+        self.checkpoint_blocking_seconds = hist("jaxtrain_checkpoint_blocking_seconds",
+                                                "Time each checkpoint save held the training loop")
+        self.checkpoint_save_seconds = hist("jaxtrain_checkpoint_save_seconds",
+                                            "Time from a save's start until it is on disk (async saves included)")
+        self.nonfinite_steps = prom.Counter("jaxtrain_nonfinite_steps", "Steps whose loss or gradient norm was not "
+                                            "finite", names, registry=self.registry).labels(**self.base)
+        self.memory_in_use = gauge("jaxtrain_device_memory_in_use_bytes", "Device memory in use", ("device",))
+        self.memory_peak = gauge("jaxtrain_device_memory_peak_bytes", "Peak device memory in use", ("device",))
+        self.busbw = gauge("jaxtrain_collective_bus_bandwidth_bytes_per_second",
+                           "Collective probe: all-reduce bus bandwidth per mesh axis", ("axis",))
+        self.expected_busbw = gauge("jaxtrain_collective_expected_bytes_per_second",
+                                    "The link rate the probe's axis is compared with", ("axis",))
+        self.bandwidth_warnings = prom.Counter("jaxtrain_bandwidth_warnings", "Probes below the expected rate",
+                                               names + ("axis",), registry=self.registry)
+        self.host_ratio = gauge("jaxtrain_straggler_host_ratio", "Process 0's view: a process's own time per step "
+                                "over the median of all processes, last exchange", ("peer",))
+        self.straggler_warnings = prom.Counter("jaxtrain_straggler_warnings", "Straggler warnings naming the peer "
+                                               "process (logged by process 0)", names + ("peer",),
+                                               registry=self.registry)
+        if process == 0:  # the judge: one series per process it may name, at 0 until it names it
+            for peer in range(processes):
+                self.straggler_warnings.labels(**self.base, peer=str(peer))
+        self.goodput = gauge("jaxtrain_goodput_ratio", "Fraction of this invocation's wall time per category",
+                             ("category",))
+        self.set("up", 1)
+
+    def set(self, name: str, value: float) -> None:
+        """Set the gauge ``jaxtrain_<name>`` of this process."""
+        child = self._bound.get(name)
+        if child is None:
+            child = self._bound[name] = self._gauges[name].labels(**self.base)
+        child.set(value)
+
+    def step_time(self, seconds: float) -> None:
+        """A step's wall time: into the histogram, and the exact p50 / p90 of the recent steps."""
+        self.step_seconds.observe(seconds)
+        self._recent = self._recent[-(QUANTILE_STEPS - 1):] + [seconds]
+        ordered = sorted(self._recent)
+        for q in (0.5, 0.9):  # nearest rank, as summary.json's percentiles
+            self.recent_step_seconds.labels(**self.base, quantile=str(q)).set(
+                ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    def axis(self, axis: str) -> None:
+        """A probed mesh axis: its warning counter exists from now on (at 0)."""
+        self.bandwidth_warnings.labels(**self.base, axis=axis)
+
+    def serve(self, address: str, port: int):
+        """Start the HTTP server (a daemon thread); returns it (``server_port`` is the port it bound)."""
+        import prometheus_client as prom
+
+        server, _ = prom.start_http_server(port, addr=address, registry=self.registry)
+        return server

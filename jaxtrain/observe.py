@@ -2,13 +2,13 @@
 the memory profile on an out-of-memory error, and goodput (``jaxtrain.goodput``).
 
 The train loop calls a few hooks of :class:`Observer`; none of them waits for the devices on an ordinary step.
-Host timings are taken around the loop's own work (reading the batch, sending it, dispatching the step); the
-straggler exchange goes through JAX's coordination service (a key-value store), not through the devices, every
-``observe.straggler_every`` steps; only the collective probe (every ``observe.collective_probe_every`` steps) and
-the end of a profile window wait for the step in flight, because they must.
+Each step's time splits into this process's own work and its waits for the devices and peers (timed around the
+loop's own calls; :class:`StragglerWatch`); the straggler exchange goes through JAX's coordination service (a
+key-value store), not the devices, every ``observe.straggler_every`` steps; only the collective probe and the end
+of a profile window wait for the step in flight, because they must.
 
-Metric names follow Prometheus' conventions (prefix ``jaxtrain_``, base units, ``_seconds``, ``_bytes``,
-``_total``); every metric carries the labels ``run`` (the run directory's name), ``process`` and ``host``.
+Metric names (``jaxtrain.metrics.PrometheusMetrics``) follow Prometheus' conventions (prefix ``jaxtrain_``, base
+units, ``_total``); every metric carries the labels ``run`` (the run directory's name), ``process`` and ``host``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import json
 import math
 import os
 import statistics
+import threading
 import time
-from typing import Any
+from collections import deque
 
 import jax
 import numpy as np
@@ -30,12 +31,10 @@ from jaxtrain import hardware, log, rundir
 from jaxtrain.goodput import Goodput
 from jaxtrain.health import Measurement, node_name
 from jaxtrain.layout import compiled_need
-from jaxtrain.metrics import Throughput
+from jaxtrain.metrics import PrometheusMetrics, Throughput
 from jaxtrain.profiler import Profiler
 
-# Step times from 1 ms to 100 s.
-TIME_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-# A straggler must also matter: its host time must exceed the median by this fraction of the median step time
+# A straggler must also matter: its own time must exceed the median by this fraction of the median step time
 # (below that, host work hides behind the devices' and costs the job nothing).
 STRAGGLER_MIN_STEP_SHARE = 0.05
 KV_PREFIX = "jaxtrain/observe"
@@ -65,126 +64,96 @@ def exchange_hosts(timeout_s: int = 120) -> list[str]:
             for p in range(jax.process_count())]
 
 
-class PrometheusMetrics:
-    """The metrics, in their own registry (not the library's global one: one process may train several times).
+class StallClock:
+    """A daemon thread that wakes every ``interval`` seconds and records each time it woke more than ``slack``
+    late: the process was not running (stopped, CPU-throttled, its cores given to other work). It waits in
+    ``Event.wait``, which releases the GIL, so a main thread blocked in JAX (GIL released) does not delay it.
+    ``gaps``: (start, end) perf_counter times of the stalls, oldest first."""
 
-    Every metric has the labels run, process, host; a few add one (device, axis, category, peer).
-    """
+    def __init__(self, interval: float = 0.005, slack: float = 0.015):
+        self.interval, self.slack = interval, slack
+        self.gaps: deque[tuple[float, float]] = deque()  # appended by the thread, read and trimmed by the loop
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxtrain-stall-clock", daemon=True)
+        self._thread.start()
 
-    def __init__(self, run: str, process: int, host: str):
-        import prometheus_client as prom  # only when the endpoint is on: an image without it still trains
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            now = time.perf_counter()
+            if now - last > self.interval + self.slack:
+                self.gaps.append((last + self.interval, now))
+            last = now
 
-        self.registry = prom.CollectorRegistry()
-        prom.ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes...
-        self.base = {"run": run, "process": str(process), "host": host}
-        names = tuple(self.base)
+    def stalled_in(self, intervals: list[tuple[float, float]], since: float) -> float:
+        """Seconds of stalls inside ``intervals`` (disjoint (start, end)); forgets those ended before ``since``."""
+        while self.gaps and self.gaps[0][1] < since:
+            self.gaps.popleft()
+        return sum(max(0.0, min(e, g1) - max(s, g0)) for g0, g1 in list(self.gaps) for s, e in intervals)
 
-        def gauge(name, doc, extra=()):
-            return prom.Gauge(name, doc, names + extra, registry=self.registry)
-
-        def hist(name, doc):
-            return prom.Histogram(name, doc, names, buckets=TIME_BUCKETS, registry=self.registry).labels(**self.base)
-
-        # Gauges appear on the first value they get (a loss of 0 before the first step would be a false reading).
-        self._gauges = {name: gauge(f"jaxtrain_{name}", doc) for name, doc in (
-            ("up", "1 while the training process runs"),
-            ("start_time_seconds", "Unix time the training process started"),
-            ("step", "Last completed training step"), ("loss", "Training loss of the last step"),
-            ("eval_loss", "Last evaluation loss"), ("grad_norm", "Global gradient norm (before clipping)"),
-            ("learning_rate", "Learning rate of the last step"),
-            ("tokens_per_second", "Training tokens per second (all devices), last step"),
-            ("mfu_ratio", "Model FLOPs utilisation of the last step (0-1; absent without a peak rate)"),
-            ("step_host_seconds", "Host work of the last step: data wait, host-to-device, dispatch"),
-            ("step_device_seconds", "Time the host waited for the last step's results after its own work"))}
-        self._bound: dict[str, Any] = {}
-        self.step_seconds = hist("jaxtrain_step_seconds", "Wall time per training step")
-        self.data_wait_seconds = hist("jaxtrain_data_wait_seconds", "Time each step waited for its batch")
-        self.checkpoint_blocking_seconds = hist("jaxtrain_checkpoint_blocking_seconds",
-                                                "Time each checkpoint save held the training loop")
-        self.checkpoint_save_seconds = hist("jaxtrain_checkpoint_save_seconds",
-                                            "Time from a save's start until it is on disk (async saves included)")
-        self.nonfinite_steps = prom.Counter("jaxtrain_nonfinite_steps", "Steps whose loss or gradient norm was not "
-                                            "finite", names, registry=self.registry).labels(**self.base)
-        self.memory_in_use = gauge("jaxtrain_device_memory_in_use_bytes", "Device memory in use", ("device",))
-        self.memory_peak = gauge("jaxtrain_device_memory_peak_bytes", "Peak device memory in use", ("device",))
-        self.busbw = gauge("jaxtrain_collective_bus_bandwidth_bytes_per_second",
-                           "Collective probe: all-reduce bus bandwidth per mesh axis", ("axis",))
-        self.expected_busbw = gauge("jaxtrain_collective_expected_bytes_per_second",
-                                    "The link rate the probe's axis is compared with", ("axis",))
-        self.bandwidth_warnings = prom.Counter("jaxtrain_bandwidth_warnings", "Probes below the expected rate",
-                                               names + ("axis",), registry=self.registry)
-        self.host_ratio = gauge("jaxtrain_straggler_host_ratio", "Process 0's view: a process's host time over "
-                                "the median of all processes, last exchange", ("peer",))
-        self.straggler_warnings = prom.Counter("jaxtrain_straggler_warnings", "Straggler warnings (process 0)",
-                                               names, registry=self.registry).labels(**self.base)
-        self.goodput = gauge("jaxtrain_goodput_ratio", "Fraction of this invocation's wall time per category",
-                             ("category",))
-        self.set("up", 1)
-
-    def set(self, name: str, value: float) -> None:
-        """Set the gauge ``jaxtrain_<name>`` of this process."""
-        child = self._bound.get(name)
-        if child is None:
-            child = self._bound[name] = self._gauges[name].labels(**self.base)
-        child.set(value)
-
-    def serve(self, address: str, port: int):
-        """Start the HTTP server (a daemon thread); returns it (``server_port`` is the port it bound)."""
-        import prometheus_client as prom
-
-        server, _ = prom.start_http_server(port, addr=address, registry=self.registry)
-        return server
+    def close(self) -> None:
+        self._stop.set()
 
 
 class StragglerWatch:
-    """Per-step host/device split, and every ``every`` steps an exchange of medians between processes.
+    """Per-step split of this process's time, and every ``every`` steps an exchange of window means.
 
-    Each process posts the medians of its last window under ``KV_PREFIX/straggler/<step>/<process>``; process 0
-    reads the previous window's posts (one window late, so it never waits for a process still finishing it) and
-    warns about any process whose host time is above ``ratio`` x the median of all processes (the lower median:
-    with two processes, the faster one) by more than ``STRAGGLER_MIN_STEP_SHARE`` of the median step time.
+    A step's cycle (from its start to the next step's) splits into *own* time, the host work this process does by
+    itself (reading and sending the batch, the loop's bookkeeping), and *wait*: the step's dispatch blocking, the
+    wait for its results, checkpoint saves and evaluation, where a process waits for the devices and for the other
+    processes' collectives. A process slowed by its host (CPU taken away, a slow disk) shows it as own time, and
+    the others as wait: blaming by own time names the slow one, never the ones waiting for it (blaming by wall
+    time before the dispatch returned named the waiting one, whose dispatch blocks in the collective). A stall of
+    the whole process (its CPU taken away, :class:`StallClock`) while it waits also delays the devices and peers
+    it drives, so it counts as own time too.
+
+    Each process posts its window's means under ``KV_PREFIX/straggler/<step>/<process>``; process 0 reads the
+    previous window's posts (one window late, so it never waits for a process still finishing it) and judges them
+    (:func:`stragglers`).
     """
 
     def __init__(self, every: int, ratio: float, hosts: list[str], metrics: PrometheusMetrics | None):
         self.every, self.ratio, self.hosts, self.metrics = every, ratio, hosts, metrics
-        self.host: dict[int, float] = {}  # step -> host seconds
+        self.own: dict[int, float] = {}  # step -> seconds
         self.data: dict[int, float] = {}
-        self.device: dict[int, float] = {}
+        self.wait: dict[int, float] = {}
+        self.cycle: dict[int, float] = {}
+        self.stalled: dict[int, float] = {}
         self._posted: int | None = None
         self.warnings: list[str] = []
 
-    def dispatched(self, step: int, host_s: float, data_s: float) -> None:
-        self.host[step], self.data[step] = host_s, data_s
-
-    def waited(self, step: int, seconds: float) -> None:
-        """The host waited ``seconds`` for ``step``'s results once its own work (the next dispatch) was done."""
-        self.device[step] = max(0.0, seconds)
+    def finished(self, step: int, cycle_s: float, wait_s: float, data_s: float, stalled_s: float = 0.0) -> None:
+        """``step``'s cycle took ``cycle_s``, ``wait_s`` of it waiting (stalls excluded), ``data_s`` of it for the
+        batch, ``stalled_s`` of its waits stalled."""
+        wait_s = min(max(0.0, wait_s), cycle_s)
+        self.cycle[step], self.wait[step], self.own[step], self.data[step] = cycle_s, wait_s, cycle_s - wait_s, data_s
+        self.stalled[step] = stalled_s
 
     def split(self, step: int) -> dict[str, float]:
-        """This process's figures for a step, for metrics.jsonl: host work, data wait, device (when known)."""
-        if step not in self.host:
+        """This process's figures for a step, for metrics.jsonl: own host work, data wait, wait (when known)."""
+        if step not in self.own:
             return {}
-        out = {"step_host_seconds": self.host[step], "data_wait_seconds": self.data[step]}
-        if step in self.device:
-            out["step_device_seconds"] = self.device[step]
-        return out
+        return {"step_host_seconds": self.own[step], "data_wait_seconds": self.data[step],
+                "step_device_seconds": self.wait[step]}
+
+    def _forget(self, before: int) -> None:
+        for d in (self.own, self.data, self.wait, self.cycle, self.stalled):
+            for old in [k for k in d if k < before]:
+                del d[old]
 
     def maybe_exchange(self, step: int) -> None:
         if not (self.every and jax.process_count() > 1 and _kv_client() is not None):
-            if len(self.host) > 64:  # nothing to exchange: keep only what report() still needs
-                for d in (self.host, self.data, self.device):
-                    for old in [k for k in d if k < step - 1]:
-                        del d[old]
+            if len(self.own) > 64:  # nothing to exchange: keep only what report() still needs
+                self._forget(step - 1)
             return
-        if step % self.every:
+        if step % self.every or not self.own:
             return
-        window = sorted(self.host)
-        mine = {"host": statistics.median(self.host.values()), "data": statistics.median(self.data.values()),
-                "device": statistics.median(self.device.values()) if self.device else 0.0,
-                "first": window[0], "last": window[-1]}
-        for d in (self.host, self.data, self.device):  # this step's figures stay until report() has used them
-            for old in [k for k in d if k < step]:
-                del d[old]
+        window = sorted(self.own)
+        mine = {k: statistics.fmean(d.values()) for k, d in
+                (("own", self.own), ("data", self.data), ("wait", self.wait), ("cycle", self.cycle),
+                 ("stalled", self.stalled))}
+        mine.update(first=window[0], last=window[-1])
+        self._forget(step - 1)  # the last finished step stays until report() has used it
         client = _kv_client()
         client.key_value_set(f"{KV_PREFIX}/straggler/{step}/{jax.process_index()}", json.dumps(mine))
         previous, self._posted = self._posted, step
@@ -196,28 +165,46 @@ class StragglerWatch:
         self.judge(posts)
 
     def judge(self, posts: dict[int, dict]) -> list[int]:
-        """Warn about stragglers among ``posts`` (process -> medians); returns their indices."""
-        if len(posts) < 2:
-            return []
-        median = statistics.median_low([p["host"] for p in posts.values()])
-        step_time = statistics.median(p["host"] + p["device"] for p in posts.values())
-        slow = []
+        """Warn about stragglers among ``posts`` (process -> window means); returns their indices."""
+        slow, median, step_time = stragglers(posts, self.ratio)
         for proc, p in sorted(posts.items()):
-            ratio = p["host"] / median if median > 0 else math.inf
+            ratio = p["own"] / median if median > 0 else math.inf
             if self.metrics:
                 self.metrics.host_ratio.labels(**self.metrics.base, peer=str(proc)).set(
                     ratio if math.isfinite(ratio) else 0.0)
-            if ratio > self.ratio and p["host"] - median > STRAGGLER_MIN_STEP_SHARE * step_time:
-                slow.append(proc)
-                msg = (f"straggler: process {proc} (host {self.hosts[proc]}) spends {p['host'] * 1e3:.1f} ms of host "
-                       f"work per step, {ratio:.1f}x the median {median * 1e3:.1f} ms (observe.straggler_ratio="
-                       f"{self.ratio}), steps {p['first']}-{p['last']}: data wait {p['data'] * 1e3:.1f} ms, device "
-                       f"{p['device'] * 1e3:.1f} ms; the job runs at its pace (median step {step_time * 1e3:.1f} ms)")
-                self.warnings.append(msg)
-                log.info(msg)
-                if self.metrics:
-                    self.metrics.straggler_warnings.inc()
+            if proc not in slow:
+                continue
+            others = statistics.median(q["wait"] for k, q in posts.items() if k != proc)
+            msg = (f"straggler: process {proc} (host {self.hosts[proc]}) spends {p['own'] * 1e3:.1f} ms of its own "
+                   f"host work per step, {ratio:.1f}x the median {median * 1e3:.1f} ms (observe.straggler_ratio="
+                   f"{self.ratio}), steps {p['first']}-{p['last']}: data wait {p['data'] * 1e3:.1f} ms, stalled "
+                   f"{p.get('stalled', 0.0) * 1e3:.1f} ms (its CPU taken away while it waited); it waits "
+                   f"{p['wait'] * 1e3:.1f} ms per step for devices and peers, the others {others * 1e3:.1f} ms; the "
+                   f"job runs at its pace (mean step {step_time * 1e3:.1f} ms)")
+            self.warnings.append(msg)
+            log.info(msg)
+            if self.metrics:
+                self.metrics.straggler_warnings.labels(**self.metrics.base, peer=str(proc)).inc()
         return slow
+
+
+def stragglers(posts: dict[int, dict], ratio: float) -> tuple[list[int], float, float]:
+    """The verdict on one window: ``posts`` maps a process to its means per step of ``own`` (host work by itself),
+    ``wait`` (for devices and peers) and ``cycle`` (the whole step), in seconds.
+
+    A process is a straggler when its own time exceeds ``ratio`` x the median of all processes' (the lower
+    median: with two processes, the faster one) by more than ``STRAGGLER_MIN_STEP_SHARE`` of the median step,
+    and it waits less than the others do (the median of theirs): the one the others wait for. Returns
+    (stragglers, the median own time, the median step time).
+    """
+    if len(posts) < 2:
+        return [], 0.0, 0.0
+    median = statistics.median_low(p["own"] for p in posts.values())
+    step_time = statistics.median(p["cycle"] for p in posts.values())
+    slow = [proc for proc, p in sorted(posts.items())
+            if p["own"] > ratio * median and p["own"] - median > STRAGGLER_MIN_STEP_SHARE * step_time
+            and p["wait"] < statistics.median(q["wait"] for k, q in posts.items() if k != proc)]
+    return slow, median, step_time
 
 
 class CollectiveProbe:
@@ -254,6 +241,8 @@ class CollectiveProbe:
             crosses = shape.dcn[i] > 1
             expected = None if hw is None else (hw.inter_node_bandwidth if crosses else hw.intra_node_bandwidth)
             self.axes[axis] = (f, x, n, count * 4, crosses, expected, self._hosts_along(mesh, i))
+            if metrics:
+                metrics.axis(axis)
             if metrics and expected:
                 metrics.expected_busbw.labels(**metrics.base, axis=axis).set(expected)
         self.source = f"hardware file {hw.name}" if hw else None
@@ -304,8 +293,7 @@ def _size(n: float) -> str:
 
 
 def is_out_of_memory(e: BaseException) -> bool:
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+    return any(w in str(e) for w in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
 
 
 class Observer:
@@ -319,7 +307,7 @@ class Observer:
         self.metrics = self.server = None
         if o.prometheus_port is not None:
             self.metrics = PrometheusMetrics(os.path.basename(run_dir), jax.process_index(),
-                                             self.hosts[jax.process_index()])
+                                             self.hosts[jax.process_index()], jax.process_count())
             self.metrics.set("start_time_seconds", time.time() - self.goodput.seconds["startup"])
             port = o.prometheus_port + self._port_offset(o.prometheus_port_offset) if o.prometheus_port else 0
             try:
@@ -336,8 +324,12 @@ class Observer:
         self._save_started: float | None = None
         self._checkpointer = None
         self._last_step = 0
-        self._last_dispatch: float | None = None
-        self._last_report = 0.0
+        self.linger_s = o.prometheus_linger_s
+        # The step whose cycle runs: (step, its start, its data wait); what it waited so far (see StragglerWatch).
+        self._cycle: tuple[int, float, float] | None = None
+        self._waits: list[tuple[float, float]] = []
+        self._phases_at_start = 0.0
+        self.clock = StallClock() if o.straggler_every and jax.process_count() > 1 else None  # judged then only
 
     def _port_offset(self, how: str) -> int:
         if how == "process":
@@ -349,19 +341,42 @@ class Observer:
 
     # -- hooks of the train loop ---------------------------------------------------------------------------------
 
+    def _phases(self) -> float:
+        """Seconds so far in goodput's checkpoint and evaluation phases: waits for the devices and peers."""
+        seconds = self.goodput.seconds
+        return seconds.get("checkpoint", 0.0) + seconds.get("evaluation", 0.0)
+
+    def _finish_cycle(self, now: float) -> None:
+        if self._cycle is not None:
+            step, start, data_s = self._cycle
+            stalled = self.clock.stalled_in(self._waits, start) if self.clock else 0.0
+            wait = sum(e - s for s, e in self._waits) + self._phases() - self._phases_at_start
+            self.stragglers.finished(step, now - start, wait - stalled, data_s, stalled)
+            self._cycle = None
+
     def step_begin(self, step: int) -> float:
-        """A step starts: goodput category, profile window. Returns the start time (perf_counter)."""
+        """A step starts (and the previous one's cycle ends): goodput category, profile window. Returns the start
+        time (perf_counter)."""
         self.goodput.step(step)
         self.profiler.begin(step)
-        return time.perf_counter()
+        now = time.perf_counter()
+        self._finish_cycle(now)
+        self._waits, self._phases_at_start = [], self._phases()
+        self._cycle = (step, now, 0.0)
+        return now
 
-    def step_dispatched(self, step: int, t_begin: float, t_batch: float) -> None:
-        """The step was dispatched: its host work took from ``t_begin`` to now, ``t_batch - t_begin`` of it
-        waiting for the batch."""
-        self._last_dispatch = time.perf_counter()
-        self.stragglers.dispatched(step, self._last_dispatch - t_begin, t_batch - t_begin)
+    def step_dispatched(self, step: int, t_begin: float, t_batch: float, t_sent: float) -> None:
+        """The step was dispatched: its batch arrived at ``t_batch``, was on the devices at ``t_sent``; the
+        dispatch, from then until now, may block on the devices and the other processes (a wait, not own work)."""
+        self._waits.append((t_sent, time.perf_counter()))
+        self._cycle = (step, t_begin, t_batch - t_begin)
         if self.metrics:
             self.metrics.data_wait_seconds.observe(t_batch - t_begin)
+
+    def waited(self, start: float, end: float) -> None:
+        """The loop waited from ``start`` to ``end`` (perf_counter) for a step's results (the devices, and the
+        collectives with the peers)."""
+        self._waits.append((start, end))
 
     def saved(self, checkpointer, blocking_s: float) -> None:
         """A checkpoint save started and held the loop ``blocking_s`` seconds."""
@@ -374,9 +389,11 @@ class Observer:
         """After the step's dispatch and save: stragglers, probe, profile window end, save completion."""
         self._last_step = step
         self.stragglers.maybe_exchange(step)
-        if self.probe:
+        t0 = time.perf_counter()
+        if self.probe:  # both wait for the step in flight
             self.probe.maybe_run(step, in_flight)
         self.profiler.end(step, in_flight)
+        self._waits.append((t0, time.perf_counter()))
         self._poll_save()
 
     def _poll_save(self, force: bool = False) -> None:
@@ -389,20 +406,14 @@ class Observer:
             self._save_started = None
 
     def report(self, step: int, values: dict, step_time: float, logged: bool) -> None:
-        """A step's metrics arrived (every step; ``logged``: a step the writer logs). Its device share is the time
-        the host then had waited for them since its last dispatch (the next step's, usually): what the devices, and
-        the collectives with the other processes, took beyond this host's own work."""
-        now = time.perf_counter()
-        if self._last_dispatch is not None:  # since its own work, or the previous report when several come at once
-            self.stragglers.waited(step, now - max(self._last_dispatch, self._last_report))
-        self._last_report = now
+        """A step's metrics arrived (every step, one step late; ``logged``: a step the writer logs)."""
         m = self.metrics
         if m is None:
             return
         m.set("step", step)
-        m.step_seconds.observe(step_time)
+        m.step_time(step_time)
         split = self.stragglers.split(step)
-        if "step_device_seconds" in split:
+        if split:
             m.set("step_host_seconds", split["step_host_seconds"])
             m.set("step_device_seconds", split["step_device_seconds"])
         m.set("loss", values["loss"])
@@ -454,15 +465,29 @@ class Observer:
                  f"device on mesh {self.layout.shape.label}: " + ", ".join(f"{k} {_size(v)}" for k, v in split.items()))
         return path
 
-    def close(self) -> None:
-        """End of the run (or of an error): stop a trace in progress, record the last save, stop serving."""
+    def close(self, stop_serving: bool = True) -> None:
+        """End of the run (or of an error): stop a trace in progress, record the last save, publish the last
+        values with ``jaxtrain_up`` 0, then :meth:`stop_serving` (or leave that to the caller, after its summary:
+        the linger must not count in the goodput)."""
+        self._finish_cycle(time.perf_counter())
+        if self.clock:
+            self.clock.close()
         self.profiler.close(self._last_step)
         self._poll_save(force=True)
         self.goodput.finish()
         if self.metrics:
             for category, fraction in self.goodput.fractions().items():
                 self.metrics.goodput.labels(**self.metrics.base, category=category).set(fraction)
+            self.metrics.set("up", 0)
+        if stop_serving:
+            self.stop_serving()
+
+    def stop_serving(self) -> None:
+        """Serve the last values for ``observe.prometheus_linger_s`` (so that a scrape sees them), then stop."""
         if self.server is not None:
+            if self.linger_s:
+                log.info(f"metrics: serving the last values {self.linger_s:g} s more (observe.prometheus_linger_s)")
+                time.sleep(self.linger_s)
             self.server.shutdown()
             self.server.server_close()
             self.server = None
