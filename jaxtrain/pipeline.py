@@ -228,14 +228,16 @@ def chunk_function(graphdef, layout, remat: str = "none") -> Callable[[Any, jax.
     """stage_fn(chunk state, h [rows, seq, embed], segment ids [rows, seq] or None) -> h: the layers of one chunk
     (``graphdef``: one layer of the stack) as a scan, under the layout's local rules (the batch axes belong to the
     schedule's loop). ``remat`` other than "none": each layer under that ``jax.checkpoint`` policy."""
-    def body(h, layer_state, segments):
-        return nnx.merge(graphdef, layer_state)(h, segments), None
+    def body(h, layer_state, segments, positions):
+        return nnx.merge(graphdef, layer_state)(h, segments, positions), None
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
-    def stage_fn(chunk, h, segments):
+    def stage_fn(chunk, h, side):
+        # side: segment ids or None; with a context axis (segment ids or None, rotary positions) (step.py)
+        segments, positions = side if isinstance(side, tuple) else (side, None)
         with nnx.logical_axis_rules(layout.local_rules):
-            return jax.lax.scan(lambda h, layer: body(h, layer, segments), h, chunk)[0]
+            return jax.lax.scan(lambda h, layer: body(h, layer, segments, positions), h, chunk)[0]
 
     return stage_fn

@@ -104,13 +104,12 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
         me = jax.lax.axis_index(stage_axis)
         chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
         groups = jax.lax.psum(1, batch_axes) if batch_axes else 1
-        pick = partial(jax.tree.map, lambda a, i: a[i])
 
         def chunk(v):  # one pass: a static index, so that no copy of the stage's weights is made per iteration
             return jax.tree.map(lambda a: a[0] if v_n == 1 else a[v], chunks)
 
         def side_of(m):
-            return None if side is None else pick(side, m)
+            return None if side is None else jax.tree.map(lambda a: a[m], side)  # side may be a tuple (step.py)
 
         h_shape = jax.eval_shape(embed_fn, rest, tokens[0])
         h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
@@ -231,7 +230,8 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
     def run_bwd(res, g):
         d_chunks, d_rest, chunks, rest = res
         cast = partial(jax.tree.map, lambda d, p: (g * d).astype(p.dtype))
-        return cast(d_chunks, chunks), cast(d_rest, rest), None, None, None  # token ids and segments: no gradient
+        # token ids and segments (with a context axis: segments and positions, step.py): no gradient
+        return cast(d_chunks, chunks), cast(d_rest, rest), None, None, jax.tree.map(lambda _: None, segment_ids)
 
     run.defvjp(run_fwd, run_bwd)
     return run(pipeline.stack_chunks(stack["blocks"], layout), rest, tokens, targets, segment_ids)

@@ -100,6 +100,7 @@ class Step:
         inputs, targets, segments = micro[:, :, :-1], micro[:, :, 1:], None
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
+        inputs, targets, segments = self._context_order(inputs, targets, segments)
         hidden = pipeline.pipelined_layers(model, inputs, segments, self.layout)
         # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
         stages = self.layout.stages
@@ -118,8 +119,20 @@ class Step:
         inputs, segments = micro[:, :, :-1], None
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
-        return pipeline_1f1b.pipelined_loss(nnx.merge(graphdef, params), inputs, micro[:, :, 1:], segments,
+        inputs, targets, segments = self._context_order(inputs, micro[:, :, 1:], segments)
+        return pipeline_1f1b.pipelined_loss(nnx.merge(graphdef, params), inputs, targets, segments,
                                             self.layout, cross_entropy)
+
+    def _context_order(self, inputs, targets, segments):
+        """The pipeline's int32 [M, rows, seq] inputs, targets and segment ids in the context axis's zigzag order,
+        the segment ids joined by their real positions (the stages' side input, pipeline.chunk_function); as given
+        without a context axis."""
+        order = self.layout.token_order
+        if order is None:
+            return inputs, targets, segments
+        inputs, targets, segments = (None if x is None else jnp.take(x, order, axis=-1)
+                                     for x in (inputs, targets, segments))
+        return inputs, targets, (segments, jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape))
 
     def _microbatches(self, batch):
         """batch [b, seq+1] -> [k, b/k, seq+1] (k = train.microbatches): microbatch i takes rows i, i+k, ..., so each

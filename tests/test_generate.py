@@ -28,8 +28,10 @@ def hf_greedy(model, prompt, n, use_cache=True):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("mesh", [[], ["runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=2",
-                                       "mesh.ici.tensor=2"]], ids=["one_device", "data2_fsdp2_tensor2"])
+@pytest.mark.parametrize("mesh", [
+    [], ["runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"],
+    pytest.param(["runtime.cpu_devices=8", "mesh.ici.fsdp=1", "mesh.ici.context=4", "mesh.ici.tensor=2"],
+                 marks=pytest.mark.slow)], ids=["one_device", "data2_fsdp2_tensor2", "context4_tensor2"])
 def test_greedy_matches_transformers_batched_prompts_of_different_lengths(tmp_path, mesh):
     """32 new tokens per prompt, three prompts of different lengths decoded as one batch sharing a KV cache, equal
     transformers' greedy generate on each prompt alone, with its KV cache and without."""
