@@ -108,26 +108,21 @@ def hook_costs(tmp: str, n: int = 2000) -> dict[str, float]:
         runs.append(time.perf_counter() - t0)
     obs.close()
     return {"hooks per step (endpoint on)": per_step, "one probe (2 devices, 1 MiB)": statistics.median(runs),
-            "stall clock, share of a Python-bound main thread": stall_clock_share()}
+            "stall clock, CPU share of one core": stall_clock_share()}
 
 
-def stall_clock_share(rounds: int = 5) -> float:
-    """The fraction of a pure-Python main thread's time the straggler watch's StallClock thread (on with several
-    processes: it wakes every 5 ms and takes the GIL) costs: the same work timed with and without it, interleaved."""
+def stall_clock_share(seconds: float = 5.0) -> float:
+    """CPU the straggler watch's StallClock thread (on with several processes; it wakes every 10 ms) takes, as a
+    share of one core: this process's CPU time while the main thread sleeps and the clock runs (CPU time, not wall
+    time: a loaded machine does not blur it)."""
     from jaxtrain.observe import StallClock
 
-    def work() -> float:
-        t0 = time.perf_counter()
-        sum(i * i for i in range(2_000_000))
-        return time.perf_counter() - t0
-
-    off, on = [], []
-    for _ in range(rounds):
-        off.append(work())
-        clock = StallClock()
-        on.append(work())
-        clock.close()
-    return statistics.median(on) / statistics.median(off) - 1
+    clock = StallClock()
+    c0, t0 = time.process_time(), time.perf_counter()
+    time.sleep(seconds)
+    share = (time.process_time() - c0) / (time.perf_counter() - t0)
+    clock.close()
+    return share
 
 
 EXCHANGE = """

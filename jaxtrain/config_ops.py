@@ -54,9 +54,9 @@ class ObserveConfig:
     prometheus_port: int | None = None
     prometheus_address: str = "127.0.0.1"  # loopback; 0.0.0.0 lets a cluster's Prometheus scrape it
     prometheus_port_offset: Literal["process", "local", "none"] = "process"  # added to the port (above)
-    # After the run the endpoint serves this long more, with jaxtrain_up 0, so that the last values (final save,
-    # goodput, last warning) are scraped: about two scrape intervals (launch/monitoring/prometheus.yml: 15 s). 0: none.
-    prometheus_linger_s: float = 30.0
+    # After a run that reached train.steps the endpoint serves this long more, with jaxtrain_up 0, so that the last
+    # values (final save, goodput, last warning) are scraped; not after an error or a signal's stop (quick exit).
+    prometheus_linger_s: float = 30.0  # seconds; about two scrape intervals (prometheus.yml: 15 s); 0: none
     # Every N steps the processes swap their own-time figures (host work outside waits for the devices and peers;
     # through the coordination service, not the devices) and process 0 warns about a process whose own time
     # exceeds straggler_ratio x the median. 0: off.

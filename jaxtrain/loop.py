@@ -186,7 +186,7 @@ class _Loop:
         checkpointer = self.checkpointer
         watch = ckpt.PreemptionWatch(checkpointer)
         pending = PendingMetrics(self.report, obs.waited)
-        failed = True  # until the loop ends normally; then the endpoint's linger waits until the summary is out
+        failed = True  # until the loop ends; then the endpoint's linger (normal ends only) follows the summary
         try:
             for step in range(start + 1, t.steps + 1):
                 t_begin = obs.step_begin(step)
@@ -232,7 +232,7 @@ class _Loop:
                                tokens_per_step=self.speed.tokens_per_step, final_loss=result.losses[max(result.losses)],
                                run_dir=self.run_dir), flush=True)
             print(obs.goodput.line(), flush=True)
-        obs.stop_serving()
+        obs.stop_serving(linger=result.preempted_at is None)  # a stop asked by a signal must be quick
         return result
 
     def report(self, step: int, m: dict, step_seconds: float, eval_state) -> None:
