@@ -18,8 +18,32 @@ def configure(cfg: Config) -> distributed.Settings:
     ``jax.distributed``."""
     settings = distributed.resolve(cfg.dist)
     jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg, settings.expected_processes))
+    use_compile_cache(compile_cache_dir(cfg.runtime.compile_cache))
     distributed.initialize(cfg.dist, settings)
     return settings
+
+
+def compile_cache_dir(setting: str) -> str | None:
+    """``runtime.compile_cache`` -> the directory of JAX's persistent compile cache, or None (``off``). ``auto``:
+    ``$XDG_CACHE_HOME/jaxtrain/compile``, else ``~/.cache/jaxtrain/compile``."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "jaxtrain", "compile")
+    return os.path.abspath(os.path.expanduser(setting))
+
+
+def use_compile_cache(directory: str | None) -> None:
+    """Keep compiled programs in ``directory`` (JAX's persistent compilation cache, keyed by the program, the
+    devices, the compile options and the jax/XLA versions), so that a rerun of the same config loads its train and
+    eval steps instead of compiling them. Every program is kept, however fast it compiled: JAX's default (only
+    those over 1 s) would leave out the eval step and the initialisation, which a rerun pays too."""
+    if directory is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def quiet_logs() -> None:

@@ -1,4 +1,9 @@
-"""``python -m jaxtrain plan [--config PATH] [key=value ...] [--hardware NAME] [--nodes N] [--json | --wide]``."""
+"""``python -m jaxtrain plan [--config PATH] [key=value ...] [--hardware NAME] [--nodes N[,N...]] [--json | --wide]
+[--tokens T [--gpu-hour-cost P]]``."""
+
+import argparse
+import json
+import math
 
 from jaxtrain.commands import add_config_arguments
 
@@ -13,8 +18,15 @@ def add_arguments(p):
     p.add_argument("--hardware", help="plan for this hardware (a shipped name: a100-8x, b200-8x, h100-8x, h200-8x; "
                                       "or a .yaml path) on emulated CPU devices; default: the devices at hand (on "
                                       "CPU, measured rates)")
-    p.add_argument("--nodes", type=int, help="number of nodes (default 1); with --hardware the device count is "
-                                             "nodes x devices per node")
+    p.add_argument("--nodes", type=node_counts, default=[1],
+                   help="number of nodes (default 1); with --hardware the device count is nodes x devices per node. "
+                        "Several, comma-separated (4,8,16,32), with --tokens: the plan for each and the days and cost "
+                        "of the token budget across them")
+    p.add_argument("--tokens", type=_positive("--tokens"), help="token budget (e.g. 2e12): print, per candidate and "
+                                                                "node count, the days to train it and the scaling "
+                                                                "efficiency from node count to node count")
+    p.add_argument("--gpu-hour-cost", type=_positive("--gpu-hour-cost", zero=True),
+                   help="price per device-hour (with --tokens): adds the cost of the budget")
     p.add_argument("--efficiency", type=float, help="fraction of peak FLOP/s the compute reaches (default: the "
                                                     "hardware file's compute_efficiency)")
     p.add_argument("--mem-fraction", type=float, help="fraction of HBM a step may use (default: "
@@ -26,11 +38,85 @@ def add_arguments(p):
     add_config_arguments(p)
 
 
+def node_counts(text: str) -> list[int]:
+    """``--nodes`` "4,8,16,32" -> [4, 8, 16, 32] (ascending, each once); argparse's one-line error otherwise."""
+    try:
+        counts = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected node counts, e.g. 8 or 4,8,16") from None
+    if counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: node counts must be >= 1")
+    return counts
+
+
+def _positive(flag: str, zero: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number {'>= 0' if zero else '> 0'}")
+        return value
+
+    return parse
+
+
 def run(args) -> int:
     from jaxtrain import planner
     from jaxtrain.config import load_config
+    from jaxtrain.errors import ConfigError
 
+    if args.gpu_hour_cost is not None and args.tokens is None:
+        raise ConfigError("--gpu-hour-cost needs --tokens (the token budget it prices)")
+    if len(args.nodes) > 1 and args.tokens is None:
+        raise ConfigError(f"--nodes {','.join(map(str, args.nodes))}: several node counts need --tokens (the days and "
+                          "cost across them); plan one node count at a time otherwise")
+    if args.tokens is not None and args.wide:
+        raise ConfigError("--wide does not apply with --tokens (the budget table); --json has every figure")
     cfg = load_config(args.config, args.overrides)
-    return planner.main(cfg, args.overrides, hardware_name=args.hardware, nodes=args.nodes,
+    if args.tokens is not None:
+        return _budget(cfg, args)
+    return planner.main(cfg, args.overrides, hardware_name=args.hardware, nodes=args.nodes[0],
                         efficiency=args.efficiency, mem_fraction=args.mem_fraction, as_json=args.json, wide=args.wide,
                         calibration_path=args.calibration)
+
+
+def _budget(cfg, args) -> int:
+    """``plan --tokens``: plan each node count (targets resolved first, so that a mistake in any answers before a
+    compile), then one table of days and cost per candidate and node count."""
+    from jaxtrain import hardware, runtime
+    from jaxtrain.planner import log, report, search
+    from jaxtrain.planner import target as target_lib
+
+    pool = hardware.load_hardware(args.hardware).devices_per_node * args.nodes[-1] if args.hardware else None
+    targets = [target_lib.resolve(cfg, args.overrides, hardware_name=args.hardware, nodes=n,
+                                  efficiency=args.efficiency, mem_fraction=args.mem_fraction, device_pool=pool)
+               for n in args.nodes]
+    runtime.quiet_logs()
+    from jaxtrain.planner import calibration
+
+    path = args.calibration or calibration.in_run_dir(targets[0].cfg.run.dir)
+    measured = calibration.read(path) if path else None
+    for t in targets:  # measured figures replace the hardware file's, as in a single plan
+        cal = calibration.apply(t.hw, measured, path or "", t.cfg.model.dtype)
+        t.hw = cal.hw
+        t.notes.append(cal.note(f"the hardware file {t.hw.name}" if args.hardware else
+                                "the devices at hand (measured by plan)"))
+    plans = []
+    for t in targets:
+        log(f"planning {len(t.shapes)} mesh(es) over {t.n_devices} device(s) on {t.nodes} node(s) for {t.hw.name}")
+        plans.append((t, search.plan(t.cfg, t.shapes, t.hw, t.devices, progress=log)))
+    first = targets[0]
+    tokens_per_step = first.cfg.train.global_batch * first.cfg.data.seq_len
+    rows = report.budget_rows([(t.nodes, t.n_devices, result) for t, result in plans], args.tokens,
+                              tokens_per_step, args.gpu_hour_cost)
+    if args.json:
+        print(json.dumps({"tokens": args.tokens, "gpu_hour_cost": args.gpu_hour_cost, "budget": rows,
+                          "plans": [report.to_json(t.hw, t.n_devices, t.nodes, result, t.notes)
+                                    for t, result in plans]}, indent=1))
+    else:
+        print(report.format_budget(first.cfg, first.hw, args.tokens, args.gpu_hour_cost, rows))
+        for note in dict.fromkeys(n for t in targets for n in t.notes):  # each once, in order
+            print(f"note: {note}")
+    return 0

@@ -4,6 +4,7 @@ and as JSON."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import textwrap
 from collections.abc import Sequence
@@ -161,3 +162,100 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
 def to_json(hw: Hardware, n_devices: int, nodes: int, result: dict, notes: Sequence[str] = ()) -> dict:
     """The JSON the ``--json`` flag prints."""
     return {"hardware": dataclasses.asdict(hw), "devices": n_devices, "nodes": nodes, "notes": list(notes), **result}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Time and money: a token budget over the plans for several node counts
+
+SECONDS_PER_DAY = 86400.0
+
+
+def training_budget(tokens: float, tokens_per_step: int, step_seconds: float, n_devices: int,
+                    gpu_hour_cost: float | None = None) -> dict:
+    """Days and cost of training ``tokens`` tokens at ``step_seconds`` a step of ``tokens_per_step`` tokens on
+    ``n_devices`` devices (accelerator-hours x ``gpu_hour_cost``; None: no price given). The last step is whole:
+    ceil(tokens / tokens_per_step) steps."""
+    steps = math.ceil(tokens / tokens_per_step)
+    seconds = steps * step_seconds
+    gpu_hours = seconds / 3600 * n_devices
+    return {"steps": steps, "days": seconds / SECONDS_PER_DAY, "gpu_hours": gpu_hours,
+            "cost": None if gpu_hour_cost is None else gpu_hours * gpu_hour_cost}
+
+
+def scaling_efficiency(step_a: float, devices_a: int, step_b: float, devices_b: int) -> float:
+    """Throughput per device at ``devices_b`` relative to ``devices_a`` for the same global batch: 1.0 when
+    ``devices_b / devices_a`` times the devices take ``devices_a / devices_b`` of the step time (linear scaling);
+    equal to the ratio of accelerator-hours (hence of cost), a over b."""
+    return (step_a * devices_a) / (step_b * devices_b)
+
+
+def layout_family(r: dict) -> str:
+    """The layout a candidate keeps as nodes are added: its per-node (ici) part and which axes span the nodes
+    (``fsdp8 | dcn data``), plus the pipeline schedule; the rows of one family are compared across node counts."""
+    ici = " ".join(f"{a}{s}" for a, s in r["mesh"]["ici"].items() if s > 1) or "one-device"
+    dcn = " ".join(a for a, s in r["mesh"]["dcn"].items() if s > 1)
+    return (f"{ici} | dcn {dcn}" if dcn else ici) + (" 1f1b" if r.get("schedule") == "1f1b" else "")
+
+
+def budget_rows(plans: Sequence[tuple[int, int, dict]], tokens: float, tokens_per_step: int,
+                gpu_hour_cost: float | None) -> list[dict]:
+    """One row per candidate and node count, from ``plans`` = [(nodes, devices, plan result)] in node order: the
+    layout, its days and cost at the no-overlap step estimate (``est_step_seconds``; ``days_overlapped`` at the
+    overlapped one), and ``scaling_efficiency`` against the same layout family at the previous node count that
+    has it (None for the first)."""
+    rows: list[dict] = []
+    last: dict[str, tuple[float, int]] = {}  # family -> (step seconds, devices) at the latest node count
+    for nodes, n_devices, result in plans:
+        for r in result["candidates"]:
+            family, step_s = layout_family(r), r["est_step_seconds"]
+            budget = training_budget(tokens, tokens_per_step, step_s, n_devices, gpu_hour_cost)
+            before = last.get(family)
+            rows.append({"nodes": nodes, "devices": n_devices, "mesh": r["label"], "family": family,
+                         "fits": r["fits"], "memory_bytes_per_device": r["memory_bytes_per_device"],
+                         "est_step_seconds": step_s,
+                         "days_overlapped": training_budget(tokens, tokens_per_step, r["est_step_seconds_overlap"],
+                                                            n_devices)["days"],
+                         **budget,
+                         "scaling_efficiency": None if before is None else
+                         scaling_efficiency(before[0], before[1], step_s, n_devices)})
+            last[family] = (step_s, n_devices)
+    return rows
+
+
+def _money(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+def format_budget(cfg: Config, hw: Hardware, tokens: float, gpu_hour_cost: float | None, rows: list[dict]) -> str:
+    """The table ``plan --tokens`` prints: per node count (in the order given) its candidates, fitting ones first."""
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+    m = cfg.model
+    lines = _wrap(f"model: {count_params(m)['total'] / 1e6:,.1f}M parameters, remat {m.remat}; {tokens:.4g} tokens = "
+                  f"{rows[0]['steps']:,} steps of {tokens_per_step:,} tokens; hardware {hw.name} ({hw.device})"
+                  + (f"; {gpu_hour_cost:g} per device-hour" if gpu_hour_cost is not None else ""))
+    lines.append("")
+    header = ["nodes", "devices", "mesh (ici | dcn)", "memory", "fits", "step", "days", "device-hours",
+              *(["cost"] if gpu_hour_cost is not None else []), "scaling"]
+    body = [[str(r["nodes"]), str(r["devices"]), r["mesh"], _bytes(r["memory_bytes_per_device"]),
+             "yes" if r["fits"] else "NO", _sec(r["est_step_seconds"]),
+             f"{r['days']:.3g} ({r['days_overlapped']:.3g})", f"{r['gpu_hours']:,.0f}",
+             *([_money(r["cost"])] if gpu_hour_cost is not None else []),
+             "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency'] * 100:.0f}%"] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    for cells in [header, ["-" * w for w in widths], *body]:
+        lines.append("  ".join(c.ljust(w) if i == 2 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(cells, widths))).rstrip())
+    lines.append("")
+    for note in (
+            "days: the token budget at the estimated step (no overlap); in brackets at the overlapped estimate. "
+            "device-hours = days x 24 x devices" + ("; cost = device-hours x the price." if gpu_hour_cost is not None
+                                                    else "."),
+            "scaling: throughput per device against the same layout (per-node mesh, axes across nodes) at the "
+            "previous node count, for the same global batch (100% = linear; equals the cost ratio).",
+            "Estimates from the planner's cost model (peak x efficiency, link rates of the hardware file); "
+            "memory: per device, fits as in plan's table."):
+        lines += _wrap(note)
+    return "\n".join(lines)

@@ -21,6 +21,12 @@ from jaxtrain.mesh import MeshShape
 _ABORTS_ON_PIPELINES = "all-reduce-promotion"
 
 
+def _add_xla_flags(*flags: str) -> None:
+    """Append ``flags`` to XLA_FLAGS, each once (plans for several node counts resolve a target each)."""
+    current = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([current, *(f for f in flags if f not in current.split())]).strip()
+
+
 @dataclass
 class Target:
     cfg: Config  # no "auto" left: resolved for the target hardware
@@ -67,9 +73,12 @@ def as_on_gpu(cfg: Config) -> Config:
 
 
 def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = None, nodes: int | None = None,
-            efficiency: float | None = None, mem_fraction: float | None = None) -> Target:
+            efficiency: float | None = None, mem_fraction: float | None = None,
+            device_pool: int | None = None) -> Target:
     """The target of a plan, with JAX's CPU devices configured for it. Every check on the user's input runs
-    before JAX starts, so that a mistake answers at once."""
+    before JAX starts, so that a mistake answers at once. ``device_pool`` (with ``hardware_name``): how many CPU
+    devices to create when plans for several node counts share one process (JAX sets the count once); the plan
+    uses the first ``nodes`` x devices per node of them."""
     nodes = 1 if nodes is None else nodes
     if nodes < 1:
         raise ConfigError(f"--nodes={nodes} must be >= 1")
@@ -110,12 +119,11 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         # folding an instruction is taking > 1s" alarm (4 lines per compile); without it the collectives were
         # identical and the memory 130 kB (3e-6) lower. Not for the devices at hand: their rates are measured by
         # running code. Set before JAX creates its CPU client.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                                   " --xla_llvm_disable_expensive_passes=true"
-                                   f" --xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}").strip()
+        _add_xla_flags("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                       f"--xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}")
         import jax
 
-        jax.config.update("jax_num_cpu_devices", n_devices)
+        jax.config.update("jax_num_cpu_devices", max(n_devices, device_pool or 0))
         devices = jax.devices("cpu")[:n_devices]
     else:
         import jax
@@ -123,8 +131,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         from jaxtrain.mesh import cpu_devices_per_process
         from jaxtrain.planner.measure import hardware_at_hand
 
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_disable_hlo_passes={_ABORTS_ON_PIPELINES}").strip()
+        _add_xla_flags(f"--xla_disable_hlo_passes={_ABORTS_ON_PIPELINES}")
         jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg))
         devices = jax.devices()
         n_devices = len(devices)
