@@ -347,6 +347,6 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name))
     res = search_layout(cfg, devices, cal.hw, max(1, jax.process_count()),
-                        cache_dir=os.path.join(cfg.run.dir, CACHE_DIR))
+                        cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log)
     log(format_result(res, top=3))
     return res.choice.cand.apply(cfg)
