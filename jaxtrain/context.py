@@ -67,6 +67,22 @@ def choose_variant(context: int) -> str:
     return "allgather" if context <= 2 else "ring"
 
 
+def kv_traffic(rows: int, seq_len: int, kv_heads: int, head_dim: int, itemsize: int, context: int,
+               variant: str) -> tuple[float, float]:
+    """Bytes one device sends per layer over the context axis: (forward, backward), for ``rows`` sequences of
+    ``seq_len`` tokens with ``kv_heads`` x ``head_dim`` keys and values of ``itemsize`` bytes (the planner's figure).
+
+    ring: forward n - 1 sends of its K/V block (b S / n tokens); backward the same K/V sends plus n sends of the
+    float32 dK/dV accumulators. allgather: each device receives the other n - 1 blocks, and the backward
+    reduce-scatters dK/dV (in the inputs' dtype): (n - 1) / n of the whole sequence's K/V each way."""
+    if context == 1:
+        return 0.0, 0.0
+    block = 2 * rows * (seq_len // context) * kv_heads * head_dim  # K and V elements of one device's block
+    if variant == "ring":
+        return float((context - 1) * block * itemsize), float((context - 1) * block * itemsize + context * block * 4)
+    return float((context - 1) * block * itemsize), float((context - 1) * block * itemsize)
+
+
 # -- the XLA block implementation ----------------------------------------------------------------------------------
 
 def _scores_and_mask(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, sm_scale):

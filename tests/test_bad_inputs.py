@@ -83,6 +83,8 @@ FAST = {
     "mapping rule": ([*T, "mesh.rules.batch={data: fsdp}"], "mesh.rules.batch={'data': 'fsdp'} names an unknown"),
     "rules not a mapping": ([*T, "mesh.rules=5"], "mesh.rules must be a mapping"),
     "unknown logical axis": ([*T, "mesh.rules.nope=data"], "unknown config key 'mesh.rules.nope'"),
+    "sequence not split by the context axis": ([*T, "mesh.ici.context=4", "mesh.ici.fsdp=2", "data.seq_len=100"],
+                                                "data.seq_len=100 is not divisible by 2 x the context axis size 4"),
     "too many cpu devices": ([*T, "runtime.cpu_devices=100000"], "runtime.cpu_devices=100000 is more emulated"),
     "zero cpu devices": ([*T, "runtime.cpu_devices=0"], "runtime.cpu_devices=0 must be > 0"),
     "coordinator without host": ([*T, "dist.coordinator=:1", *DIST], "dist.coordinator=':1' must be host:port"),

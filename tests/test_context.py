@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec
 from helpers import FAST
 from jaxtrain import context
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.layout import Layout
+from jaxtrain.layout import Layout, resolve_auto
 from jaxtrain.mesh import build_mesh
 from jaxtrain.planner.collectives import stated_collectives
 from jaxtrain.planner.cost import group_span
@@ -39,6 +39,14 @@ def test_zigzag_balances_causal_work_within_5_percent(n):
     assert plain.max() / plain.mean() == pytest.approx(2 - 1 / n, rel=0.02)
 
 
+def test_kv_traffic_counts_the_ring_hops():
+    # 2 rows of 1024 tokens, 2 kv heads of 64, bfloat16, ring of 4: each device's block is 2 x 256 x 2 x 64 K and V
+    # elements; 3 hops forward; backward 3 K/V hops and 4 float32 dK/dV hops.
+    block = 2 * 2 * 256 * 2 * 64
+    assert context.kv_traffic(2, 1024, 2, 64, 2, 4, "ring") == (3 * block * 2, 3 * block * 2 + 4 * block * 4)
+    assert context.kv_traffic(2, 1024, 2, 64, 2, 1, "ring") == (0.0, 0.0)
+
+
 def test_token_order_is_a_permutation_of_two_chunks_per_device():
     order = context.token_order(16, 4)
     assert sorted(order.tolist()) == list(range(16))
@@ -53,6 +61,29 @@ def test_token_order_is_a_permutation_of_two_chunks_per_device():
 def test_bad_context_layouts_are_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, num_devices, attention", [
+    ([], 8, "cudnn"),  # the default rule act_seq=context on a context axis of 1: nothing split, cuDNN stays
+    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "model.head_dim=64"], 8, "flash"),  # ring on the flash kernels
+    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "model.head_dim=48", "model.d_model=384"], 8, "xla"),  # no flash dim
+    (["mesh.ici.context=4", "mesh.ici.fsdp=2", "model.dtype=float32"], 8, "xla"),
+])
+def test_auto_attention_on_a_context_axis(overrides, num_devices, attention):
+    cfg = resolve_auto(load_config(None, ["model.attention=auto", *overrides]), "gpu", num_devices)
+    assert cfg.model.attention == attention or (attention == "flash" and cfg.model.attention in ("pallas", "triton"))
+
+
+def test_checkpoint_layout_does_not_involve_the_context_axis():
+    # The saved tree (shapes, dtypes) is the same with and without context, and no parameter or optimizer leaf is
+    # split over it: a run resumes across the two meshes (Orbax restores into the target's shardings).
+    layouts = [Layout.build(load_config(None, [*SMALL, *o]), jax.devices()[:8])
+               for o in (["mesh.ici.fsdp=4", "mesh.ici.tensor=2"], ["mesh.ici.fsdp=2", "mesh.ici.context=4"])]
+    shapes = [jax.tree.map(lambda a: (a.shape, a.dtype), lay.abstract_state) for lay in layouts]
+    assert shapes[0] == shapes[1]
+    for leaf in jax.tree.leaves(layouts[1].abstract_state):
+        assert "context" not in str(leaf.sharding.spec)
+    assert layouts[1].local_seq == 16 and layouts[1].token_order is not None and layouts[0].token_order is None
 
 
 # -- attention against the one-device reference ---------------------------------------------------------------------
@@ -124,6 +155,14 @@ def test_ring_attention_matches_float64_and_permutes_only_along_context():
     for c in permutes:
         assert group_span(shape, c.groups)[2] == ["context"], (c.op_name, c.groups.tolist())
     assert not [c for c in stated.others if c.kind == "all-gather"]  # the ring gathers nothing
+    # Per device: 1 row of 16 tokens, 1 kv head of 8 (tensor 2 splits the 2), float32, ring of 2. The compiled
+    # program sends at least the forward K/V and the backward's float32 dK/dV hops, at most the schedule's figure
+    # (XLA may reuse the forward's received K/V in the backward instead of sending them again), plus segment ids.
+    sent = sum(c.bytes * c.count for c in permutes)
+    forward, backward = context.kv_traffic(1, 16, 1, 8, 4, 2, "ring")
+    seg = 8 * 4  # one hop of this device's 8 int32 segment ids
+    dkv = 2 * (2 * 8 * 8 * 4)  # 2 hops of float32 dK and dV
+    assert forward + dkv + seg <= sent <= forward + backward + 2 * seg
 
 
 @pytest.mark.slow
