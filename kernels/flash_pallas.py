@@ -158,15 +158,17 @@ def _clamp(ranges, bounds):
     return [(jnp.maximum(a, lo), jnp.minimum(b, hi), diag) for a, b, diag in ranges]
 
 
-def _kv_ranges(q_block, block_q, block_k, num_k_blocks, causal, shift=0):
+def _kv_ranges(q_block, block_q, block_k, num_k_blocks, causal, shift=0, more_queries=False):
     """[(lo, hi, on_diagonal)] kv-tile ranges a query tile must visit, unmasked first; tiles the causal mask hides
-    wholly (past the tile's last query + shift) are not listed, so never loaded or computed."""
+    wholly (past the tile's last query + shift) are not listed, so never loaded or computed. ``more_queries``: the
+    padded queries outnumber the padded keys (the diagonal can pass the last key tile)."""
     if not causal:
         return [(0, num_k_blocks, False)]
     first = _plus(q_block * block_q, shift)  # the tile's first query, in key positions
     # Tile j is wholly visible when its last key <= first: (j+1)*bk - 1 <= first; visited while j*bk <= last query.
     if _is_zero(shift):
-        end = jnp.minimum(lax.div(first + block_q + block_k - 1, block_k), num_k_blocks)
+        end = lax.div(first + block_q + block_k - 1, block_k)
+        end = jnp.minimum(end, num_k_blocks) if more_queries else end
         full = jnp.minimum(lax.div(first + 1, block_k), end)
     else:  # lax.div truncates toward zero: clamp negative numerators (a tile before every key visits none)
         end = jnp.minimum(lax.div(jnp.maximum(first + block_q - 1, -1) + block_k, block_k), num_k_blocks)
@@ -264,7 +266,8 @@ def _fwd_kernel(*refs, cfg: _Config):
         jnp.zeros((block_q,), jnp.float32),
     )
     num_k_blocks = cfg.padded_k // block_k
-    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift),
+    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift,
+                                                  cfg.padded_q > cfg.padded_k),
                                       _bounds(bounds_ref)):
         carry = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), carry)
     acc, m, l = carry
@@ -358,7 +361,8 @@ def _dq_kernel(*refs, cfg: _Config):
 
     dq = jnp.zeros((block_q, head_dim), jnp.float32)
     num_k_blocks = cfg.padded_k // block_k
-    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift),
+    for lo, hi, on_diagonal in _clamp(_kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift,
+                                                  cfg.padded_q > cfg.padded_k),
                                       _bounds(bounds_ref)):
         dq = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), dq)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)

@@ -141,7 +141,10 @@ def _fwd_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, O, LSE,
         # Keys at or below the tile's first query position need no causal mask; keys past its last one are
         # skipped (whole tiles hidden by the mask are never loaded).
         first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
-        full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+        if DYN_SHIFT or SHIFT < 0:  # a query tile may lie before every key: clamp before the division
+            full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+        else:
+            full_hi = tl.minimum(((first + 1) // BLOCK_K) * BLOCK_K, hi)
         if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
             # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
             full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
@@ -250,7 +253,10 @@ def _dq_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, DO, LSE, DELTA, DQ,
     dq = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     if CAUSAL:
         first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
-        full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+        if DYN_SHIFT or SHIFT < 0:  # a query tile may lie before every key: clamp before the division
+            full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+        else:
+            full_hi = tl.minimum(((first + 1) // BLOCK_K) * BLOCK_K, hi)
         if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
             # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
             full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
@@ -354,8 +360,11 @@ def _dkdv_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, DO, LSE, DELTA, DK, DV,
     if CAUSAL:
         # Query tiles wholly before this kv tile (in query positions) are skipped, never loaded; those wholly
         # after it need no causal mask.
-        first = tl.maximum(start_k + neg, 0)
-        last = tl.maximum(start_k + neg + BLOCK_K - 1, 0)
+        first = start_k + neg
+        last = start_k + neg + BLOCK_K - 1
+        if DYN_SHIFT or SHIFT > 0:  # the key tile may lie before every query: clamp before the divisions
+            first = tl.maximum(first, 0)
+            last = tl.maximum(last, 0)
         diag_lo = tl.maximum((first // BLOCK_Q) * BLOCK_Q, lo)
         full_lo = tl.maximum(tl.minimum(((last + BLOCK_Q - 1) // BLOCK_Q) * BLOCK_Q, hi), lo)
     else:

@@ -137,15 +137,11 @@ def _pallas_block(case, case_id, traced):
 
 
 def _block_params():
-    """(case, traced) pairs: the traced run of the case with empty rows and separate segments in the default suite,
-    the others in the slow pass (interpret mode compiles every kernel variant: seconds each)."""
-    params = []
-    for case, case_id in zip(BLOCK_CASES, BLOCK_IDS):
-        for traced in (False, True):
-            marks = () if (traced and case is BLOCK_CASES[1]) else (pytest.mark.slow,)
-            params.append(pytest.param(case, traced, id=f"{'traced' if traced else 'static'}-{case_id}",
-                                       marks=marks))
-    return params
+    """(case, traced) pairs, in the slow pass (interpret mode compiles every kernel variant: seconds each; the
+    default suite has the two-block merge and the hidden tiles, which cover traced offsets, sq != skv, separate
+    segments and GQA)."""
+    return [pytest.param(case, traced, id=f"{'traced' if traced else 'static'}-{case_id}", marks=pytest.mark.slow)
+            for case, case_id in zip(BLOCK_CASES, BLOCK_IDS) for traced in (False, True)]
 
 
 @pytest.mark.parametrize("case,traced", _block_params())
@@ -325,6 +321,7 @@ def triton_block_results():
 TRITON_CHECKS = BLOCK_IDS + ["two-blocks", "hidden-tiles-tracedFalse", "hidden-tiles-tracedTrue"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", TRITON_CHECKS)
 def test_triton_blocks_in_triton_interpreter(check, triton_block_results):
     """The Triton kernels with offsets (static for even cases, traced for odd), sq != skv, separate segments, the
