@@ -15,7 +15,7 @@ import pytest
 
 from helpers import FAST, run_cli
 from jaxtrain import hardware, model
-from jaxtrain.config import ConfigError, load_config
+from jaxtrain.config import MESH_AXES, ConfigError, load_config
 from jaxtrain.mesh import MeshShape, build_mesh
 from jaxtrain.model import count_params
 from jaxtrain.planner import collectives, cost, report, search
@@ -236,7 +236,12 @@ def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     (["runtime.cpu_devices=8", "--nodes", "3"], "8 device(s) cannot be split evenly into 3 node(s)"),
     (["--hardware", "h100-8x", "--nodes", "2", "mesh.ici.fsdp=4", "mesh.dcn.data=2"],
      "has 8 devices but 16 are available"),
-    (["--hardware", "h100-8x", "--nodes", "0"], "--nodes=0 must be >= 1"),
+    (["--hardware", "h100-8x", "--nodes", "0"], "argument --nodes: '0': node counts must be >= 1"),
+    (["--nodes", "4,x", "--tokens", "2e12"], "argument --nodes: '4,x': expected node counts"),
+    (["--tokens", "0"], "argument --tokens: '0': expected a finite number > 0"),
+    (["--tokens", "2e12", "--gpu-hour-cost", "-1"], "argument --gpu-hour-cost: '-1': expected a finite number >= 0"),
+    (["--gpu-hour-cost", "2.5"], "--gpu-hour-cost needs --tokens"),
+    (["--nodes", "4,8"], "--nodes 4,8: several node counts need --tokens"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, expected):
     proc = run_cli("plan", *args)
@@ -388,3 +393,71 @@ def test_plan_adds_1f1b_where_gpipe_does_not_fit():
     assert [r["schedule"] for r in rows] == ["1f1b", "gpipe"]
     assert rows[0]["fits"] and not rows[1]["fits"]
     assert rows[0]["memory"]["temp"] < rows[1]["memory"]["temp"] / 4
+
+
+# -- time and money: plan --tokens ----------------------------------------------------------------------------------
+
+
+def test_training_budget_against_a_hand_computation():
+    """2e12 tokens in steps of 512 x 4096 tokens at 3.93 s on 64 devices, 2.5 a device-hour."""
+    got = report.training_budget(2e12, 512 * 4096, 3.93, 64, 2.5)
+    steps = 953_675  # 2e12 / 2,097,152 = 953,674.3: the last step is whole
+    seconds = steps * 3.93  # 3,747,942.75 s
+    assert got["steps"] == steps
+    assert got["days"] == pytest.approx(seconds / 86400)  # 43.38 days
+    assert got["gpu_hours"] == pytest.approx(seconds / 3600 * 64)  # 66,630 device-hours
+    assert got["cost"] == pytest.approx(seconds / 3600 * 64 * 2.5)  # 166,575
+    assert report.training_budget(2e12, 512 * 4096, 3.93, 64)["cost"] is None
+    # Twice the devices at 2.1 s instead of 3.93 s: 3.93 x 64 / (2.1 x 128) = 93.6% of linear scaling.
+    assert report.scaling_efficiency(3.93, 64, 2.1, 128) == pytest.approx(0.93571, abs=1e-5)
+    assert report.scaling_efficiency(2.0, 8, 1.0, 16) == 1.0
+
+
+def _candidate(ici, dcn, step):
+    """A plan row with (data, stage, fsdp, tensor) sizes; the other mesh axes 1."""
+    def sizes(four):
+        return tuple(dict(zip(("data", "stage", "fsdp", "tensor"), four)).get(ax, 1) for ax in MESH_AXES)
+
+    shape = MeshShape(sizes(ici), sizes(dcn))
+    return {"mesh": shape.as_dict(), "label": shape.label, "fits": True, "memory_bytes_per_device": 1,
+            "est_step_seconds": step, "est_step_seconds_overlap": step / 2}
+
+
+def test_budget_rows_compare_each_layout_with_itself_at_the_previous_node_count():
+    one = {"candidates": [_candidate((1, 1, 8, 1), (1, 1, 1, 1), 4.0)]}
+    two = {"candidates": [_candidate((1, 1, 8, 1), (2, 1, 1, 1), 2.5),  # HSDP: against fsdp8 on one node
+                          _candidate((1, 1, 8, 1), (1, 1, 2, 1), 2.2)]}  # FSDP over both nodes: the same
+    four = {"candidates": [_candidate((1, 1, 8, 1), (4, 1, 1, 1), 1.25),  # against HSDP on two nodes
+                           _candidate((1, 1, 4, 2), (1, 1, 4, 1), 1.0)]}  # no such layout before
+    rows = report.budget_rows([(1, 8, one), (2, 16, two), (4, 32, four)], 1e9, 1000, 2.0)
+    assert [(r["nodes"], r["mesh"]) for r in rows] == [(1, "fsdp8"), (2, "fsdp8 | dcn data2"), (2, "fsdp8 | dcn fsdp2"),
+                                                       (4, "fsdp8 | dcn data4"), (4, "fsdp4 tensor2 | dcn fsdp4")]
+    eff = [r["scaling_efficiency"] for r in rows]
+    assert eff[0] is None and eff[4] is None
+    assert eff[1] == pytest.approx(4.0 * 8 / (2.5 * 16)) and eff[2] == pytest.approx(4.0 * 8 / (2.2 * 16))
+    assert eff[3] == pytest.approx(2.5 * 16 / (1.25 * 32))  # linear: 1.0
+    assert rows[3]["cost"] == pytest.approx(1e6 * 1.25 / 3600 * 32 * 2.0)
+    assert rows[3]["days_overlapped"] == pytest.approx(rows[3]["days"] / 2)
+
+
+@pytest.mark.slow
+def test_cli_budget_one_row_per_candidate_and_node_count():
+    """``plan --tokens --gpu-hour-cost --nodes 1,2`` on h100-8x nodes (8 and 16 emulated devices), HSDP given."""
+    proc = run_cli("plan", "--hardware", "h100-8x", "--nodes", "2,1", "--tokens", "1e9", "--gpu-hour-cost", "2.5",
+                   "mesh.ici.fsdp=8", "mesh.dcn.data=-1", "train.global_batch=32", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert [p["nodes"] for p in out["plans"]] == [1, 2]  # ascending, whatever the order given
+    rows = out["budget"]
+    assert [(r["nodes"], r["devices"], r["mesh"]) for r in rows] == [(1, 8, "fsdp8"), (2, 16, "fsdp8 | dcn data2")]
+    for r, plan in zip(rows, out["plans"]):
+        step = plan["candidates"][0]["est_step_seconds"]
+        assert r["est_step_seconds"] == step
+        assert r["cost"] == pytest.approx(math.ceil(1e9 / (32 * 128)) * step / 3600 * r["devices"] * 2.5)
+    assert rows[1]["scaling_efficiency"] == pytest.approx(rows[0]["est_step_seconds"] * 8
+                                                          / (rows[1]["est_step_seconds"] * 16))
+    table = run_cli("plan", "--hardware", "h100-8x", "--nodes", "1,2", "--tokens", "1e9", "--gpu-hour-cost", "2.5",
+                    "mesh.ici.fsdp=8", "mesh.dcn.data=-1", "train.global_batch=32")
+    assert table.returncode == 0, table.stderr[-2000:]
+    lines = table.stdout.splitlines()
+    assert sum(line.split()[:2] in (["1", "8"], ["2", "16"]) for line in lines) == 2  # one line each

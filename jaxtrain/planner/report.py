@@ -189,28 +189,29 @@ def scaling_efficiency(step_a: float, devices_a: int, step_b: float, devices_b: 
     return (step_a * devices_a) / (step_b * devices_b)
 
 
-def layout_family(r: dict) -> str:
-    """The layout a candidate keeps as nodes are added: its per-node (ici) part and which axes span the nodes
-    (``fsdp8 | dcn data``), plus the pipeline schedule; the rows of one family are compared across node counts."""
+def layout_family(r: dict) -> tuple[str, str]:
+    """The layout a candidate keeps as nodes are added: (its per-node (ici) part with the pipeline schedule, the
+    axes that span the nodes), e.g. ``("fsdp8", "data")``; one node has no such axes (``""``)."""
     ici = " ".join(f"{a}{s}" for a, s in r["mesh"]["ici"].items() if s > 1) or "one-device"
     dcn = " ".join(a for a, s in r["mesh"]["dcn"].items() if s > 1)
-    return (f"{ici} | dcn {dcn}" if dcn else ici) + (" 1f1b" if r.get("schedule") == "1f1b" else "")
+    return ici + (" 1f1b" if r.get("schedule") == "1f1b" else ""), dcn
 
 
 def budget_rows(plans: Sequence[tuple[int, int, dict]], tokens: float, tokens_per_step: int,
                 gpu_hour_cost: float | None) -> list[dict]:
     """One row per candidate and node count, from ``plans`` = [(nodes, devices, plan result)] in node order: the
     layout, its days and cost at the no-overlap step estimate (``est_step_seconds``; ``days_overlapped`` at the
-    overlapped one), and ``scaling_efficiency`` against the same layout family at the previous node count that
-    has it (None for the first)."""
+    overlapped one), and ``scaling_efficiency`` against the same layout (:func:`layout_family`) at the latest
+    smaller node count that has it, or else that has its per-node part on one node (None for neither)."""
     rows: list[dict] = []
-    last: dict[str, tuple[float, int]] = {}  # family -> (step seconds, devices) at the latest node count
+    last: dict[tuple[str, str], tuple[float, int]] = {}  # family -> (step seconds, devices), latest node count
     for nodes, n_devices, result in plans:
+        seen = dict(last)  # this node count's candidates compare with smaller node counts only
         for r in result["candidates"]:
             family, step_s = layout_family(r), r["est_step_seconds"]
             budget = training_budget(tokens, tokens_per_step, step_s, n_devices, gpu_hour_cost)
-            before = last.get(family)
-            rows.append({"nodes": nodes, "devices": n_devices, "mesh": r["label"], "family": family,
+            before = seen.get(family) or seen.get((family[0], ""))
+            rows.append({"nodes": nodes, "devices": n_devices, "mesh": r["label"],
                          "fits": r["fits"], "memory_bytes_per_device": r["memory_bytes_per_device"],
                          "est_step_seconds": step_s,
                          "days_overlapped": training_budget(tokens, tokens_per_step, r["est_step_seconds_overlap"],
@@ -222,11 +223,19 @@ def budget_rows(plans: Sequence[tuple[int, int, dict]], tokens: float, tokens_pe
     return rows
 
 
-def _money(x: float) -> str:
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
+def _amount(x: float) -> str:
+    """Device-hours and money: three significant digits, k / M / G for thousands, millions, billions."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if x >= scale:
             return f"{x / scale:.3g}{unit}"
-    return f"{x:.0f}"
+    return f"{x:.3g}"
+
+
+def _duration(days: float) -> str:
+    if days >= 1:
+        return f"{days:.3g} d"
+    hours = days * 24
+    return f"{hours:.3g} h" if hours >= 1 else f"{hours * 60:.3g} min"
 
 
 def format_budget(cfg: Config, hw: Hardware, tokens: float, gpu_hour_cost: float | None, rows: list[dict]) -> str:
@@ -237,12 +246,12 @@ def format_budget(cfg: Config, hw: Hardware, tokens: float, gpu_hour_cost: float
                   f"{rows[0]['steps']:,} steps of {tokens_per_step:,} tokens; hardware {hw.name} ({hw.device})"
                   + (f"; {gpu_hour_cost:g} per device-hour" if gpu_hour_cost is not None else ""))
     lines.append("")
-    header = ["nodes", "devices", "mesh (ici | dcn)", "memory", "fits", "step", "days", "device-hours",
+    header = ["nodes", "devices", "mesh (ici | dcn)", "memory", "fits", "step", "time (overlapped)", "device-hours",
               *(["cost"] if gpu_hour_cost is not None else []), "scaling"]
     body = [[str(r["nodes"]), str(r["devices"]), r["mesh"], _bytes(r["memory_bytes_per_device"]),
-             "yes" if r["fits"] else "NO", _sec(r["est_step_seconds"]),
-             f"{r['days']:.3g} ({r['days_overlapped']:.3g})", f"{r['gpu_hours']:,.0f}",
-             *([_money(r["cost"])] if gpu_hour_cost is not None else []),
+             "yes" if r["fits"] else "NO", f"{r['est_step_seconds'] * 1e3:.3g} ms",
+             f"{_duration(r['days'])} ({_duration(r['days_overlapped'])})", _amount(r["gpu_hours"]),
+             *([_amount(r["cost"])] if gpu_hour_cost is not None else []),
              "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency'] * 100:.0f}%"] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     for cells in [header, ["-" * w for w in widths], *body]:
@@ -250,11 +259,11 @@ def format_budget(cfg: Config, hw: Hardware, tokens: float, gpu_hour_cost: float
                                for i, (c, w) in enumerate(zip(cells, widths))).rstrip())
     lines.append("")
     for note in (
-            "days: the token budget at the estimated step (no overlap); in brackets at the overlapped estimate. "
-            "device-hours = days x 24 x devices" + ("; cost = device-hours x the price." if gpu_hour_cost is not None
-                                                    else "."),
-            "scaling: throughput per device against the same layout (per-node mesh, axes across nodes) at the "
-            "previous node count, for the same global batch (100% = linear; equals the cost ratio).",
+            "time: to train the token budget at the estimated step (no overlap); in brackets at the overlapped "
+            "estimate. device-hours = time x devices"
+            + ("; cost = device-hours x the price." if gpu_hour_cost is not None else "."),
+            "scaling: throughput per device against the same layout (per-node mesh, axes across nodes; on one node "
+            "the same per-node mesh) at the previous node count, same global batch (100% = linear = the same cost).",
             "Estimates from the planner's cost model (peak x efficiency, link rates of the hardware file); "
             "memory: per device, fits as in plan's table."):
         lines += _wrap(note)
