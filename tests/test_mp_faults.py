@@ -25,7 +25,7 @@ from jaxtrain import checkpoint as ckpt
 from jaxtrain import rundir
 
 SEED = int(os.environ.get("JAXTRAIN_FAULT_SEED") or random.SystemRandom().randrange(2**31))
-HEARTBEAT_S = 5  # dist.heartbeat_timeout_s of these jobs
+HEARTBEAT_S = 10  # dist.heartbeat_timeout_s of these jobs (with 5 s, a start-up at a load of 20 on 2 cores missed it)
 # The bound stated in docs/failures.md: every surviving process has exited within heartbeat + this (measured here
 # ~1-3 s past the heartbeat; the margin covers a machine loaded by other jobs, and the launcher's own stop).
 EXIT_BOUND_S = 30
@@ -51,10 +51,10 @@ def _logged_steps(out_file) -> int:
     return int(found[-1]) if found else 0
 
 
-def _wait_for(predicate, timeout, what, out_file=None):
+def _wait_for(predicate, timeout, what, out_file=None, job=None):
     deadline = time.time() + timeout
     while not predicate():
-        if time.time() > deadline:
+        if time.time() > deadline or (job is not None and job.poll() is not None):
             tail = open(out_file).read()[-3000:] if out_file else ""
             raise AssertionError(f"timed out waiting for {what}\n{tail}")
         time.sleep(0.05)
@@ -94,20 +94,21 @@ def _start_local(n, args, out_file, env):
                             stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True)
 
 
-def _inject(rng, run, n, out_file, sig, id_var="JAX_PROCESS_ID"):
+def _inject(rng, run, n, out_file, sig, job, id_var="JAX_PROCESS_ID"):
     """Wait for a random step, send ``sig`` to a random process; returns (victim, its pid, survivors' pids, time)."""
     every = 3
     k = rng.randrange(4, 13)
     if rng.random() < 0.5:
         k -= k % every  # right after a save began: the fault lands while it is written in the background
-    _wait_for(lambda: _logged_steps(out_file) >= k, 600, f"step {k}", out_file)
+    _wait_for(lambda: _logged_steps(out_file) >= k, 600, f"step {k}", out_file, job)
     time.sleep(rng.uniform(0, 0.05))
     pids = _processes(run, id_var)
     assert sorted(pids) == list(range(n)), pids
     victim = rng.randrange(n)
     os.kill(pids[victim], sig)
     at = time.time()
-    print(f"{signal.Signals(sig).name} to process {victim} of {n} after logged step {k}")
+    print(f"{signal.Signals(sig).name} to process {victim} of {n} at logged step {_logged_steps(out_file)} "
+          f"(waited for {k})")
     return victim, pids[victim], [p for i, p in pids.items() if i != victim], at
 
 
@@ -145,7 +146,7 @@ def _fault_then_resume(tmp_path, env, n, sig, name):
     run, out = tmp_path / "run", tmp_path / "fault.out"
     job = _start_local(n, _args(run, n, LONG), out, env)
     try:
-        _, victim_pid, survivors, at = _inject(rng, run, n, out, sig)
+        _, victim_pid, survivors, at = _inject(rng, run, n, out, sig, job)
         _survivors_exit(survivors, at, out)
         rc = job.wait(timeout=120)
     finally:
@@ -202,7 +203,7 @@ exec {sys.executable} "$@"
     job = _start_local(n, _args(run, n, LONG), out, env=job_env | {"PYTHON": str(wrapper)})
     try:
         k = rng.randrange(4, 10)
-        _wait_for(lambda: _logged_steps(out) >= k, 600, f"step {k}", out)
+        _wait_for(lambda: _logged_steps(out) >= k, 600, f"step {k}", out, job)
         pid = _processes(run, "JAX_PROCESS_ID")[faulty]
         subprocess.run(["nsenter", "-t", str(pid), "-m", "mount", "-o", "remount,bind,ro", str(ckdir)], check=True)
         saved_before = ckpt.existing_steps(str(ckdir))
@@ -217,11 +218,14 @@ exec {sys.executable} "$@"
     assert len(errors) == 1 and f"[process {faulty}/{n}] a checkpoint save in {ckdir} failed" in errors[0] \
         and "Read-only file system" in errors[0] and str(ckdir) in errors[0], text[-3000:]
     print(errors[0])
-    # It stopped at the step after the failed save's (the save of a multiple of 3, then one more step).
-    failed = int(re.search(r"/(\d+)\.orbax-checkpoint-tmp/", errors[0]).group(1))
-    assert _logged_steps(out) <= failed + 2, (failed, _logged_steps(out))
-    for step in saved_before:  # nothing earlier is lost: each step still complete and readable
-        assert step in ckpt.existing_steps(str(ckdir)) and ckpt._metadata_damage(str(ckdir), step) is None
+    # It stopped right after the first save that could not be written (the next multiple of 3 after the steps
+    # already saved, or the one in flight), not minutes later.
+    assert _logged_steps(out) <= max(saved_before, default=0) + 2 * 3 + 1, (saved_before, _logged_steps(out))
+    # Nothing earlier is lost: the newest step saved before is still there, and every listed step is readable
+    # (checkpoint.keep=3 may have retired an older one if a save in flight at the fault still completed).
+    left = ckpt.existing_steps(str(ckdir))
+    assert saved_before and max(saved_before) in left, (saved_before, left)
+    assert all(ckpt._metadata_damage(str(ckdir), step) is None for step in left)
 
 
 @pytest.mark.slow
@@ -241,7 +245,7 @@ def test_real_slurm_a_frozen_task_stops_the_job_and_the_next_job_resumes_exactly
     victim = rng.randrange(n)
     os.kill(pids[victim], signal.SIGSTOP)
     at = time.time()
-    print(f"SIGSTOP to Slurm task {victim} of {n} after logged step {k}")
+    print(f"SIGSTOP to Slurm task {victim} of {n} at logged step {steps()} (waited for {k})")
     try:
         _survivors_exit([p for i, p in pids.items() if i != victim], at, out)
         _wait_for(lambda: re.search(r"JobState=(COMPLETED|FAILED|CANCELLED)", job_state(env, job)), 120, "the job")
