@@ -6,6 +6,7 @@ restored; this module only drives Orbax and JAX for it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -155,4 +156,7 @@ def reason(e: BaseException) -> str:
             break
         e = inner
     text = " ".join(f"{type(e).__name__}: {e}".split()).split(" [tensorstore_spec=")[0]
+    # An OCDBT data file's name arrives as dozens of escaped bytes (\x00\x64...): noise that would push the path
+    # and the OS error out of the 400 characters.
+    text = re.sub(r"(\\x[0-9a-fA-F]{2}){4,}", "", text)
     return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
