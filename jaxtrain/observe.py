@@ -94,6 +94,7 @@ class StallClock:
 
     def close(self) -> None:
         self._stopped = True
+        self._thread.join(1)  # it ends within one interval
 
 
 class StragglerWatch:
@@ -323,8 +324,7 @@ class Observer:
             self.probe = CollectiveProbe(layout.mesh, layout.shape, cfg, self.hosts, self.metrics)
         self.profiler = Profiler(run_dir, o)
         self._save_started: float | None = None
-        self._checkpointer = None
-        self._last_step = 0
+        self._checkpointer, self._last_step = None, 0
         self.linger_s = o.prometheus_linger_s
         # The step whose cycle runs: (step, its start, its data wait); what it waited so far (see StragglerWatch).
         self._cycle: tuple[int, float, float] | None = None
