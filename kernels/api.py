@@ -103,16 +103,19 @@ def validate(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_o
 
 
 def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segments: bool = False,
-                    impl: str = "pallas", seq_k: int | None = None, **block_sizes) -> dict:
+                    impl: str = "pallas", seq_k: int | None = None, traced_offsets: bool = False,
+                    **block_sizes) -> dict:
     """How each kernel of a call would be launched: {"fwd" | "dq" | "dkdv": {block_q, block_k, num_warps,
-    num_stages}} (block_q: query tile, block_k: key tile), for q_shape [batch, seq, heads, head_dim]."""
+    num_stages}} (block_q: query tile, block_k: key tile), for q_shape [batch, seq, heads, head_dim], keys of
+    length seq_k (None: seq), offsets traced or static."""
+    shift = None if traced_offsets else 0
     if impl == "pallas":
         cfg = flash_pallas.call_config(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
-                                block_sizes=block_sizes, kv_heads=kv_heads, seq_k=seq_k)
+                                block_sizes=block_sizes, kv_heads=kv_heads, seq_k=seq_k, shift=shift)
         launches = {kind: getattr(cfg, kind) for kind in ("fwd", "dq", "dkdv")}
     elif impl == "triton":
         p = flash_triton.call_config(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
-                                   has_segments=has_segments, block_sizes=block_sizes, seq_k=seq_k)
+                                   has_segments=has_segments, block_sizes=block_sizes, seq_k=seq_k, shift=shift)
         launches = {"fwd": p.fwd_launch, "dq": p.dq_launch, "dkdv": p.dkdv_launch}
     else:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")

@@ -53,7 +53,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from kernels.tiling import BlockSizes, Launch, choose_splits, segment_tile_ranges
+from kernels.tiling import BlockSizes, Launch, choose_splits, clamp_tile, segment_tile_ranges
 
 # Finite, so that fully masked tiles give exp2(MASK - MASK) = 1 rather than NaN; see the module docstring.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -378,10 +378,12 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
     j = pl.program_id(0)  # kv tile 0 sees the most query tiles under causal: natural order is heaviest first
     k = k_ref[...]  # [bk, D]
     v = v_ref[...]
-    k_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)
+    # Keys in query positions (k - shift), shifted once here rather than every query tile in the loop (fewer live
+    # registers: the d128 kernel sits at the register limit); the padding bound moves with them.
+    k_pos = _plus(j * block_k + jnp.arange(block_k, dtype=jnp.int32), 0 if _is_zero(shift) else -shift)
     k_seg = None if seg_k_ref is None else seg_k_ref[...]
     qk_scale = cfg.sm_scale * LOG2E
-    pad_len = cfg.seq_k if cfg.padded else None
+    pad_len = _plus(cfg.seq_k, 0 if _is_zero(shift) else -shift) if cfg.padded else None
     num_q_blocks = cfg.padded_q // block_q
     ranges = _clamp(_q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal, shift), _bounds(bounds_ref))
 
@@ -395,7 +397,7 @@ def _dkdv_kernel(*refs, cfg: _Config, group: int, want: tuple[str, ...]):
         lse = lse_ref[g, rows]
         delta = delta_ref[g, rows]
         s_t = _dot_nt(k, q) * qk_scale  # [bk, bq]
-        q_pos = _plus(start + jnp.arange(block_q, dtype=jnp.int32), shift)
+        q_pos = start + jnp.arange(block_q, dtype=jnp.int32)
         q_seg = None if seg_q_ref is None else seg_q_ref[rows]
         mask = _mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, kv_major=True)
         if mask is not None:
@@ -563,6 +565,11 @@ def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float,
     batch, seq_q, heads, head_dim = q_shape
     seq_k = seq_q if seq_k is None else seq_k
     launches = sizes.launches(dtype, head_dim, seq_q, seq_k)
+    if (causal and shift is None and head_dim == 128 and np.dtype(dtype).itemsize == 2
+            and sizes.block_k_dkdv is None and sizes.block_k_bwd is None):
+        # The 16-bit d128 dk/dv kernel sits at 254-255 registers; a traced shift spills it (572 B, sm_90a,
+        # tools/compile_check.py ring cases), a 64-key tile does not (173 registers).
+        launches["dkdv"] = dataclasses.replace(launches["dkdv"], block_k=clamp_tile(64, seq_k))
     tile = max(max(x.block_q, x.block_k) for x in launches.values())
     group = heads // kv_heads
     # Not in interpret mode (CPU): more programs gain nothing there and partial sums cost memory.

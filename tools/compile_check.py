@@ -356,7 +356,8 @@ def _launch_settings(case: Case) -> dict:
 
         return api.launch_settings((case.batch, case.seq, case.heads, case.head_dim), case.kv_heads, case.dtype,
                                    causal=case.causal, has_segments=case.segments, impl=case.impl,
-                                   seq_k=case.kv_seq or None, **dict(case.block_sizes))
+                                   seq_k=case.kv_seq or None, traced_offsets=bool(case.kv_seq),
+                                   **dict(case.block_sizes))
     except (ImportError, AttributeError):
         return {}
 
