@@ -71,9 +71,8 @@ class StallClock:
     ``gaps``: (start, end) perf_counter times of the stalls, oldest first."""
 
     def __init__(self, interval: float = 0.01, slack: float = 0.015):
-        self.interval, self.slack = interval, slack
+        self.interval, self.slack, self._stopped = interval, slack, False
         self.gaps: deque[tuple[float, float]] = deque()  # appended by the thread, read and trimmed by the loop
-        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="jaxtrain-stall-clock", daemon=True)
         self._thread.start()
 
@@ -101,18 +100,13 @@ class StragglerWatch:
     """Per-step split of this process's time, and every ``every`` steps an exchange of window means.
 
     A step's cycle (from its start to the next step's) splits into *own* time, the host work this process does by
-    itself (reading and sending the batch, the loop's bookkeeping), and *wait*: the step's dispatch blocking, the
-    wait for its results, checkpoint saves and evaluation, where a process waits for the devices and for the other
-    processes' collectives. A process slowed by its host (CPU taken away, a slow disk) shows it as own time, and
-    the others as wait: blaming by own time names the slow one, never the ones waiting for it (blaming by wall
-    time before the dispatch returned named the waiting one, whose dispatch blocks in the collective). A stall of
-    the whole process (its CPU taken away, :class:`StallClock`) while it waits also delays the devices and peers
-    it drives, so it counts as own time too.
-
+    itself (reading and sending the batch, the loop's bookkeeping), and *wait*: the dispatch blocking, the wait for
+    results, saves and evaluation (the devices and the other processes' collectives). A process slowed by its host
+    shows it as own time, the others as wait: blaming by own time names the slow one, never the ones waiting for it
+    (blaming the wall time until the dispatch returned named the waiting one, whose dispatch blocks in the
+    collective). A stall of the process while it waits (:class:`StallClock`) delays its peers too: own time.
     Each process posts its window's means under ``KV_PREFIX/straggler/<step>/<process>``; process 0 reads the
-    previous window's posts (one window late, so it never waits for a process still finishing it) and judges them
-    (:func:`stragglers`).
-    """
+    previous window's posts (one window late: it never waits for a process still finishing it) and judges them."""
 
     def __init__(self, every: int, ratio: float, hosts: list[str], metrics: PrometheusMetrics | None):
         self.every, self.ratio, self.hosts, self.metrics = every, ratio, hosts, metrics
@@ -413,7 +407,7 @@ class Observer:
             return
         m.set("step", step)
         m.step_time(step_time)
-        split = self.stragglers.split(step)
+        split = self.step_split(step)
         if split:
             m.set("step_host_seconds", split["step_host_seconds"])
             m.set("step_device_seconds", split["step_device_seconds"])
@@ -440,8 +434,14 @@ class Observer:
 
     def step_split(self, step: int) -> dict[str, float]:
         """``step_host_seconds``, ``data_wait_seconds``, ``step_device_seconds`` of a reported step on this
-        process."""
-        return self.stragglers.split(step)
+        process; for one reported inside its own cycle (an evaluated step, the last), its figures so far."""
+        split = self.stragglers.split(step)
+        if split or self._cycle is None or self._cycle[0] != step:
+            return split
+        _, start, data_s = self._cycle
+        wait = sum(e - s for s, e in self._waits) + self._phases() - self._phases_at_start
+        return {"step_host_seconds": time.perf_counter() - start - wait, "data_wait_seconds": data_s,
+                "step_device_seconds": wait}
 
     def evaluated(self, eval_loss: float) -> None:
         if self.metrics:

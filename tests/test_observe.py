@@ -155,11 +155,9 @@ def test_metrics_endpoint_scraped_during_a_real_run(scraped_run):
     assert value(last, "jaxtrain_step_seconds_count") >= value(last, "jaxtrain_step") - 1
     assert value(last, "jaxtrain_learning_rate") > 0 and 0 < value(last, "jaxtrain_loss") < 6
     records = {r["step"]: r for r in map(json.loads, open(scraped_run["run_dir"] / "metrics.jsonl"))}
-    # Each logged step's split on this process: data wait within own work, then the waits. A step reported before
-    # its cycle ended (an evaluated step, the last) has none.
-    split = [r for r in records.values() if "step_host_seconds" in r]
-    assert len(split) >= len(records) / 2, records
-    for r in split:
+    # Each logged step's split on this process: data wait within own work, then the waits (a step reported inside
+    # its own cycle, an evaluated one or the last: its figures so far).
+    for r in records.values():
         host, device = r["step_host_seconds"], r["step_device_seconds"]
         assert 0 <= r["data_wait_seconds"] <= host < host + device, r
     step = int(value(last, "jaxtrain_step"))
