@@ -32,6 +32,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from kernels.flash_pallas import CHECKPOINT_NAMES
 
 AXIS = "context"
 _F32 = jnp.float32
@@ -216,6 +219,12 @@ def _pairs_bwd(blocks, qs, sqs, q_offs, outs, lses, douts, ks, vs, sks, kv_offs,
     return dqs, dks, dvs
 
 
+def _named(out, lse):
+    """The output and log-sum-exp under the flash kernels' checkpoint names: model.remat's policies save them, so
+    the backward does not run the forward ring again."""
+    return checkpoint_name(out, CHECKPOINT_NAMES[0]), checkpoint_name(lse, CHECKPOINT_NAMES[1])
+
+
 def _split(x, parts, axis=1):
     return [None] * parts if x is None else jnp.split(x, parts, axis=axis)
 
@@ -261,7 +270,7 @@ def ring_local(q, k, v, segment_ids, *, n: int, balanced: bool, blocks: Blocks, 
         return forward(q, k, v, seg)[0]
 
     def attend_fwd(q, k, v, seg):
-        out, lse = forward(q, k, v, seg)
+        out, lse = _named(*forward(q, k, v, seg))
         return out, (q, k, v, seg, out, lse)
 
     def attend_bwd(res, dout):
@@ -316,7 +325,7 @@ def allgather_local(q, k, v, segment_ids, *, n: int, balanced: bool, blocks: Blo
         return forward(q, kf, vf, seg, sf)[0]
 
     def attend_fwd(q, kf, vf, seg, sf):
-        out, lse = forward(q, kf, vf, seg, sf)
+        out, lse = _named(*forward(q, kf, vf, seg, sf))
         return out, (q, kf, vf, seg, sf, out, lse)
 
     def attend_bwd(res, dout):
