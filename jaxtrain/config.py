@@ -41,7 +41,7 @@ class RuntimeConfig:
     # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (mesh.cpu_devices_per_process).
     cpu_devices: int | None = None
     ignore_memory_check: bool = False  # train even when the compiled step needs more memory than the devices have
-    compile_cache: str = "auto"  # persistent compile cache for reruns: auto (~/.cache/jaxtrain/compile), a dir, off
+    compile_cache: str = "auto"  # persistent compile cache for reruns: auto (~/.cache/jaxtrain/compile), a dir, none
 
 
 @dataclass
@@ -318,7 +318,7 @@ def validate(cfg: Config) -> None:
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
-    _require(cfg.runtime.compile_cache.strip() != "", "runtime.compile_cache is empty: use auto, a directory or off")
+    _require(cfg.runtime.compile_cache.strip() != "", "runtime.compile_cache is empty: use auto, a directory or none")
     validate_ops(cfg.dist, cfg.check, cfg.observe)  # dist.*, check.*, observe.* (jaxtrain/config_ops.py)
     _validate_mesh(cfg)
     locations.check_paths(cfg)  # files and directories last: value mistakes are reported first

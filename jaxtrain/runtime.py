@@ -24,9 +24,9 @@ def configure(cfg: Config) -> distributed.Settings:
 
 
 def compile_cache_dir(setting: str) -> str | None:
-    """``runtime.compile_cache`` -> the directory of JAX's persistent compile cache, or None (``off``). ``auto``:
+    """``runtime.compile_cache`` -> the directory of JAX's persistent compile cache, or None (``none``). ``auto``:
     ``$XDG_CACHE_HOME/jaxtrain/compile``, else ``~/.cache/jaxtrain/compile``."""
-    if setting == "off":
+    if setting == "none":
         return None
     if setting == "auto":
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -1,0 +1,62 @@
+"""Start-up: what the train command imports, and JAX's persistent compile cache (runtime.compile_cache).
+
+How long start-up takes is a benchmark figure (benchmarks/startup.py), not asserted here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, run_cli
+from jaxtrain import runtime
+from jaxtrain.config import ConfigError, load_config
+
+HEAVY = ("torch", "tensorboardX", "transformers")
+
+
+def test_train_command_imports_no_torch_tensorboardx_or_transformers():
+    """The CLI and the train command's whole import closure (the loop and everything it imports) leave out the
+    heavy optional packages, which cost seconds of start-up where installed (torch alone ~1.5 s here)."""
+    code = ("import sys, jaxtrain.cli, jaxtrain.commands.train, jaxtrain.loop\n"
+            f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ""
+
+
+def test_compile_cache_setting(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert runtime.compile_cache_dir("auto") == os.path.join(str(tmp_path), "jaxtrain", "compile")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert runtime.compile_cache_dir("auto") == os.path.join(os.path.expanduser("~"), ".cache", "jaxtrain", "compile")
+    assert runtime.compile_cache_dir("none") is None
+    assert runtime.compile_cache_dir("rel/dir") == os.path.abspath("rel/dir")
+    assert load_config(None, []).runtime.compile_cache == "auto"
+    with pytest.raises(ConfigError, match="runtime.compile_cache is empty: use auto, a directory or none"):
+        load_config(None, ["runtime.compile_cache=''"])
+
+
+@pytest.mark.slow
+def test_rerun_loads_every_program_from_the_compile_cache(tmp_path):
+    """The first run fills the cache with its programs (train and eval steps among them); the rerun of the same
+    config in a new run.dir finds every one of them there: it adds no entry."""
+    cache = tmp_path / "cache"
+    args = ["train", "train.steps=2", "runtime.cpu_devices=1", f"runtime.compile_cache={cache}"]
+    first = run_cli(*args, f"run.dir={tmp_path / 'a'}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    entries = set(os.listdir(cache))
+    assert any(e.startswith("jit_train_step-") for e in entries) and any(e.startswith("jit_eval_step-")
+                                                                          for e in entries)
+    second = run_cli(*args, f"run.dir={tmp_path / 'b'}")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert set(os.listdir(cache)) == entries
+    off = run_cli("train", "train.steps=1", "runtime.cpu_devices=1", "runtime.compile_cache=none",
+                  f"run.dir={tmp_path / 'c'}", env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")})
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not (tmp_path / "xdg").exists()  # none: nothing written anywhere, not even the default location
