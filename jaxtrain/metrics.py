@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import statistics
-import struct
-import time
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +61,8 @@ class MetricsWriter:
         if enabled:
             rundir.truncate_metrics(run_dir, start_step)
             self._jsonl = open(rundir.path(run_dir, rundir.METRICS), "a", buffering=1)
-            self._tb = EventWriter(rundir.path(run_dir, rundir.TENSORBOARD),
-                                   purge_step=start_step + 1 if start_step else None)
+            self._tb = _summary_writer(rundir.path(run_dir, rundir.TENSORBOARD),
+                                       purge_step=start_step + 1 if start_step else None)
 
     def write(self, record: dict, *, elapsed: float | None = None, eta: float | None = None) -> None:
         """Log one step's record; ``elapsed`` (since the loop started) and ``eta`` seconds go to the progress line."""
@@ -102,81 +99,20 @@ class MetricsWriter:
             self._tb.close()
 
 
-class EventWriter:
-    """TensorBoard's event file (``events.out.tfevents.<time>.<host>.<pid>``) with scalar summaries, written
-    directly: TFRecord framing (length, masked CRC-32C of it, the record, its masked CRC-32C) around ``Event``
-    protocol buffers encoded by hand. tensorboardX, which this replaces, imports torch where it is installed (1.5 s
-    or more of every run's start-up) for the same few bytes.
-
-    ``purge_step``: a resumed run's first step; TensorBoard then drops the earlier files' events from it on (the
-    ``SessionLog`` START event that tensorboardX's ``purge_step`` writes).
-    """
-
-    def __init__(self, log_dir: str, purge_step: int | None = None):
-        os.makedirs(log_dir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self._f = open(os.path.join(log_dir, name), "wb")
-        self._record(_field(1, "d", time.time()) + _field(3, "s", b"brain.Event:2"))
-        if purge_step is not None:
-            self._record(_field(1, "d", time.time()) + _field(2, "v", purge_step) + _field(7, "m", _field(1, "v", 1)))
-        self._f.flush()
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        value_proto = _field(1, "s", tag.encode()) + _field(2, "f", value)
-        self._record(_field(1, "d", time.time()) + _field(2, "v", step) + _field(5, "m", _field(1, "m", value_proto)))
-
-    def _record(self, data: bytes) -> None:
-        length = struct.pack("<Q", len(data))
-        self._f.write(length + struct.pack("<I", _masked_crc(length)) + data + struct.pack("<I", _masked_crc(data)))
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    n &= (1 << 64) - 1  # negative int64: two's complement, as protobuf encodes it
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, kind: str, value) -> bytes:
-    """One protobuf field: ``kind`` d (double), f (float), v (varint), s (bytes), m (an encoded message)."""
-    if kind == "d":
-        return _varint(number << 3 | 1) + struct.pack("<d", value)
-    if kind == "f":
-        return _varint(number << 3 | 5) + struct.pack("<f", value)
-    if kind == "v":
-        return _varint(number << 3) + _varint(value)
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
-def _crc32c_table() -> list[int]:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1  # Castagnoli polynomial, reflected
-        table.append(c)
-    return table
-
-
-_CRC32C = _crc32c_table()
-
-
-def _masked_crc(data: bytes) -> int:
-    """TFRecord's masked CRC-32C (records of a few hundred bytes: a table in Python is fast enough)."""
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = _CRC32C[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    crc ^= 0xFFFFFFFF
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+def _summary_writer(log_dir: str, purge_step: int | None) -> Any:
+    """tensorboardX's ``SummaryWriter``. Its package imports torch whenever torch is installed (1.5 s of every run's
+    start-up here; 4-7 s on a loaded machine) only to accept torch tensors, which jaxtrain never passes: the import
+    runs with torch marked absent (``sys.modules["torch"] = None``, which makes ``import torch`` raise ImportError,
+    tensorboardX's own fallback), unless this process has already imported torch."""
+    block = "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if block:
+            del sys.modules["torch"]
+    return SummaryWriter(log_dir, purge_step=purge_step)
 
 
 def summary_line(*, compile_s: float, step_times: list[float], tokens_per_step: int, final_loss: float,
