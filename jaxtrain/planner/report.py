@@ -231,6 +231,10 @@ def _amount(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _step(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
+
+
 def _duration(days: float) -> str:
     if days >= 1:
         return f"{days:.3g} d"
@@ -249,7 +253,7 @@ def format_budget(cfg: Config, hw: Hardware, tokens: float, gpu_hour_cost: float
     header = ["nodes", "devices", "mesh (ici | dcn)", "memory", "fits", "step", "time (overlapped)", "device-hours",
               *(["cost"] if gpu_hour_cost is not None else []), "scaling"]
     body = [[str(r["nodes"]), str(r["devices"]), r["mesh"], _bytes(r["memory_bytes_per_device"]),
-             "yes" if r["fits"] else "NO", f"{r['est_step_seconds'] * 1e3:.3g} ms",
+             "yes" if r["fits"] else "NO", _step(r["est_step_seconds"]),
              f"{_duration(r['days'])} ({_duration(r['days_overlapped'])})", _amount(r["gpu_hours"]),
              *([_amount(r["cost"])] if gpu_hour_cost is not None else []),
              "-" if r["scaling_efficiency"] is None else f"{r['scaling_efficiency'] * 100:.0f}%"] for r in rows]
