@@ -123,11 +123,10 @@ def _check_resume(run, n, fault_log, resumed_log, before):
     """The resumed run restored the newest step every process finished writing, and recomputed the lost steps
     exactly as the uninterrupted run (``before``: its losses) computed them."""
     found = re.search(r"resumed from (\S+)/(\d+)\n", resumed_log)
-    assert found, resumed_log[-3000:]
-    restored = int(found.group(2))
+    restored = int(found.group(2)) if found else 0  # a fault before the first save completed: a fresh start
     # Every process's shards and its array metadata are in the restored step (each process writes its own).
     step_dir = os.path.join(run, "checkpoints", str(restored))
-    for i in range(n):
+    for i in range(n if restored else 0):
         assert os.path.isfile(os.path.join(step_dir, "state", f"ocdbt.process_{i}", "manifest.ocdbt")), i
     assert restored == fault_log["newest"], (restored, fault_log)
     after = {r["step"]: r["loss"] for r in rundir.read_metrics(run)}
