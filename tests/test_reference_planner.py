@@ -5,14 +5,14 @@ optimizer update is memory-bound (gradients, parameters and both moments read, p
 import pytest
 
 from helpers import hand_forward_flops_per_token
-from jaxtrain.config import load_config
+from jaxtrain.config import MESH_AXES, load_config
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
 from jaxtrain.planner import cost
 
 HW = Hardware(peak_flops=1e15, hbm_bytes=8e10, hbm_bandwidth=2e12, devices_per_node=8, intra_node_bandwidth=4e11,
               inter_node_bandwidth=5e10, compute_efficiency=0.4)
-SHAPE = MeshShape(ici=(1, 1, 8, 1), dcn=(1, 1, 1, 1))  # fsdp 8
+SHAPE = MeshShape(ici=tuple(8 if ax == "fsdp" else 1 for ax in MESH_AXES), dcn=(1,) * len(MESH_AXES))  # fsdp 8
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "save_matmuls"])
