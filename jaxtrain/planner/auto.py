@@ -247,12 +247,11 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
                     key=lambda r: (r.memory_guess > budget, r.guess_s, REMATS.index(r.cand.remat), r.cand.label))
     compiles = hits = bounded = capped = 0
     fitting: list[Row] = []
-    fits_with: set[tuple] = set()  # (mesh, microbatches, schedule) compiled and fitting with a lighter remat
     for r in viable:
-        same = (r.cand.shape, r.cand.microbatches, r.cand.schedule)
-        # More recompute only adds compute (the collectives stay): where a lighter remat of the same layout fits,
-        # a heavier one cannot be faster; else, no faster than the runner-up even without communication.
-        if same in fits_with or (len(fitting) >= 2 and r.lower_s >= fitting[1].est):
+        # More recompute only adds compute, and without a pipeline more microbatches only cut the same matmuls
+        # smaller (the cost model does not price that): where a lighter setting of the same layout fits, a heavier
+        # one is not tried; else, nor where it is no faster than the runner-up even without communication.
+        if any(_dominates(f.cand, r.cand) for f in fitting) or (len(fitting) >= 2 and r.lower_s >= fitting[1].est):
             bounded += 1
             continue
         if compiles >= max_compiles:
@@ -267,8 +266,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
         progress(f"[{compiles + hits}] {r.cand.label}: {_gb(comp.memory_bytes)}, est. {_ms(r.est)}"
                  f"{' (cached)' if r.cached else f', compiled in {comp.compile_s:.1f} s'}")
         if r.result["fits"]:
-            fitting = sorted(fitting + [r], key=_rank_key)
-            fits_with.add(same)
+            fitting = sorted([f for f in fitting if not _dominates(r.cand, f.cand)] + [r], key=_rank_key)
     compiled = sorted((r for r in rows if r.result is not None), key=_rank_key)
     pruned = len(rows) - len(viable)
     if not fitting:
@@ -277,6 +275,15 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     return AutoResult(choice, runner, _why(choice, runner, compiled, budget),
                       compiled + [r for r in rows if r.result is None], budget, time.perf_counter() - t0, compiles,
                       hits, pruned, bounded, capped)
+
+
+def _dominates(a: Candidate, b: Candidate) -> bool:
+    """``a`` fits and is lighter than ``b`` on the same mesh and schedule: less recompute, and (without a pipeline,
+    whose bubble shrinks with more microbatches) no more microbatches. Such a ``b`` only trades speed for memory
+    that is not needed, so it is neither compiled nor chosen."""
+    return (a != b and a.shape == b.shape and a.schedule == b.schedule
+            and REMATS.index(a.remat) <= REMATS.index(b.remat)
+            and (a.microbatches == b.microbatches or (a.stages == 1 and a.microbatches < b.microbatches)))
 
 
 def nothing_fits(cfg: Config, rows: list[Row], compiled: list[Row], budget: float, n_devices: int,
