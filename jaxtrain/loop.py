@@ -14,7 +14,6 @@ import json
 import os
 import resource
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,15 +74,12 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
              f"{jax.devices()[0].device_kind} device(s); model {count_params(m)['total'] / 1e6:.2f}M parameters, "
              f"compute {m.dtype}, params {m.param_dtype}, attention {m.attention}; global batch "
              f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens ...")
-    # A fresh state is initialised (its own program compiled, then run) while the step compiles: XLA's compiler
-    # releases the GIL, and the state alone is known to fit (check_state_fits above). Start-up: docs/training.md.
-    fresh = _Background(layout.init_state) if source.kind == "fresh" else None
     compiled = step.compile()
     log.info(f"compiled in {compiled[2]:.2f} s")
     guards.check_memory_fit(layout, compiled[0], functools.partial(compiled_with_microbatches, layout))
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
     # config.yaml and metrics.jsonl as they were.
-    restored = ckpt.restore(source, layout.abstract_state, fresh.result if fresh else layout.init_state)
+    restored = ckpt.restore(source, layout.abstract_state, layout.init_state)
     if source.kind == "resume" and source.directory == ckpt.checkpoint_dir(cfg):
         for moved in ckpt.set_aside_damaged(source.directory, restored[1]):
             log.info(f"moved the damaged checkpoint aside to {moved} (not deleted)")
@@ -96,29 +92,6 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
             f.write(dump_yaml(effective))
     with runtime.process_log(cfg.run.dir):
         return _Loop(step, source, checkpointer, compiled).run(tokens, restored)
-
-
-class _Background:
-    """``fn()`` run in a daemon thread (an error stopping the run meanwhile does not wait for it); :meth:`result`
-    waits for its value or raises its exception."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self._out: list = []
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True, name="jaxtrain-init")
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._out.append((fn(), None))
-        except BaseException as e:  # re-raised in the caller's thread
-            self._out.append((None, e))
-
-    def result(self) -> Any:
-        self._thread.join()
-        value, error = self._out[0]
-        if error is not None:
-            raise error
-        return value
 
 
 def _changed_settings_note(layout: Layout, source: ckpt.RestoreSource) -> str:
