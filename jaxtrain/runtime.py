@@ -25,10 +25,13 @@ def configure(cfg: Config) -> distributed.Settings:
 
 def compile_cache_dir(setting: str) -> str | None:
     """``runtime.compile_cache`` -> the directory of JAX's persistent compile cache, or None (``none``). ``auto``:
-    ``$XDG_CACHE_HOME/jaxtrain/compile``, else ``~/.cache/jaxtrain/compile``."""
+    JAX's own ``JAX_COMPILATION_CACHE_DIR`` where set (the launchers put it in the run directory, so a requeued job
+    finds its programs), else ``$XDG_CACHE_HOME/jaxtrain/compile``, else ``~/.cache/jaxtrain/compile``."""
     if setting == "none":
         return None
     if setting == "auto":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return os.environ["JAX_COMPILATION_CACHE_DIR"]
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(base, "jaxtrain", "compile")
     return os.path.abspath(os.path.expanduser(setting))

@@ -205,12 +205,13 @@ def _two_steps(overrides, n_devices):
 @pytest.mark.slow
 def test_context_training_matches_one_device():
     # Context 4 (the ring) with data and remat, context 2 (all-gather) with fsdp and tensor, and inside the
-    # pipeline's stage function (GPipe; 1F1B takes the same side input); context 8 alone: the attention level.
+    # pipeline's stage function (GPipe; 1F1B takes the same side input); context 8 alone (the ring, eight hops).
     reference = _two_steps(["mesh.ici.fsdp=1"], 1)
     pipelined = ["mesh.ici.fsdp=1", "mesh.ici.data=2", "mesh.ici.context=2", "mesh.ici.stage=2", "train.microbatches=2"]
     for overrides in (["mesh.ici.fsdp=1", "mesh.ici.data=2", "mesh.ici.context=4", "model.remat=full"],
                       ["mesh.ici.fsdp=2", "mesh.ici.context=2", "mesh.ici.tensor=2"],
-                      [*pipelined, "train.pipeline_schedule=gpipe"]):
+                      [*pipelined, "train.pipeline_schedule=gpipe"],
+                      ["mesh.ici.fsdp=1", "mesh.ici.context=8"]):
         np.testing.assert_allclose(_two_steps(overrides, 8), reference, rtol=1e-4, err_msg=str(overrides))
 
 
