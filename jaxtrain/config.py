@@ -41,7 +41,7 @@ class RuntimeConfig:
     # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (mesh.cpu_devices_per_process).
     cpu_devices: int | None = None
     ignore_memory_check: bool = False  # train even when the compiled step needs more memory than the devices have
-    compile_cache: str = "auto"  # compile cache for reruns: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/...), dir, none
+    compile_cache: str = "auto"  # compile cache: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxtrain), dir, none
 
 
 @dataclass
