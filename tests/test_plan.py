@@ -102,7 +102,7 @@ def test_one_compile_serves_every_ici_dcn_split(compiled):
     """The program depends on the axis sizes only; the ici/dcn split only renames devices (why plan() compiles once
     per sizes)."""
     _, _, a = compiled("data2fsdp4")
-    b = search.compile_step(tiny(), MeshShape(ici=(1, 1, 4, 1), dcn=(2, 1, 1, 1)), jax.devices()[:8])
+    b = search.compile_step(tiny(), _mesh((1, 1, 4, 1), (2, 1, 1, 1)), jax.devices()[:8])
 
     def key(comp):
         return sorted((c.kind, c.bytes, c.count, c.groups.tolist().__repr__()) for c in comp.collectives)
@@ -115,7 +115,7 @@ def test_node_coordinates_match_build_mesh():
     devices play a host)."""
     for ici, dcn in [((1, 1, 4, 1), (2, 1, 1, 1)), ((2, 1, 2, 1), (1, 1, 2, 1)), ((1, 1, 2, 2), (2, 1, 1, 1)),
                      ((1, 1, 4, 1), (1, 2, 1, 1)), ((1, 2, 2, 1), (1, 1, 2, 1)), ((1, 2, 1, 2), (2, 1, 1, 1))]:
-        shape = MeshShape(ici=ici, dcn=dcn)
+        shape = _mesh(ici, dcn)
         mesh, built = build_mesh(shape.apply(tiny("train.microbatches=4", "train.global_batch=64")), jax.devices()[:8])
         assert built == shape
         per_host = 8 // math.prod(dcn)
@@ -129,7 +129,7 @@ def test_node_coordinates_match_build_mesh():
 
 
 def test_group_span_and_hierarchical_link_bytes():
-    shape = MeshShape(ici=(1, 1, 4, 1), dcn=(2, 1, 1, 1))  # fsdp within a node, data across 2 nodes
+    shape = _mesh((1, 1, 4, 1), (2, 1, 1, 1))  # fsdp within a node, data across 2 nodes
     over_data = np.array([[0, 4], [1, 5], [2, 6], [3, 7]])
     over_fsdp = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
     assert cost.group_span(shape, over_data) == (1, 2, ["data(dcn)"])
@@ -179,9 +179,9 @@ def test_hybrid_sharding_within_nodes_crosses_nodes_less(compiled):
     def est(shape):
         return cost.estimate(cfg, shape, hw, prog.collectives, prog.params_bytes, prog.opt_bytes)[0]
 
-    hsdp = est(MeshShape(ici=(1, 1, 4, 1), dcn=(2, 1, 1, 1)))
-    reverse = est(MeshShape(ici=(2, 1, 2, 1), dcn=(1, 1, 2, 1)))
-    single = est(MeshShape(ici=(2, 1, 4, 1), dcn=(1, 1, 1, 1)))
+    hsdp = est(_mesh((1, 1, 4, 1), (2, 1, 1, 1)))
+    reverse = est(_mesh((2, 1, 2, 1), (1, 1, 2, 1)))
+    single = est(_mesh((2, 1, 4, 1), (1, 1, 1, 1)))
     grads = grad_bytes(cfg)
     # HSDP: only the all-reduce of each device's 1/4 gradient shard crosses: 2 x G/4 x 1/2 = G/4. Reverse: fsdp
     # spans 2 devices x 2 nodes, so its gathers (forward, backward) and reduce-scatter each cross with
@@ -206,7 +206,7 @@ def test_cli_json_two_devices():
     data, fsdp = cands[(2, 1, 1)], cands[(1, 2, 1)]
     for c in result["candidates"]:
         assert set(c["collective_bytes"]) == set(collectives.KINDS)
-        assert c["mesh"]["dcn"] == {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1} and c["mesh"]["stage"] == 1
+        assert c["mesh"]["dcn"] == {ax: 1 for ax in MESH_AXES} and c["mesh"]["stage"] == 1
         assert c["est_step_seconds"] > 0 and isinstance(c["fits"], bool) and c["bubble_fraction"] == 0
     assert fsdp["memory"]["params"] + fsdp["memory"]["optimizer"] < 0.6 * (data["memory"]["params"] +
                                                                             data["memory"]["optimizer"])
@@ -255,7 +255,8 @@ def test_impossible_device_count_says_why():
     with pytest.raises(ConfigError, match=r"no valid mesh over 7 device\(s\).*not divisible by the "):
         search.enumerate_shapes(tiny(), 7, 1)
     shapes = search.enumerate_shapes(tiny(), 64, 8)
-    assert all(s.dcn[3] == 1 and math.prod(s.dcn) == 8 and math.prod(s.ici) == 8 for s in shapes)
+    tensor = MESH_AXES.index("tensor")
+    assert all(s.dcn[tensor] == 1 and math.prod(s.dcn) == 8 and math.prod(s.ici) == 8 for s in shapes)
     assert all(tiny().model.n_kv_heads % s.axis_sizes["tensor"] == 0 for s in shapes)
 
 
@@ -272,7 +273,8 @@ def test_enumeration_covers_stages_when_microbatches_allow():
     assert search.pipeline_note(cfg, rejected, shapes) is None
     staged = [s for s in shapes if s.axis_sizes["stage"] > 1]
     assert {s.ici[1] for s in staged} == {1, 2, 4} and {s.dcn[1] for s in staged} == {1, 2, 4}
-    assert all(s.axis_sizes["stage"] in (2, 4) and s.dcn[3] == 1 for s in staged)  # 8 stages: 4 layers do not split
+    # 8 stages: 4 layers do not split
+    assert all(s.axis_sizes["stage"] in (2, 4) and s.dcn[MESH_AXES.index("tensor")] == 1 for s in staged)
     # Each shape once; stage x data x fsdp x tensor covers every factorisation the checks allow.
     assert len({(s.ici, s.dcn) for s in shapes}) == len(shapes)
 
@@ -327,7 +329,7 @@ def test_pipeline_bubble_and_permutes_against_closed_forms(pipelined):
 
     hw = small_hardware(1e12)
     one_node = MeshShape.resolve(cfg.mesh, 8)
-    two_nodes = MeshShape(ici=(1, 1, 4, 1), dcn=(1, 2, 1, 1))  # the same sizes, stages on different nodes
+    two_nodes = _mesh((1, 1, 4, 1), (1, 2, 1, 1))  # the same sizes, stages on different nodes
     for shape, stage_axis in ((one_node, "stage"), (two_nodes, "stage(dcn)")):
         assert {tuple(cost.group_span(shape, c.groups)[2]) for c in permutes} == {(stage_axis,)}
         r = search.candidate_result(cfg, shape, hw, comp)
@@ -413,12 +415,18 @@ def test_training_budget_against_a_hand_computation():
     assert report.scaling_efficiency(2.0, 8, 1.0, 16) == 1.0
 
 
+def _sizes(four):
+    return tuple(dict(zip(("data", "stage", "fsdp", "tensor"), four)).get(ax, 1) for ax in MESH_AXES)
+
+
+def _mesh(ici, dcn) -> MeshShape:
+    """A mesh from (data, stage, fsdp, tensor) sizes for ici and dcn; the other mesh axes (context) 1."""
+    return MeshShape(_sizes(ici), _sizes(dcn))
+
+
 def _candidate(ici, dcn, step):
     """A plan row with (data, stage, fsdp, tensor) sizes; the other mesh axes 1."""
-    def sizes(four):
-        return tuple(dict(zip(("data", "stage", "fsdp", "tensor"), four)).get(ax, 1) for ax in MESH_AXES)
-
-    shape = MeshShape(sizes(ici), sizes(dcn))
+    shape = _mesh(ici, dcn)
     return {"mesh": shape.as_dict(), "label": shape.label, "fits": True, "memory_bytes_per_device": 1,
             "est_step_seconds": step, "est_step_seconds_overlap": step / 2}
 

@@ -73,8 +73,8 @@ def _hidden(h: str, column: list[str]) -> bool:
         (h == "bubble" and all(c in ("-", "") for c in column))
 
 
-_AXIS_INITIAL = re.compile(r"\b(data|stage|fsdp|tensor)(?=\d)")
-SHORT_LABELS = "mesh: d data, s stage, f fsdp, t tensor"
+_AXIS_INITIAL = re.compile(r"\b(data|stage|fsdp|context|tensor)(?=\d)")
+SHORT_LABELS = "mesh: d data, s stage, f fsdp, c context, t tensor"
 
 
 def _table(header: list[str], rows: list[list[str]], width: int | None = None) -> tuple[list[str], bool]:
