@@ -353,7 +353,18 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
     cal = hardware_for(cfg, devices)
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name))
-    res = search_layout(cfg, devices, cal.hw, max(1, jax.process_count()),
-                        cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log)
+    nodes = max(1, jax.process_count())
+    res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log)
     log(format_result(res, top=3))
-    return res.choice.cand.apply(cfg)
+    choice = res.choice.cand
+    if jax.process_count() > 1:
+        # Every process searches, but rates measured on CPUs (and near-ties) can differ between them: process 0's
+        # choice is everyone's, sent as its index in the candidate list, which is the same on every process.
+        from jax.experimental import multihost_utils
+
+        order = candidates(cfg, len(devices), nodes)
+        index = multihost_utils.broadcast_one_to_all(np.int32(order.index(choice)))
+        if order[int(index)] != choice:
+            log(f"mesh.auto: process 0 chose {order[int(index)].label}; every process takes its choice")
+        choice = order[int(index)]
+    return choice.apply(cfg)
