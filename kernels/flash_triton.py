@@ -53,7 +53,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 tl = None  # triton.language
 _TL_MASK_VALUE = None  # tl.constexpr(MASK_VALUE)
-_fwd_inner = _dq_inner = _dkdv_inner = _shifted = None  # the jitted *_src helpers
+_fwd_inner = _dq_inner = _dkdv_inner = _shifted = _causal_key_bounds = None  # the jitted *_src helpers
 
 
 def _shifted_src(x, OFFS, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr):
@@ -62,6 +62,22 @@ def _shifted_src(x, OFFS, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr):
         return x + tl.load(OFFS)
     else:
         return x + SHIFT
+
+
+def _causal_key_bounds_src(start_q, OFFS, hi, SEQ: tl.constexpr, SEQ_K: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SHIFT: tl.constexpr, DYN_SHIFT: tl.constexpr, EVEN: tl.constexpr):
+    # For query tile start_q under the causal mask: keys below full_hi need no mask (at or below the tile's first
+    # query position), keys in [full_hi, diag_hi) need it, keys from diag_hi on are hidden from every query of the
+    # tile and never loaded.
+    first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
+    if DYN_SHIFT or SHIFT < 0:  # a query tile may lie before every key: clamp before the division
+        full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
+    else:
+        full_hi = tl.minimum(((first + 1) // BLOCK_K) * BLOCK_K, hi)
+    if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
+        # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
+        full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
+    return full_hi, tl.minimum(first + BLOCK_Q, hi)
 
 
 def _fwd_inner_src(acc, m_i, l_i, q, q_seg, offs_q, k_base, v_base, seg_base, lo, hi,
@@ -138,17 +154,8 @@ def _fwd_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, O, LSE,
     m_i = tl.full((BLOCK_Q,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_Q,), tl.float32)
     if CAUSAL:
-        # Keys at or below the tile's first query position need no causal mask; keys past its last one are
-        # skipped (whole tiles hidden by the mask are never loaded).
-        first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
-        if DYN_SHIFT or SHIFT < 0:  # a query tile may lie before every key: clamp before the division
-            full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
-        else:
-            full_hi = tl.minimum(((first + 1) // BLOCK_K) * BLOCK_K, hi)
-        if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
-            # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
-            full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
-        diag_hi = tl.minimum(first + BLOCK_Q, hi)
+        full_hi, diag_hi = _causal_key_bounds(start_q, OFFS, hi, SEQ, SEQ_K, BLOCK_Q, BLOCK_K, SHIFT, DYN_SHIFT,
+                                              EVEN)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, pos_q, k_base, v_base, seg_base, lo, full_hi,
                                    SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, q_seg, pos_q, k_base, v_base, seg_base,
@@ -252,15 +259,8 @@ def _dq_kernel_src(Q, K, V, SEG, SEGK, RANGES, OFFS, DO, LSE, DELTA, DQ,
         q_seg = offs_q
     dq = tl.zeros((BLOCK_Q, HEAD_DIM), tl.float32)
     if CAUSAL:
-        first = _shifted(start_q * BLOCK_Q, OFFS, SHIFT, DYN_SHIFT)
-        if DYN_SHIFT or SHIFT < 0:  # a query tile may lie before every key: clamp before the division
-            full_hi = tl.minimum((tl.maximum(first + 1, 0) // BLOCK_K) * BLOCK_K, hi)
-        else:
-            full_hi = tl.minimum(((first + 1) // BLOCK_K) * BLOCK_K, hi)
-        if (not EVEN) and (DYN_SHIFT or SHIFT != 0 or SEQ != SEQ_K):
-            # Offsets can put the diagonal past the keys: a partial last key tile needs the padding mask.
-            full_hi = tl.minimum(full_hi, (SEQ_K // BLOCK_K) * BLOCK_K)
-        diag_hi = tl.minimum(first + BLOCK_Q, hi)
+        full_hi, diag_hi = _causal_key_bounds(start_q, OFFS, hi, SEQ, SEQ_K, BLOCK_Q, BLOCK_K, SHIFT, DYN_SHIFT,
+                                              EVEN)
         dq = _dq_inner(dq, q, do, lse, delta, q_seg, pos_q, k_base, v_base, seg_base, lo, full_hi,
                        SEQ_K, KVH, HEAD_DIM, BLOCK_K, HAS_SEG, False, True, QK_SCALE, INPUT_PRECISION)
         dq = _dq_inner(dq, q, do, lse, delta, q_seg, pos_q, k_base, v_base, seg_base, tl.maximum(full_hi, lo),
@@ -415,6 +415,7 @@ def _kernels() -> types.SimpleNamespace:
     g["_dq_inner"] = triton.jit(_dq_inner_src)
     g["_dkdv_inner"] = triton.jit(_dkdv_inner_src)
     g["_shifted"] = triton.jit(_shifted_src)
+    g["_causal_key_bounds"] = triton.jit(_causal_key_bounds_src)
     return types.SimpleNamespace(
         fwd=triton.jit(_fwd_kernel_src), dq=triton.jit(_dq_kernel_src), dkdv=triton.jit(_dkdv_kernel_src)
     )

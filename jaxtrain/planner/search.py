@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxtrain import pipeline, pipeline_1f1b
-from jaxtrain.config import MESH_AXES, Config, check_divisibility
+from jaxtrain.config import MESH_AXES, Config, batch_mesh_axes, check_divisibility
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 from jaxtrain.mesh import MeshShape
@@ -50,9 +50,10 @@ def enumerate_shapes(cfg: Config, n_devices: int, nodes: int) -> list[MeshShape]
 def search_shapes(cfg: Config, n_devices: int, nodes: int) -> tuple[list[MeshShape], dict[str, list[MeshShape]]]:
     """(valid meshes, {why rejected: the meshes rejected so}) over ``n_devices`` on ``nodes`` nodes.
 
-    Each node's devices form the ici part, factorised over data, stage, fsdp and tensor (its product is the devices
-    per node), and the dcn parts over data, stage and fsdp multiply to the node count. Tensor parallelism stays inside
-    a node (dcn tensor = 1): its per-layer activation all-reduces would otherwise cross the network. A pipeline
+    Each node's devices form the ici part, factorised over data, stage, fsdp, context and tensor (its product is the
+    devices per node), and the dcn parts over data, stage, fsdp and context multiply to the node count; context > 1
+    only where the batch is split to one sequence per group (:data:`CONTEXT_AFTER_BATCH`). Tensor parallelism stays
+    inside a node (dcn tensor = 1): its per-layer activation all-reduces would otherwise cross the network. A pipeline
     (stage > 1) needs ``train.microbatches`` a multiple of the stages and ``model.n_layers`` a multiple of stages x
     ``train.virtual_stages`` (``config.check_divisibility``); with the default single microbatch every stage > 1
     mesh is rejected (:func:`pipeline_note` says so). Raises ConfigError saying why when nothing is valid.
@@ -68,11 +69,25 @@ def search_shapes(cfg: Config, n_devices: int, nodes: int) -> tuple[list[MeshSha
             except ConfigError as e:
                 rejected.setdefault(str(e), []).append(shape)
                 continue
+            if shape.axis_sizes["context"] > 1 and _sequences_per_group(cfg, shape) > 1:
+                rejected.setdefault(CONTEXT_AFTER_BATCH, []).append(shape)
+                continue
             shapes.append(shape)
     if not shapes:
         why = "; ".join(f"{s[0].label}: {msg}" for msg, s in list(rejected.items())[:3])
         raise ConfigError(f"no valid mesh over {n_devices} device(s) on {nodes} node(s): {why}")
     return shapes, rejected
+
+
+# Splitting the sequence costs a K/V ring per layer; splitting the batch further costs no attention traffic and
+# frees the same activation memory. So the search splits sequences only once every data-parallel group holds one.
+CONTEXT_AFTER_BATCH = ("context > 1 only where each data-parallel group holds one sequence per microbatch (split the "
+                       "batch over data or fsdp first; more microbatches also leave fewer)")
+
+
+def _sequences_per_group(cfg: Config, shape: MeshShape) -> int:
+    dp = math.prod(shape.axis_sizes[ax] for ax in batch_mesh_axes(cfg.mesh.rules))
+    return cfg.train.global_batch // cfg.train.microbatches // dp
 
 
 def pipeline_note(cfg: Config, rejected: dict[str, list[MeshShape]], planned: list[MeshShape]) -> str | None:
