@@ -31,6 +31,10 @@ def test_train_command_imports_no_torch_tensorboardx_or_transformers():
 
 
 def test_compile_cache_setting(monkeypatch, tmp_path):
+    # JAX's own variable first (the launchers set it in the run directory), then the XDG cache home, then ~/.cache
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache"))
+    assert runtime.compile_cache_dir("auto") == str(tmp_path / "jax-cache")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert runtime.compile_cache_dir("auto") == os.path.join(str(tmp_path), "jaxtrain", "compile")
     monkeypatch.delenv("XDG_CACHE_HOME")
