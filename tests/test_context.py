@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from helpers import FAST
-from jaxtrain import context
+from jaxtrain import context, loop
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.layout import Layout, resolve_auto
 from jaxtrain.mesh import build_mesh
@@ -213,6 +213,28 @@ def test_context_training_matches_one_device():
                       [*pipelined, "train.pipeline_schedule=gpipe"],
                       ["mesh.ici.fsdp=1", "mesh.ici.context=8"]):
         np.testing.assert_allclose(_two_steps(overrides, 8), reference, rtol=1e-4, err_msg=str(overrides))
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_to_and_from_a_context_mesh(tmp_path):
+    """The checkpoint holds no trace of the context split: 3 steps written with context 4 x fsdp 2 resume on fsdp 8
+    (no context), and 3 written on fsdp 8 resume with context 4 x fsdp 2, each with the uninterrupted run's next
+    losses (float32, 1e-4)."""
+    base = [*FAST, "train.eval_every=0", "train.log_every=1", "checkpoint.every=3", "mesh.ici.fsdp=-1",
+            "train.warmup_steps=2"]
+    ctx, plain = ["mesh.ici.context=4"], []
+
+    def train(run, steps, mesh):
+        return loop.train(load_config(None, [f"run.dir={tmp_path / run}", f"train.steps={steps}", *base, *mesh]),
+                          devices=jax.devices()[:8])
+
+    full = train("full", 6, ctx)
+    for name, first, then in [("ctx-to-plain", ctx, plain), ("plain-to-ctx", plain, ctx)]:
+        train(name, 3, first)
+        resumed = train(name, 6, then)
+        assert resumed.start_step == 3 and sorted(resumed.losses) == [4, 5, 6]
+        np.testing.assert_allclose([resumed.losses[s] for s in (4, 5, 6)], [full.losses[s] for s in (4, 5, 6)],
+                                   rtol=1e-4, err_msg=name)
 
 
 # -- memory ------------------------------------------------------------------------------------------------------
