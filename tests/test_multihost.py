@@ -251,7 +251,8 @@ def test_real_slurm_runs_the_sbatch_script(slurm, tmp_path):
     check = ["check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256"]  # the check step reads them too
     submit, job = sbatch(slurm, "-N1", "--ntasks-per-node=2", f"--output={out}",
                          os.path.join(REPO, "launch/slurm.sbatch"), "train", f"run.dir={run_dir}",
-                         "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=4", *check, *F32)
+                         "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=4", *check, *F32,
+                         "observe.prometheus_linger_s=0")  # the sbatch serves metrics: no linger at the end
     log = out.read_text() if out.exists() else ""
     assert submit.returncode == 0, submit.stderr + log[-3000:]
     state = job_state(slurm, job)
@@ -357,7 +358,8 @@ def test_real_slurm_requeues_after_a_preemption_signal(slurm, tmp_path):
     steps = 30000  # far more than run before the preemption arrives (~2 ms per step here)
     submit, job = sbatch(slurm | {"JAXTRAIN_CHECK": "0"}, "-p", "low", "-N1", f"--output={out}",
                          os.path.join(REPO, "launch/slurm.sbatch"), "train", f"run.dir={run_dir}",
-                         f"train.steps={steps}", "runtime.cpu_devices=1", *small, wait=False)
+                         f"train.steps={steps}", "runtime.cpu_devices=1", *small, "observe.prometheus_linger_s=0",
+                         wait=False)
     assert submit.returncode == 0, submit.stderr
     deadline = time.time() + 300
     while time.time() < deadline and not re.search(r"step +\d+/", out.read_text() if out.exists() else ""):
