@@ -83,9 +83,17 @@ def test_calibration_round_trip_flags_measured_figures(tmp_path):
     assert note.startswith(f"figures: measured by check ({path}): peak_flops, intra_node_bandwidth")
     assert note.endswith("; from the hardware file fixed: inter_node_bandwidth")
     assert calibration.apply(hw(1e9), calibration.read(path), path, "bfloat16").hw.peak_flops == 1e10  # other dtype
+    h100 = dataclasses.replace(hw(1e9), name="h100", device_kind="NVIDIA H100 80GB HBM3")
     with pytest.raises(ConfigError, match="measured 'cpu' devices but the plan is for h100"):
-        calibration.apply(dataclasses.replace(hw(1e9), name="h100", device_kind="NVIDIA H100 80GB HBM3"),
-                          calibration.read(path), path)
+        calibration.apply(h100, calibration.read(path), path)
+    # A plan finds the run directory's file itself: used for its own devices, left out (and said so) for others;
+    # named with --calibration, a file of other devices is an error.
+    assert calibration.for_plan(hw(1e9), None, str(tmp_path / "run"), "float32").measured == cal.measured
+    other = calibration.for_plan(h100, None, str(tmp_path / "run"), "bfloat16")
+    assert other.measured == () and other.hw == h100
+    assert other.note("the hardware file h100").endswith(f"; {path} measured 'cpu' devices, not used")
+    with pytest.raises(ConfigError, match="measured 'cpu' devices but the plan is for h100"):
+        calibration.for_plan(h100, path, str(tmp_path / "run"), "bfloat16")
     (tmp_path / "bad.json").write_text(json.dumps({"version": 0}))
     with pytest.raises(ConfigError, match="is not a version-1 calibration"):
         calibration.read(str(tmp_path / "bad.json"))

@@ -96,10 +96,8 @@ def _budget(cfg, args) -> int:
     runtime.quiet_logs()
     from jaxtrain.planner import calibration
 
-    path = args.calibration or calibration.in_run_dir(targets[0].cfg.run.dir)
-    measured = calibration.read(path) if path else None
     for t in targets:  # measured figures replace the hardware file's, as in a single plan
-        cal = calibration.apply(t.hw, measured, path or "", t.cfg.model.dtype)
+        cal = calibration.for_plan(t.hw, args.calibration, t.cfg.run.dir, t.cfg.model.dtype)
         t.hw = cal.hw
         t.notes.append(cal.note(f"the hardware file {t.hw.name}" if args.hardware else
                                 "the devices at hand (measured by plan)"))

@@ -43,8 +43,7 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
-    path = calibration_path or calibration.in_run_dir(target.cfg.run.dir)
-    cal = calibration.apply(target.hw, calibration.read(path) if path else None, path or "", target.cfg.model.dtype)
+    cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
     target.hw = cal.hw
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))

@@ -339,10 +339,8 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     from jaxtrain.planner import calibration
     from jaxtrain.planner.measure import hardware_at_hand
 
-    path = calibration_path or calibration.in_run_dir(cfg.run.dir)
     dtype = resolve_auto(cfg, devices[0].platform, len(devices)).model.dtype
-    return calibration.apply(hardware_at_hand(devices, None), calibration.read(path) if path else None,
-                             path or "", dtype)
+    return calibration.for_plan(hardware_at_hand(devices, None), calibration_path, cfg.run.dir, dtype)
 
 
 def resolve(cfg: Config, log: Callable[[str], None]) -> Config:

@@ -90,6 +90,7 @@ class Calibrated:
     hw: Hardware
     measured: tuple[str, ...]  # names in FIGURES taken from the file
     source: str  # the file's path, or "" without one
+    ignored: str = ""  # the run directory's calibration left out, and why (it measured other devices)
 
     def note(self, base: str) -> str:
         """One line for the plan: which figures are measured, which come from ``base`` (the hardware file's name,
@@ -97,9 +98,26 @@ class Calibrated:
         rest = [f for f in FIGURES if f not in self.measured]
         if not self.measured:
             return (f"figures: all from {base} ({', '.join(FIGURES)}); `jaxtrain check run.dir=DIR` measures them "
-                    f"and `plan --calibration DIR/{FILE}` uses them")
+                    f"and `plan --calibration DIR/{FILE}` uses them"
+                    + (f"; {self.ignored}, not used" if self.ignored else ""))
         return (f"figures: measured by check ({self.source}): {', '.join(self.measured)}"
                 + (f"; from {base}: {', '.join(rest)}" if rest else ""))
+
+
+def for_plan(hw: Hardware, explicit: str | None, run_dir: str, compute_dtype: str) -> Calibrated:
+    """The calibration a plan uses: ``explicit`` (``--calibration``; one measured on other devices exits 2), else
+    the run directory's own if it measured devices ``hw`` describes; one of other devices (say CPUs, for a plan of
+    H100s) is left out, and the note says so."""
+    if explicit:
+        return apply(hw, read(explicit), explicit, compute_dtype)
+    path = in_run_dir(run_dir)
+    if path is None:
+        return Calibrated(hw, (), "")
+    body = read(path)
+    kind = body.get("device_kind", "")
+    if hw.kinds and kind not in hw.kinds:
+        return Calibrated(hw, (), "", ignored=f"{path} measured {kind!r} devices")
+    return apply(hw, body, path, compute_dtype)
 
 
 def apply(hw: Hardware, body: dict | None, source: str = "", compute_dtype: str = "bfloat16") -> Calibrated:
