@@ -182,3 +182,16 @@ def make_chat_tokenizer(path, vocab_size=96):
                    "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
                    "model_max_length": 64}, f)
     return str(path)
+
+
+def triton_interpreter_results(test_file, function):
+    """The JSON-able results of ``function()`` defined in ``test_file``, run in a subprocess with TRITON_INTERPRET=1
+    (Triton reads it once, at import, so the test process itself cannot switch to the interpreter)."""
+    code = (f"import json, runpy, sys; ns = runpy.run_path(sys.argv[1]); "
+            f"print('RESULTS ' + json.dumps(ns[{function!r}]()))")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code, test_file], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULTS "):])

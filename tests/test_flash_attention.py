@@ -8,7 +8,6 @@ checked only where JAX sees a GPU.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -603,14 +602,9 @@ def triton_interpreter_results():
         pytest.skip("the triton package is not installed")
     if HAS_GPU:
         pytest.skip("a GPU is present: the jax-triton path is tested instead")
-    code = ("import json, runpy, sys; ns = runpy.run_path(sys.argv[1]); "
-            "print('RESULTS ' + json.dumps(ns['_triton_interpreter_errors']()))")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code, __file__], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    from helpers import triton_interpreter_results  # here: this file also runs, via runpy, outside pytest
+
+    return triton_interpreter_results(__file__, "_triton_interpreter_errors")
 
 
 @pytest.mark.parametrize("case_id", TRITON_CASE_IDS)

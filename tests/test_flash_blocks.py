@@ -11,9 +11,7 @@ Pallas runs in interpret mode; the Triton-language kernels in Triton's CPU inter
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
 import sys
 import zlib
 
@@ -309,14 +307,9 @@ def _triton_block_errors() -> dict:
 def triton_block_results():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("the triton package is not installed")
-    code = ("import json, runpy, sys; ns = runpy.run_path(sys.argv[1]); "
-            "print('RESULTS ' + json.dumps(ns['_triton_block_errors']()))")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code, __file__], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULTS "):])
+    from helpers import triton_interpreter_results  # here: this file also runs, via runpy, outside pytest
+
+    return triton_interpreter_results(__file__, "_triton_block_errors")
 
 
 TRITON_CHECKS = BLOCK_IDS + ["two-blocks", "hidden-tiles-tracedFalse", "hidden-tiles-tracedTrue"]
