@@ -242,9 +242,19 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     t0 = time.perf_counter()
     budget = hw.usable_bytes * (1 - cfg.mesh.auto_memory_margin)
     rows = [closed_form(cfg, c, hw) for c in candidates(cfg, len(devices), nodes, remats, microbatches)]
-    # Lighter remat first within a layout, so that the dominance below applies.
-    viable = sorted((r for r in rows if r.state_lower <= budget),
-                    key=lambda r: (r.memory_guess > budget, r.guess_s, REMATS.index(r.cand.remat), r.cand.label))
+    # Layouts in the order of their best guess, and within one the lighter settings first (less remat; without a
+    # pipeline, fewer microbatches), so that a lighter setting that fits is compiled before the heavier ones it
+    # dominates (below): the guesses favour accumulation, whose smaller matmuls they do not price.
+    viable = [r for r in rows if r.state_lower <= budget]
+
+    def layout(r: Row) -> tuple:
+        return (r.cand.shape, r.cand.schedule, r.cand.microbatches if r.cand.stages > 1 else 0)
+
+    best: dict[tuple, tuple] = {}
+    for r in viable:
+        guess = (r.memory_guess > budget, r.guess_s, r.cand.label)
+        best[layout(r)] = min(best.get(layout(r), guess), guess)
+    viable.sort(key=lambda r: (best[layout(r)], r.cand.microbatches, REMATS.index(r.cand.remat), r.cand.label))
     compiles = hits = bounded = capped = 0
     fitting: list[Row] = []
     for r in viable:
