@@ -190,7 +190,8 @@ def _free_port():
 # tests/test_health.py, a whole check by test_health_check_bounds_from_a_hardware_file.
 @pytest.mark.slow
 def test_health_check_on_8_devices(tmp_path):
-    proc = run_cli("check", "runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2",
+    proc = run_cli("check", f"run.dir={tmp_path}/a", "runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=2",
+                   "mesh.ici.tensor=2",
                    "check.sizes_mb=[0.25,1]", "check.iters=2", "check.matmul_size=256", "check.min_matmul_fraction=0")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for axis in ("data", "fsdp", "tensor"):
@@ -202,7 +203,8 @@ def test_health_check_on_8_devices(tmp_path):
     assert proc.stdout.count("| cpu:") == 8
     # A bound the only node misses, counted as a failure (bound_misfit_fraction=1): the check fails, but the CPU's
     # kind is in no hardware file, so nobody is excluded.
-    slow = run_cli("check", "runtime.cpu_devices=2", "mesh.ici.fsdp=2", "check.sizes_mb=[0.25]", "check.iters=2",
+    slow = run_cli("check", f"run.dir={tmp_path}/b", "runtime.cpu_devices=2", "mesh.ici.fsdp=2",
+                   "check.sizes_mb=[0.25]", "check.iters=2",
                    "check.matmul_size=256", "check.min_busbw_gbps=1000000", "check.bound_misfit_fraction=1")
     assert slow.returncode == 1
     assert re.search(r"check failed: node \S+: axis fsdp: all-reduce bus bandwidth", slow.stderr)
@@ -210,8 +212,9 @@ def test_health_check_on_8_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_health_check_with_two_processes():
-    proc = launch_local(2, "check", "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2",
+def test_health_check_with_two_processes(tmp_path):
+    proc = launch_local(2, "check", f"run.dir={tmp_path}", "runtime.cpu_devices=2", "mesh.dcn.data=2",
+                        "mesh.ici.fsdp=2",
                         "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256",
                         "check.min_matmul_fraction=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -391,8 +394,8 @@ def test_health_check_bounds_from_a_hardware_file(tmp_path):
                   "hbm_bandwidth: 1.0e+10\ndevices_per_node: 2\nintra_node_bandwidth: 1.0e+12\n"
                   "inter_node_bandwidth: 1.0e+12\ncompute_efficiency: 0.5\n")
     # No relative matmul bound: on a loaded machine one emulated device can fall under half the median (docs).
-    args = ["runtime.cpu_devices=2", "mesh.ici.fsdp=2", "check.sizes_mb=[0.25]", "check.iters=2",
-            "check.matmul_size=256", "check.min_matmul_fraction=0"]
+    args = [f"run.dir={tmp_path}/run", "runtime.cpu_devices=2", "mesh.ici.fsdp=2", "check.sizes_mb=[0.25]",
+            "check.iters=2", "check.matmul_size=256", "check.min_matmul_fraction=0"]
     # The job's only node misses them all: the bounds do not fit this hardware, nobody is excluded, the check passes.
     fits = run_cli("check", *args, f"check.hardware={hw}")
     assert fits.returncode == 0, fits.stdout[-2000:] + fits.stderr[-2000:]
@@ -419,7 +422,8 @@ def test_health_check_names_nodes_with_pairwise_sub_checks(tmp_path):
     passes."""
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain", "check", "runtime.cpu_devices=2", "mesh.dcn.data=4", "mesh.ici.fsdp=2",
+        [sys.executable, "-m", "jaxtrain", "check", f"run.dir={tmp_path}", "runtime.cpu_devices=2", "mesh.dcn.data=4",
+         "mesh.ici.fsdp=2",
          "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256", "check.min_busbw_gbps=1000000",
          "check.min_matmul_fraction=0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
@@ -448,7 +452,8 @@ def test_health_check_groups_processes_by_host_name(tmp_path):
                   "compute_efficiency: 0.5\n")
     port = _free_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jaxtrain", "check", "runtime.cpu_devices=1", "mesh.dcn.data=2", "mesh.dcn.fsdp=2",
+        [sys.executable, "-m", "jaxtrain", "check", f"run.dir={tmp_path}/run", "runtime.cpu_devices=1",
+         "mesh.dcn.data=2", "mesh.dcn.fsdp=2",
          "check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=64", f"check.hardware={hw}",
          "check.bound_misfit_fraction=1", "check.max_exclude_fraction=1", "check.min_matmul_fraction=0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
