@@ -5,7 +5,10 @@ For the tiny config and a ~18M-parameter config: hand choices (canonical meshes 
 process (random tokens, zero-initialised state: the step's work does not depend on the values); each compile's
 reading also fills the planner's cache, so the auto search that follows recompiles only what was not measured.
 Then, at two memory budgets (ample, and 0.95 x the ample pick's compiled memory so that it no longer fits), the auto
-pick is measured too (if it was not) and ranked by measured tokens/s among the hand choices that fit that budget.
+search runs with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` does), and its pick, and
+the estimate's own pick before the trial, are measured too (if they were not) and ranked by measured tokens/s among
+the hand choices that fit that budget. The CPU figures are those ``mesh.auto`` takes (``auto.hardware_for``: the
+measured matmul, copy and collective rates, the matmul rate by rows and the per-layer fixed cost).
 
     python benchmarks/auto_layout.py [--configs tiny,18m] [--steps 5] [--budget-s 150] [--json FILE]
 
@@ -33,7 +36,6 @@ import numpy as np  # noqa: E402
 
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.planner import auto, search  # noqa: E402
-from jaxtrain.planner.measure import measure_cpu  # noqa: E402
 
 CONFIGS = {
     "tiny": [],  # the built-in tiny config: 0.8M parameters, 16 x 128 tokens a step
@@ -61,12 +63,18 @@ class Measured:
         return cfg.train.global_batch * cfg.data.seq_len / self.step_s
 
 
-def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int) -> Measured:
-    """Compile ``cand``'s train step once: the planner's reading (cached for the search) and the measured steps."""
+def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int, exes: dict) -> Measured:
+    """Compile ``cand``'s train step once: the planner's reading (cached for the search), the executable (kept in
+    ``exes`` for the trial, as the search keeps its own) and the measured steps."""
     c = cand.apply(cfg)
-    step = search._step(c, cand.shape, devices)
-    train, seconds = search.compile_train_step(step)
-    comp = search.reading(step, train, seconds)
+    if cand in exes:
+        step, train = exes[cand]
+        comp = search.reading(step, train, 0.0)
+    else:
+        step = search._step(c, cand.shape, devices)
+        train, seconds = search.compile_train_step(step)
+        comp = search.reading(step, train, seconds)
+        exes[cand] = (step, train)
     auto.store(auto.cache_path(cache_dir, c, cand.shape, devices), comp)
     lay = step.layout
     state = jax.tree.map(lambda a, s: jax.device_put(np.zeros(a.shape, a.dtype), s), lay.abstract_state,
@@ -84,9 +92,16 @@ def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int) 
     return Measured(cand, statistics.median(times[1:]), comp.memory_bytes, est)
 
 
-def table(cfg, name: str, measured: list[Measured], pick: Measured, budget: float, label: str) -> tuple[str, dict]:
-    fits = sorted((m for m in measured if m.memory <= budget), key=lambda m: m.step_s)
+def standing(fits: list[Measured], pick: Measured) -> tuple[int, float, float]:
+    """(rank among ``fits`` by measured step, fraction slower than the best, measured / predicted - 1)."""
     rank = 1 + sum(m.step_s < pick.step_s for m in fits if m.cand != pick.cand)
+    return rank, pick.step_s / fits[0].step_s - 1, pick.step_s / pick.est_s - 1
+
+
+def table(cfg, name: str, measured: list[Measured], pick: Measured, budget: float, label: str,
+          res: auto.AutoResult, estimated: Measured) -> tuple[str, dict]:
+    fits = sorted((m for m in measured if m.memory <= budget), key=lambda m: m.step_s)
+    rank, gap, err = standing(fits, pick)
     best = fits[0]
     lines = [f"\n### {name}, {label} budget ({budget / 1e6:.1f} MB per device): {len(fits)} hand choices fit",
              "", "| rank | layout | measured step | tokens/s | predicted step | memory | auto |",
@@ -98,14 +113,25 @@ def table(cfg, name: str, measured: list[Measured], pick: Measured, budget: floa
     over = [m for m in measured if m.memory > budget]
     if over:
         lines.append(f"\nover the budget: {', '.join(f'{m.cand.label} ({m.memory / 1e6:.1f} MB)' for m in over)}")
-    gap = pick.step_s / best.step_s - 1
-    err = pick.step_s / pick.est_s - 1
+    trial = {r.cand: r.measured_s for r in res.trial}
     lines.append(f"\nauto pick {pick.cand.label}: rank {rank} of {len(fits)}, {gap * 100:+.1f}% from the best measured "
-                 f"({best.cand.label}); predicted {pick.est_s * 1e3:.1f} ms, measured {pick.step_s * 1e3:.1f} ms "
-                 f"({err * 100:+.1f}%)")
+                 f"({best.cand.label}); predicted (cost model) {pick.est_s * 1e3:.1f} ms, measured "
+                 f"{pick.step_s * 1e3:.1f} ms (measured {err * 100:+.1f}% against predicted)")
+    lines.append("trial (the search's own measurement, median of mesh.auto_trial_steps after a warm-up): " + (
+        "; ".join(f"{r.cand.label}: {r.measured_s * 1e3:.1f} ms, est. {r.est * 1e3:.1f} ms" for r in res.trial)
+        if res.trial else "none (one finalist, or mesh.auto_trial_steps=0)"))
+    e_rank, e_gap, e_err = standing(fits, estimated)
+    lines.append(f"the estimate alone picked {estimated.cand.label}: rank {e_rank} of {len(fits)}, {e_gap * 100:+.1f}% "
+                 f"from the best; predicted {estimated.est_s * 1e3:.1f} ms, measured {estimated.step_s * 1e3:.1f} ms "
+                 f"({e_err * 100:+.1f}%)")
     return "\n".join(lines), {"config": name, "budget": label, "budget_bytes": budget, "pick": pick.cand.label,
                               "rank": rank, "of": len(fits), "gap_to_best": gap, "predicted_s": pick.est_s,
-                              "measured_s": pick.step_s, "best": best.cand.label}
+                              "measured_s": pick.step_s, "trial_s": trial.get(pick.cand), "best": best.cand.label,
+                              "estimated_pick": estimated.cand.label, "estimated_rank": e_rank,
+                              "estimated_gap": e_gap, "estimated_predicted_s": estimated.est_s,
+                              "estimated_measured_s": estimated.step_s,
+                              "hand": [{"label": m.cand.label, "measured_s": m.step_s, "predicted_s": m.est_s,
+                                        "memory": m.memory} for m in fits]}
 
 
 def main() -> int:
@@ -117,30 +143,43 @@ def main() -> int:
     args = p.parse_args()
     devices = jax.devices()[:8]
     print(f"load average at start: {os.getloadavg()[0]:.1f} (2 cores shared)", flush=True)
-    hw = measure_cpu(devices)
     rows, t_start = [], time.perf_counter()
     for name in args.configs.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(None, [f"run.dir={tmp}/run", "runtime.cpu_devices=8", "mesh.auto=true", *CONFIGS[name]])
+            hw = auto.hardware_for(cfg, devices).hw
+            print(f"{name}: CPU figures: {hw.peak_flops / 1e9:.1f} GFLOP/s a device x {hw.compute_efficiency}, "
+                  f"matmul rate by rows {[(int(r), round(f, 2)) for r, f in hw.matmul_rows]}, "  # type: ignore
+                  f"{hw.layer_overhead_s * 1e3:.2f} ms a layer iteration, "  # type: ignore[attr-defined]
+                  f"collective {hw.collective_latency * 1e3:.2f} ms", flush=True)
             cache = os.path.join(tmp, "cache")
+            exes: dict = {}
             measured: dict[auto.Candidate, Measured] = {}
             t0 = time.perf_counter()
             for cand in hand_choices(cfg, devices):
                 if time.perf_counter() - t0 > args.budget_s and len(measured) >= 2:
                     break
-                measured[cand] = m = measure(cfg, cand, devices, hw, cache, args.steps)
+                measured[cand] = m = measure(cfg, cand, devices, hw, cache, args.steps, exes)
                 print(f"{name}: {cand.label}: {m.step_s * 1e3:.1f} ms measured, {m.est_s * 1e3:.1f} ms predicted, "
                       f"{m.memory / 1e6:.1f} MB", flush=True)
             budget = None
             for label in ("ample", "tight"):
                 big = hw if budget is None else dataclasses.replace(hw, hbm_bytes=budget / (
                     1 - cfg.mesh.auto_memory_margin), mem_fraction=1.0)
-                res = auto.search_layout(cfg, devices, big, cache_dir=cache)
+                res = auto.search_layout(cfg, devices, big, cache_dir=cache, keep=exes)
+                steps = cfg.mesh.auto_trial_steps
+                t0 = time.perf_counter()
+                auto.apply_trial(res, {r.cand: auto.trial_seconds(cfg, r.cand, devices, steps, exes.get(r.cand))
+                                       for r in auto.finalists(res)})
+                trial_s = time.perf_counter() - t0
                 print(auto.format_result(res, top=3), flush=True)
-                pick = res.choice.cand
-                if pick not in measured:
-                    measured[pick] = measure(cfg, pick, devices, hw, cache, args.steps)
-                text, row = table(cfg, name, list(measured.values()), measured[pick], res.budget, label)
+                pick, estimated = res.choice.cand, (res.estimated or res.choice).cand
+                for cand in dict.fromkeys([pick, estimated]):
+                    if cand not in measured:
+                        measured[cand] = measure(cfg, cand, devices, hw, cache, args.steps, exes)
+                text, row = table(cfg, name, list(measured.values()), measured[pick], res.budget, label, res,
+                                  measured[estimated])
+                row.update(trial_seconds_total=trial_s)
                 row.update(search_s=res.seconds, compiles=res.compiles, cache_hits=res.cache_hits)
                 print(text, flush=True)
                 rows.append(row)

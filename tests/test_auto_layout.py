@@ -138,3 +138,79 @@ def test_choice_is_deterministic_cached_and_respects_the_margin(compiled_small):
         auto.search_layout(cfg, dev, hw(memory[smallest] * (1 + margin / 2)), cache_dir=cache, **kw)
     text = auto.format_result(tight)
     assert f"auto layout: {smallest}" in text and "from the cache" in text
+
+
+def test_sized_matmul_rates_and_layer_overhead_change_the_estimate_as_computed_by_hand(make_config, tmp_path):
+    """SMALL on one device: a microbatch holds 4 x 16 = 64 rows, halfway (in log) between 16 and 256, so the
+    log-log interpolation of (16: 0.25, 256: 1.0) gives 0.5: the FLOPs take twice as long; the fixed cost is
+    1 ms x (2 layers + 1) per microbatch."""
+    cfg = make_config(*SMALL)
+    shape = auto.candidates(cfg, 1, 1, remats=("none",), microbatches=[1])[0].shape
+    plain = hw(1e9)
+    sized = calibration.sized(plain, ((256.0, 1.0), (16.0, 0.25)), 1e-3)
+    assert sized.matmul_rows == ((16.0, 0.25), (256.0, 1.0)) and sized.peak_flops == plain.peak_flops
+    assert cost.matmul_factor(sized, 64) == pytest.approx(0.5)
+    assert cost.matmul_factor(sized, 4) == pytest.approx(0.25) and cost.matmul_factor(sized, 1e4) == 1.0  # clamped
+    assert cost.matmul_factor(plain, 64) == 1.0  # no table: the rate alone, as before
+    one = cost.compute_seconds(cfg, shape, plain)
+    assert cost.compute_seconds(cfg, shape, sized) == pytest.approx(one / 0.5 + 1e-3 * 3)
+    # Two microbatches: the same FLOPs on 32 rows (0.25 ** 0.75 of the best rate), the fixed cost twice.
+    two = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
+    assert cost.compute_seconds(two, shape, sized) == pytest.approx(one / 0.25 ** 0.75 + 2 * 1e-3 * 3)
+    # A calibration file may carry them (for the compute dtype).
+    path = calibration.write(str(tmp_path / calibration.FILE), device_kind="cpu", platform="cpu", devices=1,
+                             hosts=1, matmul_gflops={"float32": 5.0}, axes={})
+    body = {**calibration.read(path), "matmul_rows": {"float32": [[16, 0.25], [256, 1.0]]}, "layer_overhead_s": 1e-3}
+    got = calibration.apply(plain, body, path, "float32").hw
+    assert got.matmul_rows == sized.matmul_rows and got.layer_overhead_s == 1e-3 and got.peak_flops == 5e9
+
+
+def _row(label: str, est: float) -> auto.Row:
+    """A compiled, fitting row with estimate ``est`` (what the trial's choice reads)."""
+    shape = auto.candidates(load_config(None, SMALL), 1, 1, remats=("none",), microbatches=[1])[0].shape
+    cand = auto.Candidate(shape, label, 1, "gpipe")  # the remat field carries the label: rows must differ
+    parts = {"compute": est, "intra_node": 0.0, "inter_node": 0.0, "optimizer": 0.0}
+    return auto.Row(cand, 0, 0, est, est, result={"est_step_seconds": est, "fits": True, "time": parts,
+                                                  "memory_bytes_per_device": 1e6})
+
+
+def test_trial_chooses_the_measured_fastest_finalist():
+    rows = [_row("a", 1.0), _row("b", 1.2), _row("c", 1.4), _row("d", 1.0 * auto.TRIAL_WITHIN + 0.1)]
+    res = auto.AutoResult(rows[0], rows[1], [], rows, 1e9, 1.0, 4, 0, 0, 0, 0, fitting=list(rows))
+    fin = auto.finalists(res)
+    assert [r.cand.remat for r in fin] == ["a", "b", "c"]  # d: estimated too far behind
+    assert auto.finalists(res, most=2) == fin[:2] and auto.finalists(res, within=1.1) == []  # one alone: no trial
+    auto.apply_trial(res, {rows[0].cand: 0.3, rows[1].cand: 0.1, rows[2].cand: 0.2})
+    assert res.choice is rows[1] and res.runner_up is rows[2] and res.estimated is rows[0]
+    assert [r.measured_s for r in res.trial] == [0.1, 0.2, 0.3]
+    text = auto.format_result(res)
+    assert text.startswith("auto layout: one-device, remat b, microbatches 1: est. step 1200.0 ms, measured "
+                           "100.0 ms in the trial")
+    assert "the estimate alone picked" in text and auto.to_json(res)["choice"]["measured_step_seconds"] == 0.1
+    # Ties on the measurement break on the label: the same times give the same choice.
+    tie = auto.AutoResult(rows[0], None, [], rows, 1e9, 1.0, 4, 0, 0, 0, 0, fitting=list(rows))
+    auto.apply_trial(tie, {rows[2].cand: 0.1, rows[1].cand: 0.1})
+    assert tie.choice is rows[1]
+
+
+def test_trial_steps_are_validated(make_config):
+    assert make_config().mesh.auto_trial_steps == 2
+    with pytest.raises(ConfigError, match=r"mesh.auto_trial_steps=-1 must be >= 0"):
+        make_config("mesh.auto_trial_steps=-1")
+
+
+@pytest.mark.slow
+def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small):
+    """The real trial on one device: both remat policies of SMALL are finalists (a wide window), each runs two
+    steps, and the choice is the one measured faster."""
+    cfg, cache, kw, _ = compiled_small
+    dev = jax.devices()[:1]
+    res = auto.search_layout(cfg, dev, hw(1e12), cache_dir=cache, **{**kw, "remats": ("full",)})
+    res.fitting += auto.search_layout(cfg, dev, hw(1e12), cache_dir=cache, **{**kw, "remats": ("none",)}).fitting
+    fin = auto.finalists(res, within=100.0)
+    assert len(fin) == 2
+    seconds = {r.cand: auto.trial_seconds(cfg, r.cand, dev, 2) for r in fin}
+    assert all(0 < t < 60 for t in seconds.values())
+    auto.apply_trial(res, seconds)
+    assert res.choice.cand == min(seconds, key=lambda c: (seconds[c], c.label))
+    assert res.choice.measured_s == seconds[res.choice.cand]

@@ -12,6 +12,11 @@ memory fits ``usable x (1 - mesh.auto_memory_margin)`` per device. To stay quick
 3. each compile's reading (memory, collectives) is cached by a hash of the config, the devices and JAX's version
    (``cache_dir/<hash>.json``), so a second plan of the same config compiles nothing.
 
+Then the trial (``mesh.auto_trial_steps`` > 0, ``train``'s hook): the finalists (:func:`finalists`: the fitting
+candidates within ``TRIAL_WITHIN`` of the best estimate, at most ``TRIAL_MAX``) each run a few steps on random
+tokens (:func:`trial_seconds`, reusing the search's executable where it compiled one) and the fastest measured is
+chosen (:func:`apply_trial`); the estimate of each stays reported beside its measurement.
+
 Ties break on the candidate's label: the same config, devices and hardware figures give the same choice.
 """
 
@@ -23,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,6 +42,11 @@ from jaxtrain.planner.hlo import UnknownLoop
 
 REMATS = ("none", "save_matmuls", "full")
 MAX_COMPILES = 6  # a bound on the search's time; the table says when it stopped a search
+# The trial's finalists: fitting candidates estimated within this factor of the best, at most TRIAL_MAX of them. The
+# CPU estimates have been off by up to 40% (docs/auto-layout.md), so the window is wide; each finalist costs its
+# trial steps (+1 warm-up) and, when its reading came from the cache, a compile.
+TRIAL_WITHIN = 1.5
+TRIAL_MAX = 4
 CACHE_DIR = "plan-cache"  # under run.dir
 CACHE_VERSION = 1
 # Sections that do not change the compiled step (a cached reading serves any of their values).
@@ -107,6 +117,7 @@ class Row:
     guess_s: float
     result: dict | None = None  # search.candidate_result, with "fits" against the budget
     cached: bool = False
+    measured_s: float | None = None  # the trial's median step, where it ran
 
     @property
     def est(self) -> float:
@@ -166,9 +177,10 @@ def store(path: str, comp: search.Compiled) -> None:
         os.replace(f"{path}.tmp", path)
 
 
-def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str | None
-                   ) -> tuple[search.Compiled, bool]:
-    """The compiled step's reading for ``cfg`` on ``shape`` and whether it came from the cache."""
+def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str | None, keep: dict | None = None,
+                   key=None) -> tuple[search.Compiled, bool]:
+    """The compiled step's reading for ``cfg`` on ``shape`` and whether it came from the cache; a fresh compile's
+    (step, executable) go into ``keep[key]`` when ``keep`` is given (the trial runs them without compiling again)."""
     path = cache_path(cache_dir, cfg, shape, devices) if cache_dir else None
     if path and os.path.isfile(path):
         try:
@@ -176,7 +188,11 @@ def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str 
                 return _from_json(json.load(f)), True
         except (OSError, ValueError, KeyError, TypeError):
             pass  # a damaged entry is compiled again and rewritten
-    comp = search.compile_step(cfg, shape, devices)
+    step = search._step(cfg, shape, devices)
+    train, seconds = search.compile_train_step(step)
+    comp = search.reading(step, train, seconds)
+    if keep is not None:
+        keep[key] = (step, train)
     if path:
         store(path, comp)
     return comp, False
@@ -199,6 +215,9 @@ class AutoResult:
     pruned: int  # state alone over the budget
     bounded: int  # not compiled: no faster than the runner-up even with no communication
     capped: int  # not compiled: MAX_COMPILES reached
+    fitting: list[Row] = field(default_factory=list)  # compiled, fit, not dominated: ranked by estimate
+    estimated: Row | None = None  # the estimate's choice, where a trial then chose (maybe another)
+    trial: list[Row] = field(default_factory=list)  # the finalists the trial measured, fastest first
 
     @property
     def compiled(self) -> list[Row]:
@@ -236,7 +255,7 @@ def _why(choice: Row, runner: Row | None, compiled: list[Row], budget: float) ->
 
 
 def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, cache_dir: str | None = None,
-                  remats=REMATS, microbatches=None, max_compiles: int = MAX_COMPILES,
+                  remats=REMATS, microbatches=None, max_compiles: int = MAX_COMPILES, keep: dict | None = None,
                   progress: Callable[[str], None] = lambda msg: None) -> AutoResult:
     """The auto choice for ``cfg`` on ``devices`` (module docstring). ConfigError, one line, when nothing fits."""
     t0 = time.perf_counter()
@@ -268,7 +287,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
             capped += 1
             continue
         c = r.cand.apply(cfg)
-        comp, r.cached = compile_cached(c, r.cand.shape, devices, cache_dir)
+        comp, r.cached = compile_cached(c, r.cand.shape, devices, cache_dir, keep, r.cand)
         hits += r.cached
         compiles += not r.cached
         r.result = search.candidate_result(c, r.cand.shape, hw, comp)
@@ -284,7 +303,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     choice, runner = fitting[0], (fitting[1] if len(fitting) > 1 else None)
     return AutoResult(choice, runner, _why(choice, runner, compiled, budget),
                       compiled + [r for r in rows if r.result is None], budget, time.perf_counter() - t0, compiles,
-                      hits, pruned, bounded, capped)
+                      hits, pruned, bounded, capped, fitting)
 
 
 def _dominates(a: Candidate, b: Candidate) -> bool:
@@ -313,17 +332,85 @@ def nothing_fits(cfg: Config, rows: list[Row], compiled: list[Row], budget: floa
             "mesh.auto_memory_margin")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The trial: the finalists measured
+
+
+def finalists(res: AutoResult, within: float = TRIAL_WITHIN, most: int = TRIAL_MAX) -> list[Row]:
+    """The candidates the trial measures: those that fit (not dominated), estimated within ``within`` x the best
+    estimate, the ``most`` best estimated; one alone is not worth a trial (an empty list)."""
+    best = res.fitting[0].est
+    out = [r for r in res.fitting if r.est <= best * within][:most]
+    return out if len(out) > 1 else []
+
+
+def trial_seconds(cfg: Config, cand: Candidate, devices: list, steps: int, executable=None) -> float:
+    """The median of ``steps`` train steps of ``cand`` after one warm-up, on a zero state and random tokens (the
+    step's work does not depend on the values); ``executable``: the search's (step, compiled), else compiled here.
+    The state is freed before returning. Collective: with several processes every one runs it."""
+    import jax
+
+    c = cand.apply(cfg)
+    if executable is None:
+        built = search._step(c, cand.shape, devices)
+        executable = (built, search.compile_train_step(built)[0])
+    step, train = executable
+    lay = step.layout
+
+    def zeros(a, sharding):
+        return jax.make_array_from_callback(a.shape, sharding, lambda idx: np.zeros(a.shape, a.dtype)[idx])
+
+    state = jax.tree.map(zeros, lay.abstract_state, lay.state_sharding)
+    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, lay.batch_shape, dtype=np.int32)
+    batch = jax.make_array_from_callback(lay.batch_shape, lay.batch_sharding, lambda idx: tokens[idx])
+    times = []
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = train(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    jax.block_until_ready(state)
+    del state
+    return float(np.median(times[1:]))
+
+
+def apply_trial(res: AutoResult, seconds: dict[Candidate, float]) -> None:
+    """The fastest measured of ``seconds`` (candidate -> trial seconds) becomes the choice, the second the
+    runner-up; the estimate's choice is kept in ``res.estimated``. Candidates this search did not compile (another
+    process's finalists) are left out here: that process's choice is broadcast."""
+    by_cand = {r.cand: r for r in res.fitting}
+    measured = []
+    for cand, t in seconds.items():
+        if cand in by_cand:
+            by_cand[cand].measured_s = t
+            measured.append(by_cand[cand])
+    if not measured:
+        return
+    measured.sort(key=lambda r: (r.measured_s, r.cand.label))
+    res.estimated, res.trial = res.choice, measured
+    res.choice = measured[0]
+    res.runner_up = measured[1] if len(measured) > 1 else res.runner_up
+    res.why = _why(res.choice, res.runner_up, res.compiled, res.budget)
+
+
 def format_result(res: AutoResult, top: int = 8) -> str:
     """The choice, the runner-up and why, the compiled candidates, and the search's cost."""
     c = res.choice
-    lines = [f"auto layout: {c.cand.label}: est. step {_ms(c.est)}, "
-             f"{_gb(c.result['memory_bytes_per_device'])} per device of {_gb(res.budget)} allowed",  # type: ignore
-             *(f"  {w}" for w in res.why),
-             f"  searched {len(res.rows)} candidates in {res.seconds:.1f} s: {res.pruned} pruned (state alone over "
-             f"the budget), {res.compiles} compiled, {res.cache_hits} from the cache, {res.bounded} not compiled "
-             f"(a lighter remat of the layout fits, or no faster than the runner-up without any communication)"
-             + (f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiles)" if res.capped else ""),
-             "  compiled (fits first, then by estimated step):"]
+    lines = [f"auto layout: {c.cand.label}: est. step {_ms(c.est)}"
+             + (f", measured {_ms(c.measured_s)} in the trial" if c.measured_s is not None else "")
+             + f", {_gb(c.result['memory_bytes_per_device'])} per device of {_gb(res.budget)} allowed",  # type: ignore
+             *(f"  {w}" for w in res.why)]
+    if res.trial:
+        est = res.estimated
+        lines.append("  trial (median step, after a warm-up): " + "; ".join(
+            f"{r.cand.label}: {_ms(r.measured_s)} measured, est. {_ms(r.est)}" for r in res.trial)  # type: ignore
+            + ("" if est is None or est.cand == c.cand else f"; the estimate alone picked {est.cand.label}"))
+    lines += [f"  searched {len(res.rows)} candidates in {res.seconds:.1f} s: {res.pruned} pruned (state alone "
+              f"over the budget), {res.compiles} compiled, {res.cache_hits} from the cache, {res.bounded} not "
+              f"compiled (a lighter remat of the layout fits, or no faster than the runner-up without any "
+              f"communication)" + (f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiles)"
+                                   if res.capped else ""),
+              "  compiled (fits first, then by estimated step):"]
     for i, r in enumerate(res.compiled[:top], 1):
         lines.append(f"  {i:2d}. {r.cand.label}: {_ms(r.est)}, {_gb(r.result['memory_bytes_per_device'])}"  # type: ignore
                      f"{'' if r.result['fits'] else ' (over budget)'}")  # type: ignore[index]
@@ -333,13 +420,15 @@ def format_result(res: AutoResult, top: int = 8) -> str:
 def to_json(res: AutoResult) -> dict:
     def row(r: Row) -> dict:
         return {"label": r.cand.label, "overrides": r.cand.overrides(), "est_step_seconds": r.est,
+                "measured_step_seconds": r.measured_s,
                 "memory_bytes_per_device": r.result["memory_bytes_per_device"], "fits": r.result["fits"],  # type: ignore
                 "cached": r.cached}
 
     return {"choice": row(res.choice), "runner_up": row(res.runner_up) if res.runner_up else None, "why": res.why,
             "compiled": [row(r) for r in res.compiled], "budget_bytes": res.budget, "seconds": res.seconds,
             "candidates": len(res.rows), "compiles": res.compiles, "cache_hits": res.cache_hits,
-            "pruned": res.pruned, "bounded": res.bounded, "capped": res.capped}
+            "pruned": res.pruned, "bounded": res.bounded, "capped": res.capped,
+            "estimated_choice": row(res.estimated) if res.estimated else None, "trial": [row(r) for r in res.trial]}
 
 
 def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None):
@@ -350,7 +439,10 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     from jaxtrain.planner.measure import hardware_at_hand
 
     dtype = resolve_auto(cfg, devices[0].platform, len(devices)).model.dtype
-    return calibration.for_plan(hardware_at_hand(devices, None), calibration_path, cfg.run.dir, dtype)
+    hw = hardware_at_hand(devices, None)
+    if devices[0].platform == "cpu":  # measured at hand like the rest of the CPU's figures (a file may replace them)
+        hw = calibration.sized(hw, *calibration.measure_sized(devices, cfg.model.d_model, cfg.model.d_ff, dtype))
+    return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
 
 
 def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
@@ -362,7 +454,26 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name))
     nodes = max(1, jax.process_count())
-    res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log)
+    keep: dict = {}
+    res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,
+                        keep=keep)
+    order = candidates(cfg, len(devices), nodes)
+    steps = cfg.mesh.auto_trial_steps
+    trial = [r.cand for r in finalists(res)] if steps > 0 else []
+    if jax.process_count() > 1 and steps > 0:
+        # The trial is collective: every process runs process 0's finalists, in its order.
+        from jax.experimental import multihost_utils
+
+        index = np.full(TRIAL_MAX, -1, np.int32)
+        index[:len(trial)] = [order.index(c) for c in trial]
+        trial = [order[int(i)] for i in multihost_utils.broadcast_one_to_all(index) if i >= 0]
+    if trial:
+        seconds = {}
+        for i, cand in enumerate(trial, 1):
+            seconds[cand] = trial_seconds(cfg, cand, devices, steps, keep.pop(cand, None))
+            log(f"mesh.auto trial [{i}/{len(trial)}] {cand.label}: {_ms(seconds[cand])} a step (median of {steps})")
+        apply_trial(res, seconds)
+    keep.clear()
     log(format_result(res, top=3))
     choice = res.choice.cand
     if jax.process_count() > 1:
@@ -370,7 +481,6 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
         # choice is everyone's, sent as its index in the candidate list, which is the same on every process.
         from jax.experimental import multihost_utils
 
-        order = candidates(cfg, len(devices), nodes)
         index = multihost_utils.broadcast_one_to_all(np.int32(order.index(choice)))
         if order[int(index)] != choice:
             log(f"mesh.auto: process 0 chose {order[int(index)].label}; every process takes its choice")

@@ -10,7 +10,12 @@ finds it in its run directory) and replace the hardware description's datasheet 
 - ``collective_latency``: the largest fixed cost per collective, from the times of two message sizes
   (t = latency + size / rate); only where the check ran two sizes or more.
 
-Pure data in and out (no JAX): the file is JSON, one object::
+Two figures no datasheet has, measured on the devices at hand (:func:`measure_sized`; ``mesh.auto`` on CPU takes
+them itself, a file may carry them as ``matmul_rows`` and ``layer_overhead_s``): the matmul rate by rows per device
+(a small microbatch's matmuls run slower than big ones) and the fixed cost of one layer's iteration, forward and
+backward, at negligible FLOPs (per microbatch, whatever its size). They make a :class:`SizedHardware`.
+
+The file is JSON, one object (reading and writing it needs no JAX; only the measurement does)::
 
     {"version": 1, "device_kind": "...", "platform": "gpu", "devices": 64, "hosts": 8,
      "matmul_gflops": {"bfloat16": 712000.0},
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
+
+SIZED_ROWS = (16, 64, 256, 1024)  # rows per device at which measure_sized times the model's matmul
 
 FILE = "calibration.json"  # in run.dir, written by `check`
 VERSION = 1
@@ -131,7 +138,10 @@ def apply(hw: Hardware, body: dict | None, source: str = "", compute_dtype: str 
     if hw.kinds and kind not in hw.kinds:
         raise ConfigError(f"calibration {source!r} measured {kind!r} devices but the plan is for {hw.name} "
                           f"({', '.join(map(repr, hw.kinds))}); calibrate on the devices planned for")
-    values: dict[str, float] = {}
+    values: dict = {}
+    rows = body.get("matmul_rows", {}).get(compute_dtype)
+    if rows:  # [[rows, fraction of the largest-rows rate], ...], optional
+        hw = sized(hw, tuple((float(r), float(f)) for r, f in rows), float(body.get("layer_overhead_s", 0.0)))
     rate = body["matmul_gflops"].get(compute_dtype)
     if rate:
         values["peak_flops"] = float(rate) * 1e9
@@ -144,4 +154,71 @@ def apply(hw: Hardware, body: dict | None, source: str = "", compute_dtype: str 
     if latencies:
         values["collective_latency"] = max(latencies)
     measured = tuple(f for f in FIGURES if f in values)
-    return Calibrated(dataclasses.replace(hw, **values), measured, source)  # type: ignore[arg-type]
+    return Calibrated(dataclasses.replace(hw, **values), measured, source)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sized rates and the per-layer fixed cost, measured on the devices at hand
+
+
+@dataclass(frozen=True)
+class SizedHardware(Hardware):
+    """:class:`Hardware` plus two measured figures the cost model uses where present (``cost.matmul_factor``,
+    ``cost.overhead_seconds``)."""
+
+    # (rows per device, matmul rate at those rows / the best rate measured), rows ascending
+    matmul_rows: tuple[tuple[float, float], ...] = ()
+    layer_overhead_s: float = 0.0  # fixed seconds of one layer's forward + backward iteration (any size)
+
+
+def sized(hw: Hardware, matmul_rows: tuple[tuple[float, float], ...], layer_overhead_s: float) -> SizedHardware:
+    """``hw`` with the sized figures in (its other figures unchanged)."""
+    base = {f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)}
+    return SizedHardware(**base, matmul_rows=tuple(sorted(matmul_rows)), layer_overhead_s=layer_overhead_s)
+
+
+def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows=SIZED_ROWS,
+                  seconds: float = 0.1) -> tuple[tuple[tuple[float, float], ...], float]:
+    """(matmul_rows, layer_overhead_s) measured on ``devices``, all at once as a step runs them.
+
+    - matmul_rows: a (rows, k) x (k, n) matmul on every device at once (``k, n``: the model's d_model and d_ff),
+      at each of ``rows`` per device; each rate over the best of them (not the most rows': on CPU the largest
+      operands fall out of the caches);
+    - layer_overhead_s: the gradient of a scan over layers of nine chained 8 x 8 matmuls (a layer's q, k, v, o,
+      two attention and three MLP matmuls) on every device, timed at 33 and 1 layers; the slope per layer is
+      the fixed cost of a layer's iteration, its FLOPs negligible."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxtrain.planner.measure import _best_time
+
+    mesh = Mesh(np.array(devices), ("x",))
+    split, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
+    dt = jnp.dtype(dtype)
+    matmul = jax.jit(lambda x, w: x @ w)
+    w = jax.device_put(jnp.full((k, n), 0.01, dt), whole)
+    rates = []
+    def timed(fn, *args) -> float:
+        return _best_time(lambda: fn(*args).block_until_ready(), seconds)
+
+    for m in rows:
+        x = jax.device_put(jnp.full((len(devices) * m, k), 0.01, dt), split)
+        rates.append((float(m), 2 * m * k * n / timed(matmul, x, w)))
+    top = max(r for _, r in rates)
+
+    def loss(ws, x):
+        def layer(h, wl):
+            for j in range(wl.shape[0]):
+                h = jnp.tanh(h @ wl[j])
+            return h, None
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    grad = jax.jit(jax.grad(loss))
+    x = jax.device_put(jnp.full((len(devices) * 8, 8), 0.1, dt), split)
+    t = {}
+    for layers in (1, 33):
+        ws = jax.device_put(jnp.full((layers, 9, 8, 8), 0.1, dt), whole)
+        t[layers] = timed(grad, ws, x)
+    return tuple((m, r / top) for m, r in rates), max(0.0, (t[33] - t[1]) / 32)

@@ -103,13 +103,38 @@ def pipeline_schedule(cfg: Config, shape: MeshShape) -> tuple[int, int, int, flo
     return stages, micro, virtual, bubble_fraction(stages, micro, virtual)
 
 
+def matmul_factor(hw: Hardware, rows: float) -> float:
+    """The matmul rate at ``rows`` rows per device over the best rate measured: the hardware's
+    ``matmul_rows`` (``calibration.SizedHardware``) interpolated in log-log, clamped at its ends; 1 without them."""
+    table = getattr(hw, "matmul_rows", ())
+    if not table:
+        return 1.0
+    xs, ys = np.log([r for r, _ in table]), np.log([f for _, f in table])
+    return float(np.exp(np.interp(np.log(max(rows, 1e-9)), xs, ys)))
+
+
+def overhead_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
+    """Fixed cost of a step's iterations, whatever their FLOPs: the hardware's ``layer_overhead_s`` (a layer's
+    forward + backward iteration, measured) x (layers per stage + 1, for the embedding, head and loss) x the
+    microbatches (each runs every layer again) x virtual stages, over (1 - bubble) like the compute. 0 without it."""
+    per = getattr(hw, "layer_overhead_s", 0.0)
+    if not per:
+        return 0.0
+    stages, micro, virtual, bubble = pipeline_schedule(cfg, shape)
+    return per * (cfg.model.n_layers / stages + 1) * micro * virtual / (1 - bubble)
+
+
 def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
-    """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency) / (1 - bubble):
-    the compute part of every estimate, known before compiling (the auto search's lower bound on a step)."""
+    """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency x the matmul rate's
+    factor at a microbatch's rows per device) / (1 - bubble), plus the iterations' fixed cost
+    (:func:`overhead_seconds`): the compute part of every estimate, known before compiling (the auto search's lower
+    bound on a step)."""
     tokens = cfg.train.global_batch * cfg.data.seq_len
     recompute = remat_factor(cfg) + pipeline_recompute(cfg, shape)
     flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * recompute
-    return flops / (hw.peak_flops * hw.compute_efficiency) / (1 - pipeline_schedule(cfg, shape)[3])
+    rows, seq = _rows_and_seq(cfg, shape)
+    rate = hw.peak_flops * hw.compute_efficiency * matmul_factor(hw, rows * seq)
+    return flops / rate / (1 - pipeline_schedule(cfg, shape)[3]) + overhead_seconds(cfg, shape, hw)
 
 
 @dataclass
