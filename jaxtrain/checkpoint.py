@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtrain import __version__, rundir
+from jaxtrain import __version__, checkpoint_local, rundir
 from jaxtrain.checkpoint_io import (
     META,
     STATE,
@@ -57,6 +57,9 @@ class RestoreSource:
     step: int = 0  # unused when fresh
     # checkpoint.resume=auto: the older steps, newest first, to fall back on if ``step`` turns out damaged when read.
     older: tuple[int, ...] = ()
+    # A local step (checkpoint_local): the persistent source if it cannot be read; the run's persistent directory.
+    fallback: RestoreSource | None = None
+    run_key: str = ""
 
 
 def checkpoint_dir(cfg: Config) -> str:
@@ -160,6 +163,8 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
         source = RestoreSource("params", *resolve(c.init_from, "checkpoint.init_from"))
     if source.kind != "fresh":
         source = _first_readable(source, _target(source, abstract_state), cfg)
+    if c.local_every and c.resume == "auto":  # a newer local step, if every process (or its peer) holds it
+        source = checkpoint_local.choose(c.local_dir, own, abstract_state, source, cfg.train.steps)
     if source.kind == "resume" and source.step > cfg.train.steps:
         raise ConfigError(f"the checkpoint to resume is at step {source.step}, beyond train.steps={cfg.train.steps}; "
                           f"raise train.steps or set checkpoint.resume")
@@ -270,6 +275,10 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
     A step whose arrays cannot be read (a truncated or overwritten file) is damage: under resume=auto the next older
     step is tried (all processes agree on the outcome of each try), else ConfigError naming the damage.
     """
+    if source.fallback is not None:  # a local step (checkpoint_local); its fallback if some process cannot read it
+        source, out = checkpoint_local.restore_source(source, abstract_state)
+        if out is not None:
+            return out
     if source.kind == "fresh":
         return fresh_state(), 0, None
     tried: list[str] = []

@@ -199,6 +199,10 @@ class CheckpointConfig:
     resume: str = "auto"  # auto (latest, if any) | never | a step number | a path to a checkpoint directory or step
     init_from: str | None = None  # parameters only, fresh optimizer (fine-tuning); used when nothing is resumed
     async_save: bool = True  # write in the background while training continues
+    # Local (emergency) checkpoints: a host-local directory (e.g. /dev/shm/jaxtrain, local NVMe); each process
+    # writes its own shards under <local_dir>/process_<i>/, and a copy of them under its peer's (docs/checkpoints.md)
+    local_dir: str | None = None
+    local_every: int = 0  # save there every N steps, in addition to checkpoint.dir (0: off; < checkpoint.every)
 
 
 @dataclass
@@ -315,6 +319,11 @@ def validate(cfg: Config) -> None:
     c = cfg.checkpoint
     _not_negative("checkpoint.every", c.every, " (0: only at the last step)")
     _require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
+    _not_negative("checkpoint.local_every", c.local_every, " (0: no local checkpoints)")
+    _require(not c.local_every or bool(c.local_dir), f"checkpoint.local_every={c.local_every} needs "
+             "checkpoint.local_dir (a host-local directory, e.g. /dev/shm/jaxtrain)")
+    _require(not c.local_every or not c.every or c.local_every < c.every, f"checkpoint.local_every={c.local_every} "
+             f"must be < checkpoint.every={c.every} (local saves are the frequent ones), or 0 (off)")
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)

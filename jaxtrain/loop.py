@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from jaxtrain import checkpoint as ckpt
+from jaxtrain import checkpoint_local, guards, hardware, log, observe, rundir, runtime
 from jaxtrain import data as data_lib
-from jaxtrain import guards, hardware, log, observe, rundir, runtime
 from jaxtrain.config import Config, dump_yaml, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.layout import Layout
@@ -184,6 +184,7 @@ class _Loop:
         self.result = result = RunResult({}, {}, self.compile_s, [], start_step=start)
         self.start, self.t_start = start, time.perf_counter()
         checkpointer = self.checkpointer
+        local_saver = checkpoint_local.saver(cfg, checkpointer.directory)  # None when off: no per-step work
         watch = ckpt.PreemptionWatch(checkpointer)
         pending = PendingMetrics(self.report, obs.waited)
         failed = True  # until the loop ends; then the endpoint's linger (normal ends only) follows the summary
@@ -203,6 +204,8 @@ class _Loop:
                 if preempted or checkpointer.should_save(step):
                     result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
                     obs.saved(checkpointer, result.save_block_seconds[-1])
+                if local_saver and step % cfg.checkpoint.local_every == 0:  # also at persistent steps (may not finish)
+                    obs.goodput.charge("checkpoint", local_saver.save(step, state, batches.get_state()))
                 obs.step_end(step, metrics)
                 if preempted:
                     pending.drain()
@@ -215,6 +218,8 @@ class _Loop:
             pending.drain()
             with obs.goodput.phase("checkpoint"):
                 checkpointer.close()
+                if local_saver:
+                    local_saver.wait()
             failed = False
         except NonFiniteError:
             checkpointer.close()  # the saves in flight hold finite states (skipped steps change nothing): keep them
