@@ -157,6 +157,11 @@ def test_sized_matmul_rates_and_layer_overhead_change_the_estimate_as_computed_b
     # Two microbatches: the same FLOPs on 32 rows (0.25 ** 0.75 of the best rate), the fixed cost twice.
     two = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
     assert cost.compute_seconds(two, shape, sized) == pytest.approx(one / 0.25 ** 0.75 + 2 * 1e-3 * 3)
+    # Tensor parallelism: each device multiplies all 64 rows by half the weight, the work of 32 rows.
+    tensor2 = next(c.shape for c in auto.candidates(cfg, 2, 1, remats=("none",), microbatches=[1])
+                   if c.shape.axis_sizes["tensor"] == 2)
+    assert cost.compute_seconds(cfg, tensor2, sized) == pytest.approx(
+        cost.compute_seconds(cfg, tensor2, plain) / 0.25 ** 0.75 + 1e-3 * 3)
     # A calibration file may carry them (for the compute dtype).
     path = calibration.write(str(tmp_path / calibration.FILE), device_kind="cpu", platform="cpu", devices=1,
                              hosts=1, matmul_gflops={"float32": 5.0}, axes={})

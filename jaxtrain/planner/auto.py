@@ -451,8 +451,11 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
 
     devices = jax.devices()
     cal = hardware_for(cfg, devices)
+    rows = getattr(cal.hw, "matmul_rows", ())
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
-        + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name))
+        + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name)
+        + (f"; matmul rate by rows per device {', '.join(f'{r:g}: {f:.2f}' for r, f in rows)}, a layer "
+           f"iteration {_ms(getattr(cal.hw, 'layer_overhead_s', 0.0))} (measured)" if rows else ""))
     nodes = max(1, jax.process_count())
     keep: dict = {}
     res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,

@@ -126,14 +126,16 @@ def overhead_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
 
 def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency x the matmul rate's
-    factor at a microbatch's rows per device) / (1 - bubble), plus the iterations' fixed cost
+    factor at a microbatch's rows per device over tensor) / (1 - bubble), plus the iterations' fixed cost
     (:func:`overhead_seconds`): the compute part of every estimate, known before compiling (the auto search's lower
     bound on a step)."""
     tokens = cfg.train.global_batch * cfg.data.seq_len
     recompute = remat_factor(cfg) + pipeline_recompute(cfg, shape)
     flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * recompute
     rows, seq = _rows_and_seq(cfg, shape)
-    rate = hw.peak_flops * hw.compute_efficiency * matmul_factor(hw, rows * seq)
+    # A tensor-parallel device multiplies its rows by a tensor-th of the weight: the table (measured with the whole
+    # weight) is read at the rows that do the same work, rows / tensor.
+    rate = hw.peak_flops * hw.compute_efficiency * matmul_factor(hw, rows * seq / shape.axis_sizes["tensor"])
     return flops / rate / (1 - pipeline_schedule(cfg, shape)[3]) + overhead_seconds(cfg, shape, hw)
 
 
