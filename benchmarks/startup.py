@@ -12,10 +12,20 @@ the phases are read off the moments its lines reach stdout (unbuffered), relativ
 - total: process start to the first step's line.
 
 "first run" uses an empty compile cache (``runtime.compile_cache`` = a fresh directory), "rerun" the same command
-again with that cache filled: its compile phase is loading the cached programs. ``--reference-seconds`` is the time
-of the comparable MaxText run the ratio is taken against (default 12.3 s: the ~7.4 s measured here before this
-benchmark existed were ~0.6x of it, issue 25; MaxText is not installed here). The median of ``--repeats`` runs is
+again with that cache filled: its compile phase is loading the cached programs. The median of ``--repeats`` runs is
 printed, with the machine's load average, which dominates these figures on a shared 2-core machine.
+
+The ratio is taken against MaxText's own train command running the same job, measured in the same way and
+interleaved with jaxtrain's runs (same load): ``--maxtext PYTHON`` names the interpreter of an environment where
+``pip install 'maxtext[tpu]==0.2.5'`` was done (Python >= 3.12; the tpu extra is the one that brings jax and its
+CPU backend: 235 packages, about 5 minutes). Its job (:func:`maxtext_args`) has the config's shapes (width, heads,
+head dim, MLP width, layers, vocabulary, sequence length, batch per device, tied embeddings, float32), synthetic
+data, no checkpointing, ``hardware=cpu`` with ``skip_jax_distributed_system`` (one process),
+``remat_policy=minimal`` (its least recomputation; jaxtrain's ``model.remat=none``) and ``jax_cache_dir`` = a fresh
+directory for its first run, the same one for its rerun; its first step is its ``completed step: 0`` line. MaxText
+runs on the jax of its own environment (0.12.0.1 with Python 3.12 here), jaxtrain on this interpreter's. Without
+``--maxtext`` the ratio is against ``--reference-seconds`` (12.3 s: an estimate from an earlier round, never measured
+beside jaxtrain; it does not carry across machines or loads).
 """
 
 from __future__ import annotations
@@ -71,31 +81,99 @@ def run_phases(run_dir: str, cache: str, overrides: list[str]) -> dict[str, floa
     return phases
 
 
+MAXTEXT_FIRST_STEP = "completed step: 0"
+
+
+def maxtext_base_yml(python: str) -> str:
+    """The base.yml of the maxtext package installed for ``python``."""
+    where = subprocess.run([python, "-c", "import importlib.util as u; "
+                            "print(u.find_spec('maxtext').submodule_search_locations[0])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return os.path.join(where, "configs", "base.yml")
+
+
+def maxtext_args(base_yml: str, overrides: list[str], cache: str, out: str) -> list[str]:
+    """MaxText's train arguments (after ``python -m``) for the job jaxtrain runs with ``overrides``: the shapes are
+    read off jaxtrain's config."""
+    from jaxtrain.config import load_config  # the config module alone: no JAX import in the benchmark's process
+
+    cfg = load_config(None, overrides)
+    m, devices = cfg.model, cfg.runtime.cpu_devices or 1
+    return ["maxtext.trainers.pre_train.train", base_yml,
+            "run_name=startup", f"base_output_directory={out}", "dataset_type=synthetic", "steps=2",
+            "enable_checkpointing=false", "hardware=cpu", "skip_jax_distributed_system=true",
+            f"jax_cache_dir={cache}", "remat_policy=minimal",
+            f"base_emb_dim={m.d_model}", f"base_num_query_heads={m.n_heads}", f"base_num_kv_heads={m.n_kv_heads}",
+            f"head_dim={m.resolved_head_dim}", f"base_mlp_dim={m.d_ff}", f"base_num_decoder_layers={m.n_layers}",
+            f"vocab_size={m.vocab_size}", f"max_target_length={cfg.data.seq_len}",
+            f"per_device_batch_size={cfg.train.global_batch // devices}",
+            f"logits_via_embedding={str(m.tie_embeddings).lower()}", "dtype=float32",
+            f"weight_dtype={m.param_dtype}"]
+
+
+def run_maxtext(cmd: list[str]) -> float:
+    """Seconds from process start to MaxText's first step line."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**_env(), "PYTHONPATH": ""}, cwd=tempfile.gettempdir())
+    seen: float | None = None
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line])[-20:]
+        if seen is None and MAXTEXT_FIRST_STEP in line:
+            seen = time.perf_counter() - t0
+    if proc.wait() or seen is None:
+        raise SystemExit(f"MaxText failed or printed no {MAXTEXT_FIRST_STEP!r} (rc {proc.returncode}):\n"
+                         + "".join(tail))
+    return seen
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--reference-seconds", type=float, default=12.3,
-                   help="the comparable MaxText run's process start to first step (default 12.3 s, see the docstring)")
+                   help="without --maxtext: MaxText's process start to first step (default 12.3 s, an estimate)")
+    p.add_argument("--maxtext", metavar="PYTHON",
+                   help="an interpreter with maxtext[tpu] installed: measure MaxText's run interleaved with jaxtrain's")
     p.add_argument("overrides", nargs="*", default=["runtime.cpu_devices=1"])
     args = p.parse_args()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     imports = statistics.median(import_seconds() for _ in range(args.repeats))
+    base_yml = maxtext_base_yml(args.maxtext) if args.maxtext else ""
     rows: dict[str, list[dict]] = {"first run": [], "rerun": []}
+    maxtext: dict[str, list[float]] = {"first run": [], "rerun": []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
+            if args.maxtext:  # before jaxtrain's pair in odd repeats, after it in even ones: neither always first
+                mt_cache = os.path.join(tmp, f"mt-cache{i}")
+                mt = [[args.maxtext, "-m", *maxtext_args(base_yml, args.overrides, mt_cache,
+                                                         os.path.join(tmp, f"mt{i}{k}"))] for k in ("a", "b")]
+            if args.maxtext and i % 2 == 0:
+                maxtext["first run"].append(run_maxtext(mt[0]))
+                maxtext["rerun"].append(run_maxtext(mt[1]))
             cache = os.path.join(tmp, f"cache{i}")
             rows["first run"].append(run_phases(os.path.join(tmp, f"first{i}"), cache, args.overrides))
             rows["rerun"].append(run_phases(os.path.join(tmp, f"rerun{i}"), cache, args.overrides))
+            if args.maxtext and i % 2 == 1:
+                maxtext["first run"].append(run_maxtext(mt[0]))
+                maxtext["rerun"].append(run_maxtext(mt[1]))
             cached = len(os.listdir(cache)) if os.path.isdir(cache) else 0
             print(f"repeat {i + 1}: first {rows['first run'][-1]['total']:.2f} s, rerun "
-                  f"{rows['rerun'][-1]['total']:.2f} s, {cached} programs in the compile cache", flush=True)
+                  f"{rows['rerun'][-1]['total']:.2f} s, {cached} programs in the compile cache"
+                  + (f"; MaxText first {maxtext['first run'][-1]:.2f} s, rerun {maxtext['rerun'][-1]:.2f} s"
+                     if args.maxtext else ""), flush=True)
     print(f"\nimports (train command, measured apart): {imports:.2f} s")
     names = [n for n, _ in MARKS] + ["total"]
-    print(f"{'':10} " + " ".join(f"{n:>11}" for n in names) + "  vs reference")
+    print(f"{'':10} " + " ".join(f"{n:>11}" for n in names) + ("  vs MaxText (measured)" if args.maxtext
+                                                               else "  vs reference"))
     for kind, runs in rows.items():
         med = {n: statistics.median(r[n] for r in runs) for n in names}
+        ref = statistics.median(maxtext[kind]) if args.maxtext else args.reference_seconds
         print(f"{kind:10} " + " ".join(f"{med[n]:>9.2f} s" for n in names)
-              + f"  {med['total'] / args.reference_seconds:.2f}x of {args.reference_seconds:g} s")
+              + f"  {med['total'] / ref:.2f}x of {ref:.2f} s")
+    if args.maxtext:
+        print("MaxText    " + "  ".join(f"{kind} {statistics.median(v):.2f} s" for kind, v in maxtext.items()))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

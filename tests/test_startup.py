@@ -64,3 +64,30 @@ def test_rerun_loads_every_program_from_the_compile_cache(tmp_path):
                   f"run.dir={tmp_path / 'c'}", env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")})
     assert off.returncode == 0, off.stderr[-2000:]
     assert not (tmp_path / "xdg").exists()  # none: nothing written anywhere, not even the default location
+
+
+def _startup_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("startup_bench", os.path.join(REPO, "benchmarks", "startup.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_maxtext_job_has_the_configs_shapes():
+    """The MaxText run the start-up ratio is taken against trains the same shapes as jaxtrain's job (read off the
+    config with its overrides), on synthetic data, with no checkpointing and the given compile cache."""
+    args = _startup_benchmark().maxtext_args("base.yml", ["runtime.cpu_devices=2", "model.d_model=64",
+                                                          "train.global_batch=8", "model.tie_embeddings=false"],
+                                             "/c", "/o")
+    assert args[:2] == ["maxtext.trainers.pre_train.train", "base.yml"]
+    kv = dict(a.split("=", 1) for a in args[2:])
+    assert {k: kv[k] for k in ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "head_dim", "base_mlp_dim",
+                               "base_num_decoder_layers", "vocab_size", "max_target_length", "per_device_batch_size",
+                               "logits_via_embedding", "jax_cache_dir", "dataset_type", "enable_checkpointing")} == {
+        "base_emb_dim": "64", "base_num_query_heads": "8", "base_num_kv_heads": "4", "head_dim": "8",
+        "base_mlp_dim": "384", "base_num_decoder_layers": "4", "vocab_size": "256", "max_target_length": "128",
+        "per_device_batch_size": "4", "logits_via_embedding": "false", "jax_cache_dir": "/c",
+        "dataset_type": "synthetic", "enable_checkpointing": "false"}
