@@ -5,7 +5,9 @@
 1. Blocking time of one save of the full train state (parameters + AdamW moments), asynchronous vs synchronous:
    how long `save()` holds the loop, and how long the write takes in all; into the persistent directory (a
    temporary directory under BENCH_DIR, default the system's) and into a host-local RAM disk (LOCAL_DIR, default
-   /dev/shm when it exists), the kind of directory a local (emergency) checkpoint would use.
+   /dev/shm when it exists), the kind of directory a local (emergency) checkpoint uses; and one local checkpoint
+   save (jaxtrain/checkpoint_local.py: host copy of this process's shards, the file written in the background; one
+   process, so no peer copy) into LOCAL_DIR.
 2. End-to-end: the same short run with a checkpoint every N steps versus only at the end; the final save and its
    wait are outside the compared window (the sum of step times). SAVES_ONLY=1 skips this part.
 """
@@ -56,8 +58,23 @@ def main(argv):
                         saver.wait()
                         total.append(time.perf_counter() - t0)
                     saver.close()
-                    rows.append((f"{where} ({root})", async_save, statistics.median(blocked),
+                    rows.append((f"{where} ({root})", "async" if async_save else "sync", statistics.median(blocked),
                                  statistics.median(total)))
+        if local:
+            from jaxtrain import checkpoint_local
+
+            with tempfile.TemporaryDirectory(dir=local) as into:
+                local_saver = checkpoint_local.LocalSaver(into, tmp)
+                local_saver.save(0, state, {"next_index": 0})  # derives the layout and fingerprint once per run
+                local_saver.wait()
+                blocked, total = [], []
+                for step in range(1, REPEATS + 1):
+                    t0 = time.perf_counter()
+                    blocked.append(local_saver.save(step, state, {"next_index": step}))
+                    local_saver.wait()
+                    total.append(time.perf_counter() - t0)
+                rows.append((f"local checkpoint ({local})", "checkpoint.local_every", statistics.median(blocked),
+                             statistics.median(total)))
 
         runs = {}
         for label, n in ((f"every {every}", every), ("end only", 0)) if not os.environ.get("SAVES_ONLY") else ():
@@ -70,8 +87,8 @@ def main(argv):
           f"train state {nbytes / 1e9:.2f} GB (125M parameters + AdamW moments, float32)")
     print(f"| directory | save | loop blocked (median of {REPEATS}) | save complete |")
     print("| --- | --- | --- | --- |")
-    for where, async_save, blocked, total in rows:
-        print(f"| {where} | {'async' if async_save else 'sync'} | {blocked:.3f} s | {total:.3f} s |")
+    for where, kind, blocked, total in rows:
+        print(f"| {where} | {kind} | {blocked:.3f} s | {total:.3f} s |")
     if not runs:
         return
     base = runs["end only"][0]

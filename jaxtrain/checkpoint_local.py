@@ -141,6 +141,8 @@ def assemble(shards: dict, abstract_state: Any) -> Any:
 # The peer exchange: one device per process, ppermute along the process axis
 
 _SHIFTS: dict = {}
+# Bytes per exchange: a process's blob holds all its devices' shards, so it goes through the one device in pieces.
+CHUNK = 1 << 28
 
 
 def exchange(blob: np.ndarray, size: int, shift: int) -> np.ndarray:
@@ -151,18 +153,23 @@ def exchange(blob: np.ndarray, size: int, shift: int) -> np.ndarray:
     n, me = jax.process_count(), jax.process_index()
     devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(n)]
     mesh = jax.sharding.Mesh(np.array(devices), ("process",))
-    key = (size, shift, tuple(d.id for d in devices))
+    chunk = min(size, CHUNK)
+    key = (chunk, shift, tuple(d.id for d in devices))
     if key not in _SHIFTS:
         perm = [(j, (j + shift) % n) for j in range(n)]
         f = jax.shard_map(lambda x: jax.lax.ppermute(x, "process", perm), mesh=mesh,
                           in_specs=PartitionSpec("process"), out_specs=PartitionSpec("process"))
         _SHIFTS[key] = jax.jit(f)
-    row = np.zeros((1, size), np.uint8)
-    row[0, :blob.size] = blob
     sharding = NamedSharding(mesh, PartitionSpec("process"))
-    x = jax.make_array_from_single_device_arrays((n, size), sharding, [jax.device_put(row, devices[me])])
-    out = _SHIFTS[key](x)
-    return np.asarray(out.addressable_shards[0].data)[0]
+    received = np.zeros(size, np.uint8)
+    for at in range(0, size, chunk):  # (1, chunk) rows: one per process, ``process`` i's on its first device
+        row = np.zeros((1, chunk), np.uint8)
+        piece = blob[at:at + chunk]
+        row[0, :piece.size] = piece
+        x = jax.make_array_from_single_device_arrays((n, chunk), sharding, [jax.device_put(row, devices[me])])
+        got = np.asarray(_SHIFTS[key](x).addressable_shards[0].data)[0]
+        received[at:at + chunk] = got[:min(chunk, size - at)]
+    return received
 
 
 def blob_size(tree: Any) -> int:
@@ -355,7 +362,9 @@ def restore_source(source, abstract_state: Any) -> tuple[Any, tuple | None]:
     if everyone_ok(error is None):
         return source, (state, source.step, data)
     why = reason(error) if error else "on another process"
-    log.info(f"warning: local step {source.step} cannot be restored ({why}); using the persistent checkpoint")
+    fb = source.fallback
+    where = f"{fb.directory}/{fb.step}" if fb.kind != "fresh" else "nothing (a fresh start)"
+    log.info(f"warning: local step {source.step} cannot be restored ({why}); restoring {where} instead")
     return source.fallback, None
 
 

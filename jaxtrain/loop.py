@@ -80,8 +80,9 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
     # config.yaml and metrics.jsonl as they were.
     restored = ckpt.restore(source, layout.abstract_state, layout.init_state)
-    if source.kind == "resume" and source.directory == ckpt.checkpoint_dir(cfg):
-        for moved in ckpt.set_aside_damaged(source.directory, restored[1]):
+    if source.kind == "resume" and (source.directory == ckpt.checkpoint_dir(cfg) or source.fallback):
+        # After a local step too: a newer persistent step was passed over because it is damaged.
+        for moved in ckpt.set_aside_damaged(ckpt.checkpoint_dir(cfg), restored[1]):
             log.info(f"moved the damaged checkpoint aside to {moved} (not deleted)")
     effective = layout.effective_config()
     checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": layout.shape.label,
