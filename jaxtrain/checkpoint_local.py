@@ -25,6 +25,7 @@ in ``meta.json``) are ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -327,7 +328,6 @@ def choose(local_dir: str | None, persistent_dir: str, abstract_state: Any, sour
     """``source`` (the persistent choice, a ``checkpoint.RestoreSource``), or the newest local step every process
     can restore when it is newer (a collective: every process calls it); logs which, and why."""
     from jaxtrain import log
-    from jaxtrain.checkpoint import RestoreSource
 
     assert local_dir, "config validation requires checkpoint.local_dir with checkpoint.local_every"
     fp = fingerprint(abstract_state, persistent_dir)
@@ -345,7 +345,9 @@ def choose(local_dir: str | None, persistent_dir: str, abstract_state: Any, sour
     missing = [j for j in range(len(own)) if step not in own[j]]
     log.info(f"restoring local step {step} (newer than persistent step {persistent_step or 'none'})"
              + (f"; process(es) {missing} take their shards from their peer's copy" if missing else ""))
-    return RestoreSource("resume", process_dir(local_dir), step, fallback=source, run_key=persistent_dir)
+    # checkpoint.py imports this module: a RestoreSource made from the given one, not by importing its class.
+    return dataclasses.replace(source, kind="resume", directory=process_dir(local_dir), step=step, older=(),
+                               fallback=source, run_key=persistent_dir)
 
 
 def restore_source(source, abstract_state: Any) -> tuple[Any, tuple | None]:
