@@ -87,9 +87,13 @@ class MeshConfig:
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=_default_rules)  # logical axis -> mesh axis, list of axes, or null
     # true: at start-up the planner picks the mesh sizes, model.remat, train.microbatches and train.pipeline_schedule
-    # (the fastest estimate that fits; docs/auto-layout.md) and run.dir/config.yaml records them, with auto false.
+    # (of those that fit, the fastest estimate, or measured: auto_trial_steps; docs/auto-layout.md) and
+    # run.dir/config.yaml records them, with auto false.
     auto: bool = False  # let the planner choose the layout (mesh, remat, microbatches, pipeline schedule)
     auto_memory_margin: float = 0.1  # mesh.auto: fraction of the usable device memory a choice must leave free
+    # mesh.auto: each finalist (fits, estimated near the best) runs this many timed steps after a warm-up and the
+    # fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what a trial costs on GPUs)
+    auto_trial_steps: int = 2  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
 
     def sizes(self) -> dict[tuple[str, str], int]:
         """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
@@ -342,6 +346,8 @@ def _validate_mesh(cfg: Config) -> None:
 
     _require(0 <= cfg.mesh.auto_memory_margin < 1,
              f"mesh.auto_memory_margin={cfg.mesh.auto_memory_margin} must be in [0, 1)")
+    _require(cfg.mesh.auto_trial_steps >= 0,
+             f"mesh.auto_trial_steps={cfg.mesh.auto_trial_steps} must be >= 0 (0: the estimate alone)")
     known = set(MESH_AXES)
     needed = set(_default_rules())
     for logical in cfg.mesh.rules:
