@@ -259,6 +259,9 @@ class LocalSaver:
     def __init__(self, local_dir: str, persistent_dir: str):
         self.root, self.persistent_dir = process_dir(local_dir), persistent_dir
         os.makedirs(self.root, exist_ok=True)
+        for name in os.listdir(self.root):  # writes a killed run left unfinished (only this process writes here)
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._fp: str | None = None

@@ -138,6 +138,8 @@ def test_local_steps_are_written_atomically_listed_kept_and_read_back(tmp_path):
     # Another run (checkpoint.dir) or layout: ignored, with a note.
     steps, notes = cl.list_steps(str(tmp_path / "local"), cl.fingerprint(abstract, str(tmp_path / "other")))
     assert not steps and len(notes) == 2 and "another mesh" in notes[0]
+    cl.LocalSaver(str(tmp_path / "local"), str(tmp_path / "ck"))  # the next run's saver clears unfinished writes
+    assert sorted(os.listdir(root)) == ["2", "3"]
 
 
 def test_choose_takes_a_newer_local_step_and_falls_back_when_it_cannot_be_read(tmp_path):
