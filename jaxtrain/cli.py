@@ -8,6 +8,7 @@ on stderr and their exit status (a user mistake: 2, before anything is written; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -35,6 +36,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
+    with ipython_probe_skipped():
+        return _main(argv)
+
+
+@contextlib.contextmanager
+def ipython_probe_skipped():
+    """Flax imports IPython (when installed) only to ask whether it runs inside it, for colours in reprs: 0.3-1 s of
+    start-up here (benchmarks/startup.py). A command run from the shell never does (IPython would be imported
+    already), so while it runs ``import IPython`` fails fast (None in sys.modules), as if IPython were absent."""
+    if "IPython" in sys.modules:
+        yield
+        return
+    sys.modules["IPython"] = None
+    try:
+        yield
+    finally:
+        if "IPython" in sys.modules and sys.modules["IPython"] is None:
+            del sys.modules["IPython"]
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = _Parser(prog="python -m jaxtrain", description="Train sharded Flax transformers on JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

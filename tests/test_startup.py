@@ -5,6 +5,7 @@ How long start-up takes is a benchmark figure (benchmarks/startup.py), not asser
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -67,8 +68,6 @@ def test_rerun_loads_every_program_from_the_compile_cache(tmp_path):
 
 
 def _startup_benchmark():
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("startup_bench", os.path.join(REPO, "benchmarks", "startup.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -91,3 +90,19 @@ def test_maxtext_job_has_the_configs_shapes():
         "base_mlp_dim": "384", "base_num_decoder_layers": "4", "vocab_size": "256", "max_target_length": "128",
         "per_device_batch_size": "4", "logits_via_embedding": "false", "jax_cache_dir": "/c",
         "dataset_type": "synthetic", "enable_checkpointing": "false"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("IPython") is None, reason="IPython is not installed")
+def test_commands_skip_flaxs_ipython_probe():
+    """While a command runs, Flax's import does not import IPython (seconds of start-up where installed); after it,
+    IPython imports as usual, and inside an IPython session nothing is changed."""
+    code = ("import sys, importlib.util\nfrom jaxtrain import cli\n"
+            "with cli.ipython_probe_skipped():\n    import flax.nnx\n    inside = 'IPython' in sys.modules and "
+            "sys.modules['IPython'] is not None\n"
+            "print(inside, 'IPython' in sys.modules, importlib.util.find_spec('IPython') is not None)\n"
+            "import IPython\nwith cli.ipython_probe_skipped():\n    print(sys.modules['IPython'] is IPython)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "True", "True"]
