@@ -441,7 +441,12 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     dtype = resolve_auto(cfg, devices[0].platform, len(devices)).model.dtype
     hw = hardware_at_hand(devices, None)
     if devices[0].platform == "cpu":  # measured at hand like the rest of the CPU's figures (a file may replace them)
-        hw = calibration.sized(hw, *calibration.measure_sized(devices, cfg.model.d_model, cfg.model.d_ff, dtype))
+        # On this process's devices only: they share its cores, and a timing loop of collectives across processes
+        # could run a different number of times on each.
+        import jax
+
+        local = [d for d in devices if d.process_index == jax.process_index()] or devices
+        hw = calibration.sized(hw, *calibration.measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
     return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
 
 
