@@ -219,3 +219,26 @@ def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small)
     auto.apply_trial(res, seconds)
     assert res.choice.cand == min(seconds, key=lambda c: (seconds[c], c.label))
     assert res.choice.measured_s == seconds[res.choice.cand]
+
+
+@pytest.mark.slow
+def test_two_processes_trial_process_0s_finalists_and_train_its_fastest(tmp_path):
+    """launch/local.sh 2 (one CPU device each): both processes run process 0's finalists in its order (the trial
+    is collective) and train the fastest process 0 measured; config.yaml records it with mesh.auto false."""
+    import re
+
+    import yaml
+
+    from helpers import launch_local
+
+    proc = launch_local(2, "train", f"run.dir={tmp_path}", "runtime.cpu_devices=1", "mesh.auto=true", *SMALL,
+                        "train.steps=1", "observe.prometheus_linger_s=0", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trial = {i: re.findall(rf"^\[{i}\] .*mesh\.auto trial \[\d+/\d+\] (.+): ([\d.]+) ms a step", proc.stdout, re.M)
+             for i in (0, 1)}
+    assert len(trial[0]) >= 2 and [c for c, _ in trial[0]] == [c for c, _ in trial[1]]
+    fastest = min(trial[0], key=lambda ct: (float(ct[1]), ct[0]))[0]
+    assert re.search(rf"^\[0\] .*auto layout: {re.escape(fastest)}: est\. step", proc.stdout, re.M)
+    with open(tmp_path / "config.yaml") as f:
+        saved = yaml.safe_load(f)
+    assert saved["mesh"]["auto"] is False and f"remat {saved['model']['remat']}" in fastest
