@@ -161,8 +161,9 @@ def main() -> None:
             cached = len(os.listdir(cache)) if os.path.isdir(cache) else 0
             print(f"repeat {i + 1}: first {rows['first run'][-1]['total']:.2f} s, rerun "
                   f"{rows['rerun'][-1]['total']:.2f} s, {cached} programs in the compile cache"
-                  + (f"; MaxText first {maxtext['first run'][-1]:.2f} s, rerun {maxtext['rerun'][-1]:.2f} s"
-                     if args.maxtext else ""), flush=True)
+                  + (f"; MaxText first {maxtext['first run'][-1]:.2f} s, rerun {maxtext['rerun'][-1]:.2f} s "
+                     f"(ratios {rows['first run'][-1]['total'] / maxtext['first run'][-1]:.2f}x, "
+                     f"{rows['rerun'][-1]['total'] / maxtext['rerun'][-1]:.2f}x)" if args.maxtext else ""), flush=True)
     print(f"\nimports (train command, measured apart): {imports:.2f} s")
     names = [n for n, _ in MARKS] + ["total"]
     print(f"{'':10} " + " ".join(f"{n:>11}" for n in names) + ("  vs MaxText (measured)" if args.maxtext
@@ -172,8 +173,11 @@ def main() -> None:
         ref = statistics.median(maxtext[kind]) if args.maxtext else args.reference_seconds
         print(f"{kind:10} " + " ".join(f"{med[n]:>9.2f} s" for n in names)
               + f"  {med['total'] / ref:.2f}x of {ref:.2f} s")
-    if args.maxtext:
+    if args.maxtext:  # the ratio of each repeat's runs, taken under one load, is steadier than that of medians
         print("MaxText    " + "  ".join(f"{kind} {statistics.median(v):.2f} s" for kind, v in maxtext.items()))
+        print("median of the repeats' ratios: " + ", ".join(
+            f"{kind} {statistics.median(r['total'] / m for r, m in zip(rows[kind], maxtext[kind])):.2f}x"
+            for kind in rows))
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
