@@ -18,6 +18,19 @@ import pytest  # noqa: E402
 from helpers import FAST  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 
+# Slow tests of these files start, kill, freeze or time several processes (heartbeat and collective timeouts,
+# stall bounds, a Slurm cluster on fixed ports): marked `serial`, they run one at a time after the others, which
+# .ci/run spreads over 2 workers (`-m "slow and not serial" -n 2`, then `-m "slow and serial"`).
+SERIAL_MODULES = {"test_checkpoint", "test_cpu_collectives", "test_data_multiprocess", "test_faults", "test_health",
+                  "test_launch_interrupt", "test_listening", "test_local_checkpoint", "test_mp_faults",
+                  "test_multihost", "test_observe", "test_pipeline_checkpoint", "test_prometheus"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") and item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture
 def make_config(tmp_path):

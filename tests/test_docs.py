@@ -15,7 +15,7 @@ DOCS = ROOT / "docs"
 REFERENCE = DOCS / "configuration-reference.md"
 SETUP = [
     "pip install -e . && python -m jaxtrain train",
-    "pip install -e '.[test]' && python -m pytest -q",
+    "pip install -e '.[test]' && python -m pytest -q -n 2",
 ]
 
 
