@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass
 
 from jaxtrain.errors import ConfigError
@@ -178,7 +179,7 @@ def sized(hw: Hardware, matmul_rows: tuple[tuple[float, float], ...], layer_over
 
 
 def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows=SIZED_ROWS,
-                  seconds: float = 0.1) -> tuple[tuple[tuple[float, float], ...], float]:
+                  seconds: float = 0.2) -> tuple[tuple[tuple[float, float], ...], float]:
     """(matmul_rows, layer_overhead_s) measured on ``devices``, all at once as a step runs them.
 
     - matmul_rows: a (rows, k) x (k, n) matmul on every device at once (``k, n``: the model's d_model and d_ff),
@@ -192,8 +193,6 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxtrain.planner.measure import _best_time
-
     mesh = Mesh(np.array(devices), ("x",))
     split, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
     dt = jnp.dtype(dtype)
@@ -201,7 +200,15 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
     w = jax.device_put(jnp.full((k, n), 0.01, dt), whole)
     rates = []
     def timed(fn, *args) -> float:
-        return _best_time(lambda: fn(*args).block_until_ready(), seconds)
+        # The best of at least three calls and ``seconds``: a large matmul gets as many samples as a small one's
+        # first three (one or two, best of, had made the table swing from run to run on the loaded machine).
+        fn(*args).block_until_ready()  # compile
+        best, calls, end = float("inf"), 0, time.perf_counter() + seconds
+        while calls < 3 or time.perf_counter() < end:
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            best, calls = min(best, time.perf_counter() - t0), calls + 1
+        return best
 
     for m in rows:
         x = jax.device_put(jnp.full((len(devices) * m, k), 0.01, dt), split)
