@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 
-SIZED_ROWS = (16, 64, 256, 1024)  # rows per device at which measure_sized times the model's matmul
+SIZED_ROWS = (16, 64, 256, 512, 1024)  # rows per device at which measure_sized times the model's matmul
+REFERENCE_ROWS = 512  # the rows of measure.measure_cpu's matmul (peak_flops): the table's rates are relative to it
 
 FILE = "calibration.json"  # in run.dir, written by `check`
 VERSION = 1
@@ -167,7 +168,7 @@ class SizedHardware(Hardware):
     """:class:`Hardware` plus two measured figures the cost model uses where present (``cost.matmul_factor``,
     ``cost.overhead_seconds``)."""
 
-    # (rows per device, matmul rate at those rows / the best rate measured), rows ascending
+    # (rows per device, matmul rate at those rows / the rate at REFERENCE_ROWS), rows ascending
     matmul_rows: tuple[tuple[float, float], ...] = ()
     layer_overhead_s: float = 0.0  # fixed seconds of one layer's forward + backward iteration (any size)
 
@@ -183,8 +184,8 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
     """(matmul_rows, layer_overhead_s) measured on ``devices``, all at once as a step runs them.
 
     - matmul_rows: a (rows, k) x (k, n) matmul on every device at once (``k, n``: the model's d_model and d_ff),
-      at each of ``rows`` per device; each rate over the best of them (not the most rows': on CPU the largest
-      operands fall out of the caches);
+      at each of ``rows`` per device; each rate over the rate at ``REFERENCE_ROWS`` (the rows of the matmul that
+      measured ``peak_flops``, whose k and n effects ``compute_efficiency`` already carries);
     - layer_overhead_s: the gradient of a scan over layers of nine chained 8 x 8 matmuls (a layer's q, k, v, o,
       two attention and three MLP matmuls) on every device, timed at 33 and 1 layers; the slope per layer is
       the fixed cost of a layer's iteration, its FLOPs negligible."""
@@ -213,7 +214,7 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
     for m in rows:
         x = jax.device_put(jnp.full((len(devices) * m, k), 0.01, dt), split)
         rates.append((float(m), 2 * m * k * n / timed(matmul, x, w)))
-    top = max(r for _, r in rates)
+    top = dict(rates).get(float(REFERENCE_ROWS)) or max(r for _, r in rates)
 
     def loss(ws, x):
         def layer(h, wl):

@@ -104,8 +104,9 @@ def pipeline_schedule(cfg: Config, shape: MeshShape) -> tuple[int, int, int, flo
 
 
 def matmul_factor(hw: Hardware, rows: float) -> float:
-    """The matmul rate at ``rows`` rows per device over the best rate measured: the hardware's
-    ``matmul_rows`` (``calibration.SizedHardware``) interpolated in log-log, clamped at its ends; 1 without them."""
+    """The matmul rate at ``rows`` rows per device over the rate at the reference rows (those of ``peak_flops``'
+    matmul): the hardware's ``matmul_rows`` (``calibration.SizedHardware``) interpolated in log-log, clamped at its
+    ends; 1 without them."""
     table = getattr(hw, "matmul_rows", ())
     if not table:
         return 1.0
