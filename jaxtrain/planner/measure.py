@@ -72,14 +72,21 @@ def _psum_latency(devices: list, seconds: float) -> float:
     x = jax.device_put(jnp.ones((len(devices), 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
     psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
                                  out_specs=PartitionSpec("x")))
-    return _best_time(lambda: psum(x).block_until_ready(), seconds)
+    # Across processes every one must run the collective equally often: a count, not each process's own clock (a
+    # process that stopped earlier would leave the others blocked in a psum it never joins).
+    spans = len({d.process_index for d in devices}) > 1
+    return _best_time(lambda: psum(x).block_until_ready(), seconds, times=PSUM_TIMES if spans else None)
 
 
-def _best_time(fn: Callable[[], Any], seconds: float) -> float:
+PSUM_TIMES = 20  # all-reduces timed when the devices span processes
+
+
+def _best_time(fn: Callable[[], Any], seconds: float, times: int | None = None) -> float:
+    """The fastest of ``fn``'s runs after a warm-up: for ``seconds`` (at least once), or exactly ``times`` runs."""
     fn()  # compile and warm up
-    best, t_end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < t_end or best == float("inf"):
+    best, t_end, done = float("inf"), time.perf_counter() + seconds, 0
+    while (done < times) if times is not None else (time.perf_counter() < t_end or best == float("inf")):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best, done = min(best, time.perf_counter() - t0), done + 1
     return best
