@@ -43,7 +43,10 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
-    cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
+    if target.cfg.mesh.auto and hardware_name is None and target.devices[0].platform == "cpu":
+        cal = auto.hardware_for(target.cfg, target.devices, calibration_path)  # train's figures: the same choice
+    else:
+        cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
     target.hw = cal.hw
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))
