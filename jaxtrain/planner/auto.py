@@ -238,7 +238,11 @@ def _ms(x: float) -> str:
 
 def _why(choice: Row, runner: Row | None, compiled: list[Row], budget: float) -> list[str]:
     lines = []
-    if runner is not None:
+    if runner is not None and runner.measured_s is not None and choice.measured_s is not None:
+        # After the trial the measurement decided: the estimate's breakdown would explain a gap it did not see.
+        lines.append(f"runner-up {runner.cand.label}: {_ms(runner.measured_s)} measured in the trial "
+                     f"({(runner.measured_s / choice.measured_s - 1) * 100:+.1f}%), est. {_ms(runner.est)}")
+    elif runner is not None:
         a, b = choice.result["time"], runner.result["time"]  # type: ignore[index]
         parts = {"compute": "compute", "intra_node": "in-node communication", "inter_node": "inter-node "
                  "communication", "optimizer": "optimizer update"}
