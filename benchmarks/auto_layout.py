@@ -149,8 +149,8 @@ def main() -> int:
             cfg = load_config(None, [f"run.dir={tmp}/run", "runtime.cpu_devices=8", "mesh.auto=true", *CONFIGS[name]])
             hw = auto.hardware_for(cfg, devices).hw
             print(f"{name}: CPU figures: {hw.peak_flops / 1e9:.1f} GFLOP/s a device x {hw.compute_efficiency}, "
-                  f"matmul rate by rows {[(int(r), round(f, 2)) for r, f in hw.matmul_rows]}, "  # type: ignore
-                  f"{hw.layer_overhead_s * 1e3:.2f} ms a layer iteration, "  # type: ignore[attr-defined]
+                  f"matmul rate by rows {[(int(r), round(f, 2)) for r, f in hw.matmul_rows]}, "
+                  f"{hw.layer_overhead_s * 1e3:.2f} ms a layer iteration, "
                   f"collective {hw.collective_latency * 1e3:.2f} ms", flush=True)
             cache = os.path.join(tmp, "cache")
             exes: dict = {}

@@ -36,6 +36,11 @@ class Hardware:
     # Fixed cost of one collective, whatever its size. Measured for the CPU at hand; 0 (bandwidth only) for the
     # shipped GPU files, which carry datasheet numbers only.
     collective_latency: float = 0.0
+    # Two more measured figures, for the CPU at hand (``measure.measure_sized``) or from a calibration file; empty / 0
+    # in the shipped files: the matmul rate by rows per device, as (rows, rate / the rate at
+    # ``calibration.REFERENCE_ROWS``) ascending, and the fixed seconds of one layer's forward + backward iteration.
+    matmul_rows: tuple[tuple[float, float], ...] = ()
+    layer_overhead_s: float = 0.0
 
     @property
     def kinds(self) -> tuple[str, ...]:

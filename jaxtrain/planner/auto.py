@@ -440,7 +440,7 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``."""
     from jaxtrain.layout import resolve_auto
     from jaxtrain.planner import calibration
-    from jaxtrain.planner.measure import hardware_at_hand
+    from jaxtrain.planner.measure import hardware_at_hand, measure_sized
 
     dtype = resolve_auto(cfg, devices[0].platform, len(devices)).model.dtype
     hw = hardware_at_hand(devices, None)
@@ -450,7 +450,7 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
         import jax
 
         local = [d for d in devices if d.process_index == jax.process_index()] or devices
-        hw = calibration.sized(hw, *calibration.measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
+        hw = calibration.sized(hw, *measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
     return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
 
 
@@ -460,11 +460,11 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
 
     devices = jax.devices()
     cal = hardware_for(cfg, devices)
-    rows = getattr(cal.hw, "matmul_rows", ())
+    rows = cal.hw.matmul_rows
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name)
         + (f"; matmul rate by rows per device {', '.join(f'{r:g}: {f:.2f}' for r, f in rows)}, a layer "
-           f"iteration {_ms(getattr(cal.hw, 'layer_overhead_s', 0.0))} (measured)" if rows else ""))
+           f"iteration {_ms(cal.hw.layer_overhead_s)} (measured)" if rows else ""))
     nodes = max(1, jax.process_count())
     keep: dict = {}
     res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,

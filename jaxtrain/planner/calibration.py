@@ -10,10 +10,11 @@ finds it in its run directory) and replace the hardware description's datasheet 
 - ``collective_latency``: the largest fixed cost per collective, from the times of two message sizes
   (t = latency + size / rate); only where the check ran two sizes or more.
 
-Two figures no datasheet has, measured on the devices at hand (:func:`measure_sized`; ``mesh.auto`` on CPU takes
-them itself, a file may carry them as ``matmul_rows`` and ``layer_overhead_s``): the matmul rate by rows per device
-(a small microbatch's matmuls run slower than big ones) and the fixed cost of one layer's iteration, forward and
-backward, at negligible FLOPs (per microbatch, whatever its size). They make a :class:`SizedHardware`.
+Two figures no datasheet has, measured on the devices at hand (``measure.measure_sized``; ``mesh.auto`` on CPU
+takes them itself, a file may carry them as ``matmul_rows`` and ``layer_overhead_s``): the matmul rate by rows per
+device (a small microbatch's matmuls run slower than big ones) and the fixed cost of one layer's iteration, forward
+and backward, at negligible FLOPs (per microbatch, whatever its size): ``Hardware.matmul_rows`` and
+``Hardware.layer_overhead_s``.
 
 The file is JSON, one object (reading and writing it needs no JAX; only the measurement does)::
 
@@ -27,13 +28,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from dataclasses import dataclass
 
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
 
-SIZED_ROWS = (16, 64, 256, 512, 1024)  # rows per device at which measure_sized times the model's matmul
 REFERENCE_ROWS = 512  # the rows of measure.measure_cpu's matmul (peak_flops): the table's rates are relative to it
 
 FILE = "calibration.json"  # in run.dir, written by `check`
@@ -159,74 +158,6 @@ def apply(hw: Hardware, body: dict | None, source: str = "", compute_dtype: str 
     return Calibrated(dataclasses.replace(hw, **values), measured, source)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Sized rates and the per-layer fixed cost, measured on the devices at hand
-
-
-@dataclass(frozen=True)
-class SizedHardware(Hardware):
-    """:class:`Hardware` plus two measured figures the cost model uses where present (``cost.matmul_factor``,
-    ``cost.overhead_seconds``)."""
-
-    # (rows per device, matmul rate at those rows / the rate at REFERENCE_ROWS), rows ascending
-    matmul_rows: tuple[tuple[float, float], ...] = ()
-    layer_overhead_s: float = 0.0  # fixed seconds of one layer's forward + backward iteration (any size)
-
-
-def sized(hw: Hardware, matmul_rows: tuple[tuple[float, float], ...], layer_overhead_s: float) -> SizedHardware:
-    """``hw`` with the sized figures in (its other figures unchanged)."""
-    base = {f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)}
-    return SizedHardware(**base, matmul_rows=tuple(sorted(matmul_rows)), layer_overhead_s=layer_overhead_s)
-
-
-def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows=SIZED_ROWS,
-                  seconds: float = 0.2) -> tuple[tuple[tuple[float, float], ...], float]:
-    """(matmul_rows, layer_overhead_s) measured on ``devices``, all at once as a step runs them.
-
-    - matmul_rows: a (rows, k) x (k, n) matmul on every device at once (``k, n``: the model's d_model and d_ff),
-      at each of ``rows`` per device; each rate over the rate at ``REFERENCE_ROWS`` (the rows of the matmul that
-      measured ``peak_flops``, whose k and n effects ``compute_efficiency`` already carries);
-    - layer_overhead_s: the gradient of a scan over layers of nine chained 8 x 8 matmuls (a layer's q, k, v, o,
-      two attention and three MLP matmuls) on every device, timed at 33 and 1 layers; the slope per layer is
-      the fixed cost of a layer's iteration, its FLOPs negligible."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(devices), ("x",))
-    split, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
-    dt = jnp.dtype(dtype)
-    matmul = jax.jit(lambda x, w: x @ w)
-    w = jax.device_put(jnp.full((k, n), 0.01, dt), whole)
-    rates = []
-    def timed(fn, *args) -> float:
-        # The best of at least three calls and ``seconds``: a large matmul gets as many samples as a small one's
-        # first three (one or two, best of, had made the table swing from run to run on the loaded machine).
-        fn(*args).block_until_ready()  # compile
-        best, calls, end = float("inf"), 0, time.perf_counter() + seconds
-        while calls < 3 or time.perf_counter() < end:
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            best, calls = min(best, time.perf_counter() - t0), calls + 1
-        return best
-
-    for m in rows:
-        x = jax.device_put(jnp.full((len(devices) * m, k), 0.01, dt), split)
-        rates.append((float(m), 2 * m * k * n / timed(matmul, x, w)))
-    top = dict(rates).get(float(REFERENCE_ROWS)) or max(r for _, r in rates)
-
-    def loss(ws, x):
-        def layer(h, wl):
-            for j in range(wl.shape[0]):
-                h = jnp.tanh(h @ wl[j])
-            return h, None
-        return jax.lax.scan(layer, x, ws)[0].sum()
-
-    grad = jax.jit(jax.grad(loss))
-    x = jax.device_put(jnp.full((len(devices) * 8, 8), 0.1, dt), split)
-    t = {}
-    for layers in (1, 33):
-        ws = jax.device_put(jnp.full((layers, 9, 8, 8), 0.1, dt), whole)
-        t[layers] = timed(grad, ws, x)
-    return tuple((m, r / top) for m, r in rates), max(0.0, (t[33] - t[1]) / 32)
+def sized(hw: Hardware, matmul_rows: tuple[tuple[float, float], ...], layer_overhead_s: float) -> Hardware:
+    """``hw`` with the sized figures (``measure.measure_sized``) in, the table's rows ascending."""
+    return dataclasses.replace(hw, matmul_rows=tuple(sorted(matmul_rows)), layer_overhead_s=layer_overhead_s)

@@ -105,9 +105,9 @@ def pipeline_schedule(cfg: Config, shape: MeshShape) -> tuple[int, int, int, flo
 
 def matmul_factor(hw: Hardware, rows: float) -> float:
     """The matmul rate at ``rows`` rows per device over the rate at the reference rows (those of ``peak_flops``'
-    matmul): the hardware's ``matmul_rows`` (``calibration.SizedHardware``) interpolated in log-log, clamped at its
-    ends; 1 without them."""
-    table = getattr(hw, "matmul_rows", ())
+    matmul): the hardware's ``matmul_rows`` (measured: ``measure.measure_sized``) interpolated in log-log, clamped
+    at its ends; 1 without them."""
+    table = hw.matmul_rows
     if not table:
         return 1.0
     xs, ys = np.log([r for r, _ in table]), np.log([f for _, f in table])
@@ -118,7 +118,7 @@ def overhead_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     """Fixed cost of a step's iterations, whatever their FLOPs: the hardware's ``layer_overhead_s`` (a layer's
     forward + backward iteration, measured) x (layers per stage + 1, for the embedding, head and loss) x the
     microbatches (each runs every layer again) x virtual stages, over (1 - bubble) like the compute. 0 without it."""
-    per = getattr(hw, "layer_overhead_s", 0.0)
+    per = hw.layer_overhead_s
     if not per:
         return 0.0
     stages, micro, virtual, bubble = pipeline_schedule(cfg, shape)

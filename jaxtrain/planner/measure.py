@@ -4,6 +4,7 @@ device kind among the shipped hardware descriptions (``jaxtrain.hardware``)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -81,12 +82,63 @@ def _psum_latency(devices: list, seconds: float) -> float:
 PSUM_TIMES = 20  # all-reduces timed when the devices span processes
 
 
-def _best_time(fn: Callable[[], Any], seconds: float, times: int | None = None) -> float:
-    """The fastest of ``fn``'s runs after a warm-up: for ``seconds`` (at least once), or exactly ``times`` runs."""
+def _best_time(fn: Callable[[], Any], seconds: float, times: int | None = None, at_least: int = 1) -> float:
+    """The fastest of ``fn``'s runs after a warm-up: for ``seconds`` (and at least ``at_least`` runs), or exactly
+    ``times`` runs."""
     fn()  # compile and warm up
     best, t_end, done = float("inf"), time.perf_counter() + seconds, 0
-    while (done < times) if times is not None else (time.perf_counter() < t_end or best == float("inf")):
+    while (done < times) if times is not None else (time.perf_counter() < t_end or done < at_least):
         t0 = time.perf_counter()
         fn()
         best, done = min(best, time.perf_counter() - t0), done + 1
     return best
+
+
+SIZED_ROWS = (16, 64, 256, 512, 1024)  # rows per device at which measure_sized times the model's matmul
+
+
+def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows=SIZED_ROWS,
+                  seconds: float = 0.2) -> tuple[tuple[tuple[float, float], ...], float]:
+    """(matmul_rows, layer_overhead_s) measured on ``devices``, all at once as a step runs them
+    (``Hardware.matmul_rows``, ``Hardware.layer_overhead_s``).
+
+    - matmul_rows: a (rows, k) x (k, n) matmul on every device at once (``k, n``: the model's d_model and d_ff),
+      at each of ``rows`` per device; each rate over the rate at ``calibration.REFERENCE_ROWS`` (the rows of the
+      matmul that measured ``peak_flops``, whose k and n effects ``compute_efficiency`` already carries);
+    - layer_overhead_s: the gradient of a scan over layers of nine chained 8 x 8 matmuls (a layer's q, k, v, o,
+      two attention and three MLP matmuls) on every device, timed at 33 and 1 layers; the slope per layer is
+      the fixed cost of a layer's iteration, its FLOPs negligible."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxtrain.planner.calibration import REFERENCE_ROWS
+
+    mesh = Mesh(np.array(devices), ("x",))
+    split, whole = NamedSharding(mesh, PartitionSpec("x")), NamedSharding(mesh, PartitionSpec())
+    dt = jnp.dtype(dtype)
+    matmul = jax.jit(lambda x, w: x @ w)
+    w = jax.device_put(jnp.full((k, n), 0.01, dt), whole)
+    # At least three calls each: a large matmul gets as many samples as a small one's first three (one or two, best
+    # of, had made the table swing from run to run on the loaded machine).
+    rates = []
+    for m in rows:
+        x = jax.device_put(jnp.full((len(devices) * m, k), 0.01, dt), split)
+        best = _best_time(functools.partial(lambda a: matmul(a, w).block_until_ready(), x), seconds, at_least=3)
+        rates.append((float(m), 2 * m * k * n / best))
+    top = dict(rates).get(float(REFERENCE_ROWS)) or max(r for _, r in rates)
+
+    def loss(ws, x):
+        def layer(h, wl):
+            for j in range(wl.shape[0]):
+                h = jnp.tanh(h @ wl[j])
+            return h, None
+        return jax.lax.scan(layer, x, ws)[0].sum()
+
+    grad = jax.jit(jax.grad(loss))
+    x = jax.device_put(jnp.full((len(devices) * 8, 8), 0.1, dt), split)
+    t: dict[int, float] = {}
+    for layers in (1, 33):
+        ws = jax.device_put(jnp.full((layers, 9, 8, 8), 0.1, dt), whole)
+        t[layers] = _best_time(functools.partial(lambda a: grad(a, x).block_until_ready(), ws), seconds, at_least=3)
+    return tuple((m, r / top) for m, r in rates), max(0.0, (t[33] - t[1]) / 32)
