@@ -197,14 +197,14 @@ def _read_checked(path: str, size: int | None, crc: int | None) -> np.ndarray | 
     return data
 
 
-def list_steps(local_dir: str, fp: str | None, load: bool = False,
-               process: int | None = None) -> tuple[dict[int, dict], list[str]]:
+def list_steps(local_dir: str, fp: str | None, load: bool = False, process: int | None = None,
+               only: int | None = None) -> tuple[dict[int, dict], list[str]]:
     """({step: meta} of this process's (or ``process``'s) complete local steps whose fingerprint is ``fp`` (None:
     any), notes on those skipped). ``meta["own_ok"]``/``["peer_ok"]``: that file is there with its size and CRC;
-    ``load``: the blobs are kept in ``meta["blobs"]``."""
+    ``load``: the blobs are kept in ``meta["blobs"]``; ``only``: that step alone is read."""
     root, found, notes = process_dir(local_dir, process), {}, []
     names = sorted((int(x) for x in (os.listdir(root) if os.path.isdir(root) else []) if x.isdigit()), reverse=True)
-    for step in names:
+    for step in names if only is None else [s for s in names if s == only]:
         path = os.path.join(root, str(step))
         try:
             with open(os.path.join(path, META_FILE)) as f:
@@ -265,20 +265,21 @@ class LocalSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._fp: str | None = None
-        self._size = 0
+        self._size = self._peer_size = 0
 
     def save(self, step: int, state: Any, data_iterator_state: dict) -> float:
         """Start saving ``step``; returns the seconds the caller was held."""
         t0 = time.perf_counter()
         if self._fp is None:  # derived once: the state's shardings do not change during a run
             self._fp, self._size = fingerprint(state, self.persistent_dir), blob_size(state)
+            previous = (jax.process_index() - 1) % jax.process_count()
+            self._peer_size = shard_bytes(jax.tree_util.tree_leaves(state), previous)  # its blob's shard bytes
         self.wait()
         blob = pack(state, {"step": step, "data_iterator": data_iterator_state})
         peer = exchange(blob, self._size, 1) if jax.process_count() > 1 else None
         if peer is not None:
             (n,) = struct.unpack("<Q", peer[:8].tobytes())
-            peer = peer[:8 + n + shard_bytes(jax.tree_util.tree_leaves(state),
-                                             (jax.process_index() - 1) % jax.process_count())]
+            peer = peer[:8 + n + self._peer_size]
         self._thread = threading.Thread(target=self._write, args=(step, blob, peer), daemon=True,
                                         name="jaxtrain-local-checkpoint")
         self._thread.start()
@@ -376,12 +377,12 @@ def restore_source(source, abstract_state: Any) -> tuple[Any, tuple | None]:
 def restore(local_dir: str, persistent_dir: str, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """(state, data iterator state) of local ``step`` (chosen by :func:`choose`; a collective)."""
     fp = fingerprint(abstract_state, persistent_dir)
-    steps, _ = list_steps(local_dir, fp, load=True)
+    steps, _ = list_steps(local_dir, fp, load=True, only=step)
     meta = steps.get(step, {})
     own_blob = meta.get("blobs", {}).get("own")
     n = jax.process_count()
     if n > 1:
-        own, _ = gather_listing({s: m for s, m in steps.items() if s == step})
+        own, _ = gather_listing(steps)
         if any(step not in o for o in own):  # someone lacks its own copy: every peer sends back what it holds
             held = meta.get("blobs", {}).get("peer")
             back = exchange(held if held is not None else np.zeros(0, np.uint8), blob_size(abstract_state), -1)
