@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKS = (("set-up", "compiling the train and eval steps"), ("compile", "compiled in"), ("first step", "step 1/"))
@@ -60,20 +61,30 @@ def import_seconds() -> float:
     return _wall("import jaxtrain.cli, jaxtrain.commands.train, jaxtrain.loop") - _wall("pass")
 
 
+def seconds_to_marks(cmd: list[str], marks: Sequence[tuple[str, str]], env: dict, cwd: str) -> dict[str, float]:
+    """Seconds from starting ``cmd`` until each mark's text first appears in its output ({name: seconds}); exits
+    with the output's tail when the command fails or a mark never appears."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+    seen: dict[str, float] = {}
+    tail: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail = (tail + [line])[-20:]
+        for name, mark in marks:
+            if name not in seen and mark in line:
+                seen[name] = time.perf_counter() - t0
+    if proc.wait() or len(seen) < len(marks):
+        raise SystemExit(f"{cmd[0]} {cmd[1:3]} failed or printed no {[n for n, _ in marks if n not in seen]} "
+                         f"(rc {proc.returncode}):\n" + "".join(tail))
+    return seen
+
+
 def run_phases(run_dir: str, cache: str, overrides: list[str]) -> dict[str, float]:
     """Seconds since process start at which each of :data:`MARKS` appeared, as phase durations, and the total."""
     cmd = [sys.executable, "-m", "jaxtrain", "train", "train.steps=2", f"run.dir={run_dir}",
            f"runtime.compile_cache={cache}", *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
-    seen: dict[str, float] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        for name, mark in MARKS:
-            if name not in seen and mark in line:
-                seen[name] = time.perf_counter() - t0
-    if proc.wait() or len(seen) < len(MARKS):
-        raise SystemExit(f"train failed or printed no {[n for n, _ in MARKS if n not in seen]} (rc {proc.returncode})")
+    seen = seconds_to_marks(cmd, MARKS, _env(), REPO)
     phases, before = {}, 0.0
     for name, _ in MARKS:
         phases[name], before = seen[name] - before, seen[name]
@@ -113,20 +124,8 @@ def maxtext_args(base_yml: str, overrides: list[str], cache: str, out: str) -> l
 
 def run_maxtext(cmd: list[str]) -> float:
     """Seconds from process start to MaxText's first step line."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**_env(), "PYTHONPATH": ""}, cwd=tempfile.gettempdir())
-    seen: float | None = None
-    tail: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        tail = (tail + [line])[-20:]
-        if seen is None and MAXTEXT_FIRST_STEP in line:
-            seen = time.perf_counter() - t0
-    if proc.wait() or seen is None:
-        raise SystemExit(f"MaxText failed or printed no {MAXTEXT_FIRST_STEP!r} (rc {proc.returncode}):\n"
-                         + "".join(tail))
-    return seen
+    env = {**_env(), "PYTHONPATH": ""}
+    return seconds_to_marks(cmd, [("first step", MAXTEXT_FIRST_STEP)], env, tempfile.gettempdir())["first step"]
 
 
 def main() -> None:
@@ -149,15 +148,14 @@ def main() -> None:
                 mt_cache = os.path.join(tmp, f"mt-cache{i}")
                 mt = [[args.maxtext, "-m", *maxtext_args(base_yml, args.overrides, mt_cache,
                                                          os.path.join(tmp, f"mt{i}{k}"))] for k in ("a", "b")]
-            if args.maxtext and i % 2 == 0:
-                maxtext["first run"].append(run_maxtext(mt[0]))
-                maxtext["rerun"].append(run_maxtext(mt[1]))
             cache = os.path.join(tmp, f"cache{i}")
-            rows["first run"].append(run_phases(os.path.join(tmp, f"first{i}"), cache, args.overrides))
-            rows["rerun"].append(run_phases(os.path.join(tmp, f"rerun{i}"), cache, args.overrides))
-            if args.maxtext and i % 2 == 1:
-                maxtext["first run"].append(run_maxtext(mt[0]))
-                maxtext["rerun"].append(run_maxtext(mt[1]))
+            for turn in ("maxtext", "jaxtrain") if i % 2 == 0 else ("jaxtrain", "maxtext"):
+                if turn == "jaxtrain":
+                    rows["first run"].append(run_phases(os.path.join(tmp, f"first{i}"), cache, args.overrides))
+                    rows["rerun"].append(run_phases(os.path.join(tmp, f"rerun{i}"), cache, args.overrides))
+                elif args.maxtext:
+                    maxtext["first run"].append(run_maxtext(mt[0]))
+                    maxtext["rerun"].append(run_maxtext(mt[1]))
             cached = len(os.listdir(cache)) if os.path.isdir(cache) else 0
             print(f"repeat {i + 1}: first {rows['first run'][-1]['total']:.2f} s, rerun "
                   f"{rows['rerun'][-1]['total']:.2f} s, {cached} programs in the compile cache"
