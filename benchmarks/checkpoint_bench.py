@@ -23,6 +23,17 @@ from jaxtrain.config import load_config
 REPEATS = 3
 
 
+def _timed_saves(saver, state) -> tuple[float, float]:
+    """(median seconds a save held the caller, median seconds until it was on disk) over REPEATS saves."""
+    blocked, total = [], []
+    for step in range(1, REPEATS + 1):
+        t0 = time.perf_counter()
+        blocked.append(saver.save(step, state, {"next_index": step}))
+        saver.wait()
+        total.append(time.perf_counter() - t0)
+    return statistics.median(blocked), statistics.median(total)
+
+
 def main(argv):
     every, steps = 5, 20
     # The 125M model's state is what is measured; a short sequence and tiny batch keep CPU steps affordable.
@@ -51,15 +62,8 @@ def main(argv):
                                                           f"checkpoint.dir={into}/{async_save}",
                                                           f"checkpoint.async_save={str(async_save).lower()}"])
                     saver = ckpt.Checkpointer(c, {"benchmark": True})
-                    blocked, total = [], []
-                    for step in range(1, REPEATS + 1):
-                        t0 = time.perf_counter()
-                        blocked.append(saver.save(step, state, {"next_index": step}))
-                        saver.wait()
-                        total.append(time.perf_counter() - t0)
+                    rows.append((f"{where} ({root})", "async" if async_save else "sync", *_timed_saves(saver, state)))
                     saver.close()
-                    rows.append((f"{where} ({root})", "async" if async_save else "sync", statistics.median(blocked),
-                                 statistics.median(total)))
         if local:
             from jaxtrain import checkpoint_local
 
@@ -67,14 +71,8 @@ def main(argv):
                 local_saver = checkpoint_local.LocalSaver(into, tmp)
                 local_saver.save(0, state, {"next_index": 0})  # derives the layout and fingerprint once per run
                 local_saver.wait()
-                blocked, total = [], []
-                for step in range(1, REPEATS + 1):
-                    t0 = time.perf_counter()
-                    blocked.append(local_saver.save(step, state, {"next_index": step}))
-                    local_saver.wait()
-                    total.append(time.perf_counter() - t0)
-                rows.append((f"local checkpoint ({local})", "checkpoint.local_every", statistics.median(blocked),
-                             statistics.median(total)))
+                rows.append((f"local checkpoint ({local})", "checkpoint.local_every",
+                             *_timed_saves(local_saver, state)))
 
         runs = {}
         for label, n in ((f"every {every}", every), ("end only", 0)) if not os.environ.get("SAVES_ONLY") else ():
