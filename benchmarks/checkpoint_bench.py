@@ -82,7 +82,8 @@ def main(argv):
             runs[label] = (sum(result.step_times), statistics.median(result.step_times), result.save_block_seconds)
 
     print(f"\nmachine: {jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; "
-          f"train state {nbytes / 1e9:.2f} GB (125M parameters + AdamW moments, float32)")
+          f"train state {nbytes / 1e9:.2f} GB (parameters + AdamW moments, float32; configs/125m.yaml"
+          " with the overrides given)")
     print(f"| directory | save | loop blocked (median of {REPEATS}) | save complete |")
     print("| --- | --- | --- | --- |")
     for where, kind, blocked, total in rows:
