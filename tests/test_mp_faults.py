@@ -204,7 +204,11 @@ exec {sys.executable} "$@"
         k = rng.randrange(4, 10)
         _wait_for(lambda: _logged_steps(out) >= k, 600, f"step {k}", out, job)
         pid = _processes(run, "JAX_PROCESS_ID")[faulty]
-        subprocess.run(["nsenter", "-t", str(pid), "-m", "mount", "-o", "remount,bind,ro", str(ckdir)], check=True)
+        # A mount cannot turn read-only while a file on it is open for writing (EBUSY, mount's status 32): an
+        # asynchronous save may be writing at this moment, so retry until the writers are gone.
+        remount = ["nsenter", "-t", str(pid), "-m", "mount", "-o", "remount,bind,ro", str(ckdir)]
+        _wait_for(lambda: subprocess.run(remount, capture_output=True).returncode == 0, 120,
+                  "a moment with no checkpoint file open for writing", out, job)
         saved_before = ckpt.existing_steps(str(ckdir))
         print(f"checkpoint directory read-only for process {faulty} after logged step {k}; saved: {saved_before}")
         rc = job.wait(timeout=HEARTBEAT_S + EXIT_BOUND_S + 120)
