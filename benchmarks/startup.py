@@ -6,8 +6,9 @@ Each run is a fresh ``python -m jaxtrain train train.steps=2`` process with its 
 the phases are read off the moments its lines reach stdout (unbuffered), relative to the moment it was started:
 
 - imports: ``python -c "import jaxtrain.commands.train, jaxtrain.loop"`` minus ``python -c pass`` (measured apart);
-- set-up: up to the "compiling the train and eval steps" line (interpreter, imports, config, mesh, layout, data);
-- compile: to the "compiled in" line (train and eval steps);
+- set-up: up to the "compiling the train step" line (interpreter, imports, config, mesh, layout, data);
+- compile: to the "compiled in" line (the train step; the eval step is compiled at the first evaluation, after
+  step 1);
 - first step: to the "step 1/2" line (restore or initialise, data pipeline, the step, its metrics);
 - total: process start to the first step's line.
 
@@ -40,7 +41,7 @@ import time
 from collections.abc import Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARKS = (("set-up", "compiling the train and eval steps"), ("compile", "compiled in"), ("first step", "step 1/"))
+MARKS = (("set-up", "compiling the train step"), ("compile", "compiled in"), ("first step", "step 1/"))
 
 
 def _env() -> dict:

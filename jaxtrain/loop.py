@@ -70,11 +70,12 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
         return RunResult({}, {}, 0.0, [], start_step=source.step)
     # Compiled from the abstract state, before any array exists: a step that cannot fit stops here (exit 2).
     m = cfg.model
-    log.info(f"compiling the train and eval steps: mesh {layout.shape.label} on {layout.num_devices} "
+    # The eval step is compiled at the first evaluation (off the path to the first step).
+    log.info(f"compiling the train step: mesh {layout.shape.label} on {layout.num_devices} "
              f"{jax.devices()[0].device_kind} device(s); model {count_params(m)['total'] / 1e6:.2f}M parameters, "
              f"compute {m.dtype}, params {m.param_dtype}, attention {m.attention}; global batch "
              f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens ...")
-    compiled = step.compile()
+    compiled = step.compile(with_eval=False)
     log.info(f"compiled in {compiled[2]:.2f} s")
     guards.check_memory_fit(layout, compiled[0], functools.partial(compiled_with_microbatches, layout))
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
@@ -148,7 +149,8 @@ class _Loop:
     def __init__(self, step: Step, source, checkpointer, compiled):
         self.layout, self.cfg = step.layout, step.cfg
         self.source, self.checkpointer = source, checkpointer
-        self.train_step, self.eval_step, self.compile_s = compiled
+        self.step = step
+        self.train_step, self.eval_step, self.compile_s = compiled  # eval_step None: compiled at the first eval
         t, d = self.cfg.train, self.cfg.data
         self.run_dir = os.path.abspath(self.cfg.run.dir)
         tokens_per_step = t.global_batch * d.seq_len
@@ -273,6 +275,11 @@ class _Loop:
                 "those steps, lower train.lr, or use float32 (model.dtype)")
 
     def evaluate(self, state) -> float:
+        if self.eval_step is None:  # the first evaluation: compile its step (goodput's compilation, not evaluation)
+            with self.obs.goodput.phase("compilation"):
+                self.eval_step, seconds = self.step.compile_eval()
+            self.compile_s += seconds
+            self.result.compile_seconds = self.compile_s
         return float(np.mean([jax.device_get(self.eval_step(state, b)) for b in self.eval_set]))
 
     def summary(self) -> rundir.Summary:

@@ -337,9 +337,9 @@ class Observer:
     # -- hooks of the train loop ---------------------------------------------------------------------------------
 
     def _phases(self) -> float:
-        """Seconds so far in goodput's checkpoint and evaluation phases: waits for the devices and peers."""
+        """Seconds so far in goodput's checkpoint, evaluation and compilation (eval step) phases: not own work."""
         seconds = self.goodput.seconds
-        return seconds.get("checkpoint", 0.0) + seconds.get("evaluation", 0.0)
+        return sum(seconds.get(k, 0.0) for k in ("checkpoint", "evaluation", "compilation"))
 
     def _finish_cycle(self, now: float) -> None:
         if self._cycle is not None:

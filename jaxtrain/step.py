@@ -233,18 +233,27 @@ class Step:
         shardings; default: the layout's abstract state, so nothing is allocated) and the compile seconds."""
         lay = self.layout
         state = lay.abstract_state if state is None else state
-        batch = lay.abstract_batch()
-        replicated = NamedSharding(lay.mesh, PartitionSpec())
         t0 = time.perf_counter()
-        evaluate = None
         with lay.scope():
             train = jax.jit(self.train_step, in_shardings=(lay.state_sharding, lay.batch_sharding),
-                            out_shardings=(lay.state_sharding, replicated), donate_argnums=0
-                            ).lower(state, batch).compile()
-            if with_eval:
-                evaluate = jax.jit(self.eval_step, in_shardings=(lay.state_sharding, lay.batch_sharding),
-                                   out_shardings=replicated).lower(state, batch).compile()
+                            out_shardings=(lay.state_sharding, self._replicated), donate_argnums=0
+                            ).lower(state, lay.abstract_batch()).compile()
+        evaluate = self.compile_eval(state)[0] if with_eval else None
         return train, evaluate, time.perf_counter() - t0
+
+    def compile_eval(self, state=None):
+        """The eval step compiled ahead of time for ``state`` (as :meth:`compile`), and the compile seconds."""
+        lay = self.layout
+        state = lay.abstract_state if state is None else state
+        t0 = time.perf_counter()
+        with lay.scope():
+            evaluate = jax.jit(self.eval_step, in_shardings=(lay.state_sharding, lay.batch_sharding),
+                               out_shardings=self._replicated).lower(state, lay.abstract_batch()).compile()
+        return evaluate, time.perf_counter() - t0
+
+    @property
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self.layout.mesh, PartitionSpec())
 
 
 def compiled_with_microbatches(layout: Layout, microbatches: int):
