@@ -91,9 +91,10 @@ class MeshConfig:
     # run.dir/config.yaml records them, with auto false.
     auto: bool = False  # let the planner choose the layout (mesh, remat, microbatches, pipeline schedule)
     auto_memory_margin: float = 0.1  # mesh.auto: fraction of the usable device memory a choice must leave free
-    # mesh.auto: each finalist (fits, estimated near the best) runs this many timed steps after a warm-up and the
-    # fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what a trial costs on GPUs)
-    auto_trial_steps: int = 2  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
+    # mesh.auto: each finalist (fits, estimated near the best) runs this many timed steps, in two passes with a
+    # warm-up step each, and the fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what
+    # a trial costs on GPUs)
+    auto_trial_steps: int = 6  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
 
     def sizes(self) -> dict[tuple[str, str], int]:
         """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""

@@ -10,7 +10,7 @@ import pytest
 from jaxtrain.config import MESH_AXES, load_config
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
-from jaxtrain.planner import auto, calibration, cost
+from jaxtrain.planner import auto, calibration, cost, trial
 
 # One device: the candidates differ in remat only (one microbatch), so the slow test compiles two small steps.
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
@@ -50,6 +50,38 @@ def test_closed_forms_are_lower_bounds_where_they_claim(make_config):
     full = dataclasses.replace(c, remat="full")
     assert cost.compute_seconds(full.apply(cfg), c.shape, hw(1e9)) == pytest.approx(
         cost.compute_seconds(c.apply(cfg), c.shape, hw(1e9)) * 4 / 3)
+
+
+def test_measured_efficiency_inverts_the_compute_estimate_per_remat(make_config):
+    """measure.measure_model's timing becomes an efficiency that gives that timing back for its layout, and the
+    estimate of another layout scales from it by FLOPs and the matmul rate by rows (no constant efficiency)."""
+    cfg = make_config()
+    cands = {(c.shape.label, c.remat, c.microbatches): c for c in auto.candidates(cfg, 8, 1, microbatches=[1, 2])}
+    ref, other = cands["fsdp8", "full", 1], cands["fsdp8", "full", 2]
+    sized = dataclasses.replace(hw(1e9), matmul_rows=((64.0, 0.5), (512.0, 1.0)), layer_overhead_s=1e-3)
+    eff = cost.measured_efficiency(ref.apply(cfg), ref.shape, sized, 0.25)
+    measured = dataclasses.replace(sized, remat_efficiency=(("full", eff),))
+    assert cost.compute_seconds(ref.apply(cfg), ref.shape, measured) == pytest.approx(0.25)
+    assert cost.efficiency(ref.apply(cfg), measured) == eff  # remat full: measured
+    assert cost.efficiency(cands["fsdp8", "none", 1].apply(cfg), measured) == 0.5  # not measured: the hardware's
+    # One microbatch: 2 x 128 = 256 rows a device; two: 128, at a rate 2^(1/3) lower (log-log between 64 and 512
+    # rows), the same FLOPs, twice the iterations' fixed cost (5 per microbatch: 4 layers + 1, at 1 ms).
+    flops_only = 0.25 - 5e-3
+    assert cost.compute_seconds(other.apply(cfg), other.shape, measured) == pytest.approx(
+        flops_only * 2 ** (1 / 3) + 10e-3)
+
+
+def test_a_lighter_remat_dominates_only_at_no_more_compute(make_config):
+    """Where the measured efficiencies make recompute cheaper (as on this project's CPUs), the layout with remat
+    full is compiled and can be chosen although remat none fits; otherwise the lighter setting dominates."""
+    cfg = make_config()
+    cands = {(c.shape.label, c.remat): c for c in auto.candidates(cfg, 8, 1, microbatches=[1])}
+    fixed = hw(1e12)
+    rows = {r: auto.closed_form(cfg, cands["fsdp8", r], fixed) for r in ("none", "full")}
+    assert auto._dominates(rows["none"], rows["full"]) and not auto._dominates(rows["full"], rows["none"])
+    fast_full = dataclasses.replace(fixed, remat_efficiency=(("none", 0.2), ("full", 0.5)))
+    rows = {r: auto.closed_form(cfg, cands["fsdp8", r], fast_full) for r in ("none", "full")}
+    assert rows["full"].lower_s < rows["none"].lower_s and not auto._dominates(rows["none"], rows["full"])
 
 
 def test_nothing_fits_is_one_line_saying_what_would(make_config):
@@ -199,7 +231,7 @@ def test_trial_chooses_the_measured_fastest_finalist():
 
 
 def test_trial_steps_are_validated(make_config):
-    assert make_config().mesh.auto_trial_steps == 2
+    assert make_config().mesh.auto_trial_steps == 6
     with pytest.raises(ConfigError, match=r"mesh.auto_trial_steps=-1 must be >= 0"):
         make_config("mesh.auto_trial_steps=-1")
 
@@ -214,7 +246,21 @@ def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small)
     res.fitting += auto.search_layout(cfg, dev, hw(1e12), cache_dir=cache, **{**kw, "remats": ("none",)}).fitting
     fin = auto.finalists(res, within=100.0)
     assert len(fin) == 2
-    seconds = {r.cand: auto.trial_seconds(cfg, r.cand, dev, 2) for r in fin}
+    runs: list = []
+    real = trial.step_times
+
+    def counted(c, cand, devices, steps, executable=None):
+        runs.append((cand.remat, steps))
+        return real(c, cand, devices, steps, executable)
+
+    trial.step_times = counted
+    try:
+        seconds = trial.measure(cfg, [r.cand for r in fin], dev, 3)
+    finally:
+        trial.step_times = real
+    # Two passes, the second in the reverse order, splitting the 3 steps 2 + 1.
+    first, second = fin[0].cand.remat, fin[1].cand.remat
+    assert runs == [(first, 2), (second, 2), (second, 1), (first, 1)]
     assert all(0 < t < 60 for t in seconds.values())
     auto.apply_trial(res, seconds)
     assert res.choice.cand == min(seconds, key=lambda c: (seconds[c], c.label))

@@ -14,7 +14,7 @@ memory fits ``usable x (1 - mesh.auto_memory_margin)`` per device. To stay quick
 
 Then the trial (``mesh.auto_trial_steps`` > 0, ``train``'s hook): the finalists (:func:`finalists`: the fitting
 candidates within ``TRIAL_WITHIN`` of the best estimate, at most ``TRIAL_MAX``) each run a few steps on random
-tokens (:func:`trial_seconds`, reusing the search's executable where it compiled one) and the fastest measured is
+tokens (``trial.measure``, reusing the search's executable where it compiled one) and the fastest measured is
 chosen (:func:`apply_trial`); the estimate of each stays reported beside its measurement.
 
 Ties break on the candidate's label: the same config, devices and hardware figures give the same choice.
@@ -39,6 +39,7 @@ from jaxtrain.mesh import MeshShape
 from jaxtrain.planner import cost, search
 from jaxtrain.planner.collectives import Collective
 from jaxtrain.planner.hlo import UnknownLoop
+from jaxtrain.planner.trial import measure
 
 REMATS = ("none", "save_matmuls", "full")
 MAX_COMPILES = 6  # a bound on the search's time; the table says when it stopped a search
@@ -281,10 +282,10 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     compiles = hits = bounded = capped = 0
     fitting: list[Row] = []
     for r in viable:
-        # More recompute only adds compute, and without a pipeline more microbatches only cut the same matmuls
-        # smaller (the cost model does not price that): where a lighter setting of the same layout fits, a heavier
-        # one is not tried; else, nor where it is no faster than the runner-up even without communication.
-        if any(_dominates(f.cand, r.cand) for f in fitting) or (len(fitting) >= 2 and r.lower_s >= fitting[1].est):
+        # More recompute usually adds compute, and without a pipeline more microbatches cut the same matmuls
+        # smaller: where a lighter setting of the same layout fits at no more compute, a heavier one is not tried;
+        # else, nor where it is no faster than the runner-up even without communication.
+        if any(_dominates(f, r) for f in fitting) or (len(fitting) >= 2 and r.lower_s >= fitting[1].est):
             bounded += 1
             continue
         if compiles >= max_compiles:
@@ -299,7 +300,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
         progress(f"[{compiles + hits}] {r.cand.label}: {_gb(comp.memory_bytes)}, est. {_ms(r.est)}"
                  f"{' (cached)' if r.cached else f', compiled in {comp.compile_s:.1f} s'}")
         if r.result["fits"]:
-            fitting = sorted([f for f in fitting if not _dominates(r.cand, f.cand)] + [r], key=_rank_key)
+            fitting = sorted([f for f in fitting if not _dominates(r, f)] + [r], key=_rank_key)
     compiled = sorted((r for r in rows if r.result is not None), key=_rank_key)
     pruned = len(rows) - len(viable)
     if not fitting:
@@ -310,13 +311,16 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
                       hits, pruned, bounded, capped, fitting)
 
 
-def _dominates(a: Candidate, b: Candidate) -> bool:
+def _dominates(a: Row, b: Row) -> bool:
     """``a`` fits and is lighter than ``b`` on the same mesh and schedule: less recompute, and (without a pipeline,
-    whose bubble shrinks with more microbatches) no more microbatches. Such a ``b`` only trades speed for memory
-    that is not needed, so it is neither compiled nor chosen."""
-    return (a != b and a.shape == b.shape and a.schedule == b.schedule
-            and REMATS.index(a.remat) <= REMATS.index(b.remat)
-            and (a.microbatches == b.microbatches or (a.stages == 1 and a.microbatches < b.microbatches)))
+    whose bubble shrinks with more microbatches) no more microbatches, at no more compute. Such a ``b`` only trades
+    speed for memory that is not needed, so it is neither compiled nor chosen. Where the heavier setting's compute
+    is estimated lower (a CPU's measured efficiency can favour recompute: ``Hardware.remat_efficiency``), both are
+    kept."""
+    x, y = a.cand, b.cand
+    return (x != y and x.shape == y.shape and x.schedule == y.schedule and a.lower_s <= b.lower_s
+            and REMATS.index(x.remat) <= REMATS.index(y.remat)
+            and (x.microbatches == y.microbatches or (x.stages == 1 and x.microbatches < y.microbatches)))
 
 
 def nothing_fits(cfg: Config, rows: list[Row], compiled: list[Row], budget: float, n_devices: int,
@@ -346,36 +350,6 @@ def finalists(res: AutoResult, within: float = TRIAL_WITHIN, most: int = TRIAL_M
     best = res.fitting[0].est
     out = [r for r in res.fitting if r.est <= best * within][:most]
     return out if len(out) > 1 else []
-
-
-def trial_seconds(cfg: Config, cand: Candidate, devices: list, steps: int, executable=None) -> float:
-    """The median of ``steps`` train steps of ``cand`` after one warm-up, on a zero state and random tokens (the
-    step's work does not depend on the values); ``executable``: the search's (step, compiled), else compiled here.
-    The state is freed before returning. Collective: with several processes every one runs it."""
-    import jax
-
-    c = cand.apply(cfg)
-    if executable is None:
-        built = search._step(c, cand.shape, devices)
-        executable = (built, search.compile_train_step(built)[0])
-    step, train = executable
-    lay = step.layout
-
-    def zeros(a, sharding):
-        return jax.make_array_from_callback(a.shape, sharding, lambda idx: np.zeros(a.shape, a.dtype)[idx])
-
-    state = jax.tree.map(zeros, lay.abstract_state, lay.state_sharding)
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, lay.batch_shape, dtype=np.int32)
-    batch = jax.make_array_from_callback(lay.batch_shape, lay.batch_sharding, lambda idx: tokens[idx])
-    times = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
-        state, metrics = train(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    jax.block_until_ready(state)
-    del state
-    return float(np.median(times[1:]))
 
 
 def apply_trial(res: AutoResult, seconds: dict[Candidate, float]) -> None:
@@ -440,9 +414,10 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``."""
     from jaxtrain.layout import resolve_auto
     from jaxtrain.planner import calibration
-    from jaxtrain.planner.measure import hardware_at_hand, measure_sized
+    from jaxtrain.planner.measure import hardware_at_hand, measure_model, measure_sized
 
-    dtype = resolve_auto(cfg, devices[0].platform, len(devices)).model.dtype
+    resolved = resolve_auto(cfg, devices[0].platform, len(devices))
+    dtype = resolved.model.dtype
     hw = hardware_at_hand(devices, None)
     if devices[0].platform == "cpu":  # measured at hand like the rest of the CPU's figures (a file may replace them)
         # On this process's devices only: they share its cores, and a timing loop of collectives across processes
@@ -451,6 +426,7 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
 
         local = [d for d in devices if d.process_index == jax.process_index()] or devices
         hw = calibration.sized(hw, *measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
+        hw = dataclasses.replace(hw, remat_efficiency=measure_model(resolved, local, hw, REMATS))
     return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
 
 
@@ -464,7 +440,8 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name)
         + (f"; matmul rate by rows per device {', '.join(f'{r:g}: {f:.2f}' for r, f in rows)}, a layer "
-           f"iteration {_ms(cal.hw.layer_overhead_s)} (measured)" if rows else ""))
+           f"iteration {_ms(cal.hw.layer_overhead_s)}, the model's efficiency by remat "
+           f"{', '.join(f'{r} {e:.3g}' for r, e in cal.hw.remat_efficiency)} (measured)" if rows else ""))
     nodes = max(1, jax.process_count())
     keep: dict = {}
     res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,
@@ -480,11 +457,7 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
         index[:len(trial)] = [order.index(c) for c in trial]
         trial = [order[int(i)] for i in multihost_utils.broadcast_one_to_all(index) if i >= 0]
     if trial:
-        seconds = {}
-        for i, cand in enumerate(trial, 1):
-            seconds[cand] = trial_seconds(cfg, cand, devices, steps, keep.pop(cand, None))
-            log(f"mesh.auto trial [{i}/{len(trial)}] {cand.label}: {_ms(seconds[cand])} a step (median of {steps})")
-        apply_trial(res, seconds)
+        apply_trial(res, measure(cfg, trial, devices, steps, keep, log))
     keep.clear()
     log(format_result(res, top=3))
     choice = res.choice.cand

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxtrain.errors import ConfigError
@@ -40,7 +41,7 @@ VERSION = 1
 FIGURES = ("peak_flops", "intra_node_bandwidth", "inter_node_bandwidth", "collective_latency")
 
 
-def latency_and_rate(points: list[tuple[int, float]]) -> tuple[float | None, float]:
+def latency_and_rate(points: Sequence[tuple[float, float]]) -> tuple[float | None, float]:
     """(fixed seconds per collective or None, bytes/s) from (message bytes, seconds) at one or more sizes: the line
     t = latency + bytes / rate through the smallest and the largest message (latency clipped at 0); with one size
     the rate is bytes / t and the latency unknown."""

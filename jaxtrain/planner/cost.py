@@ -125,19 +125,38 @@ def overhead_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     return per * (cfg.model.n_layers / stages + 1) * micro * virtual / (1 - bubble)
 
 
-def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
-    """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency x the matmul rate's
-    factor at a microbatch's rows per device over tensor) / (1 - bubble), plus the iterations' fixed cost
-    (:func:`overhead_seconds`): the compute part of every estimate, known before compiling (the auto search's lower
-    bound on a step)."""
+def efficiency(cfg: Config, hw: Hardware) -> float:
+    """The compute efficiency of ``cfg``'s step: the one measured for its remat policy (``hw.remat_efficiency``),
+    else the hardware's ``compute_efficiency``."""
+    return dict(hw.remat_efficiency).get(cfg.model.remat, hw.compute_efficiency)
+
+
+def _flops_and_rate(cfg: Config, shape: MeshShape, hw: Hardware, eff: float) -> tuple[float, float]:
+    """(hardware FLOPs per device of a step, FLOP/s per device at efficiency ``eff``)."""
     tokens = cfg.train.global_batch * cfg.data.seq_len
     recompute = remat_factor(cfg) + pipeline_recompute(cfg, shape)
     flops = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens / shape.num_devices * recompute
     rows, seq = _rows_and_seq(cfg, shape)
     # A tensor-parallel device multiplies its rows by a tensor-th of the weight: the table (measured with the whole
     # weight) is read at the rows that do the same work, rows / tensor.
-    rate = hw.peak_flops * hw.compute_efficiency * matmul_factor(hw, rows * seq / shape.axis_sizes["tensor"])
+    return flops, hw.peak_flops * eff * matmul_factor(hw, rows * seq / shape.axis_sizes["tensor"])
+
+
+def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
+    """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency x the matmul rate's
+    factor at a microbatch's rows per device over tensor) / (1 - bubble), plus the iterations' fixed cost
+    (:func:`overhead_seconds`): the compute part of every estimate, known before compiling (the auto search's lower
+    bound on a step)."""
+    flops, rate = _flops_and_rate(cfg, shape, hw, efficiency(cfg, hw))
     return flops / rate / (1 - pipeline_schedule(cfg, shape)[3]) + overhead_seconds(cfg, shape, hw)
+
+
+def measured_efficiency(cfg: Config, shape: MeshShape, hw: Hardware, seconds: float) -> float:
+    """The efficiency at which :func:`compute_seconds` gives ``seconds`` for ``cfg`` on ``shape`` (no pipeline): how
+    ``measure.measure_model``'s timing of the model's own forward + backward becomes ``Hardware.remat_efficiency``.
+    The iterations' fixed cost is taken out first (it is charged apart); at least 1% of ``seconds`` stays."""
+    flops, rate = _flops_and_rate(cfg, shape, hw, 1.0)
+    return flops / rate / max(seconds - overhead_seconds(cfg, shape, hw), 0.01 * seconds)
 
 
 @dataclass
@@ -303,7 +322,7 @@ def context_parallel(cfg: Config, shape: MeshShape, hw: Hardware) -> dict:
     link = hw.inter_node_bandwidth if dict(zip(MESH_AXES, shape.dcn)).get("context", 1) > 1 else \
         hw.intra_node_bandwidth
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    rate = hw.peak_flops * hw.compute_efficiency
+    rate = hw.peak_flops * efficiency(cfg, hw)
     per_dev = train_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     attn = attention_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     layers = m.n_layers / s["stage"]

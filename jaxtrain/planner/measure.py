@@ -15,6 +15,7 @@ import numpy as np
 from jaxtrain import hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.hardware import Hardware
+from jaxtrain.mesh import MESH_AXES, MeshShape
 
 # ASSUMPTION for the CPU at hand, like the GPU files' compute_efficiency: the fraction of the best measured matmul
 # rate that XLA's CPU code sustains over a whole transformer step (small matmuls, softmax, elementwise work). On this
@@ -39,10 +40,10 @@ def hardware_at_hand(devices: list, mem_fraction: float | None) -> Hardware:
 
 
 def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
-    """The CPU at hand as "hardware": a measured f32 matmul rate, copy bandwidth and collective latency.
+    """The CPU at hand as "hardware": a measured f32 matmul rate, copy bandwidth and all-reduce link (rate, latency).
 
-    Emulated CPU devices share the host's cores and memory, so each gets 1/n of the measured rates and of the RAM;
-    collectives between them are memory copies, so both link classes run at the per-device memory bandwidth.
+    Emulated CPU devices share the host's cores and memory, so each gets 1/n of the measured matmul and copy rates
+    (the copy measured on all of them at once) and of the RAM; the links are measured with an all-reduce.
     """
     import jax
     import jax.numpy as jnp
@@ -52,31 +53,56 @@ def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
     a = jax.device_put(jnp.ones((512, 512), jnp.float32), dev)
     matmul = jax.jit(lambda x: x @ x)
     flops = 2 * 512 ** 3 / _best_time(lambda: matmul(a).block_until_ready(), seconds)
-    big = jax.device_put(jnp.ones((8 * 1024 * 1024,), jnp.float32), dev)  # 32 MiB: beyond the caches
+    # 32 MiB a device, beyond the caches, on every device at once: the devices share the host's memory system, and
+    # a step's elementwise work (the optimizer's update) runs on all of them together.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    big = jax.device_put(jnp.ones((n, 8 * 1024 * 1024), jnp.float32),
+                         NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x")))
     scale = jax.jit(lambda x: x * 1.0001)
     bandwidth = 2 * big.nbytes / _best_time(lambda: scale(big).block_until_ready(), seconds)  # read + write
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # The links measured with the collective itself, as `check` measures GPUs' (an all-reduce's bus rate and fixed
+    # cost): on this project's CPUs an all-reduce moved its bytes 4-6x faster than the elementwise copy above. Within
+    # a process over its own devices; across processes (gloo) over all of them.
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    latency, intra = _all_reduce_link(local, seconds) if len(local) > 1 else (0.0, bandwidth / n)
+    latency, inter = _all_reduce_link(devices, seconds) if len(local) < n else (latency, intra)
     return Hardware(name="cpu (measured)", device=f"emulated {dev.device_kind} devices sharing one host",
                     peak_flops=flops / n, hbm_bytes=ram / n, hbm_bandwidth=bandwidth / n, devices_per_node=n,
-                    intra_node_bandwidth=bandwidth / n, inter_node_bandwidth=bandwidth / n,
+                    intra_node_bandwidth=intra, inter_node_bandwidth=inter,
                     compute_efficiency=CPU_COMPUTE_EFFICIENCY, device_kind=dev.device_kind,
-                    collective_latency=_psum_latency(devices, seconds) if n > 1 else 0.0)
+                    collective_latency=latency)
 
 
-def _psum_latency(devices: list, seconds: float) -> float:
-    """Seconds for one all-reduce of a few bytes over ``devices`` (a step's many small collectives pay this)."""
+LINK_SIZES = (16, 4 * 1024 * 1024)  # bytes a device at which _all_reduce_link times the all-reduce
+
+
+def _all_reduce_link(devices: list, seconds: float) -> tuple[float, float]:
+    """(fixed seconds per collective, bytes/s a device sends) of an all-reduce over ``devices``: timed at the two
+    ``LINK_SIZES`` a device, the line through them (``calibration.latency_and_rate``) over the ring's 2 (n - 1) / n
+    bytes per byte reduced."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from jaxtrain.planner.calibration import latency_and_rate
+
+    n = len(devices)
     mesh = Mesh(np.array(devices), ("x",))
-    x = jax.device_put(jnp.ones((len(devices), 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
     psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=PartitionSpec("x"),
                                  out_specs=PartitionSpec("x")))
     # Across processes every one must run the collective equally often: a count, not each process's own clock (a
     # process that stopped earlier would leave the others blocked in a psum it never joins).
     spans = len({d.process_index for d in devices}) > 1
-    return _best_time(lambda: psum(x).block_until_ready(), seconds, times=PSUM_TIMES if spans else None)
+    points = []
+    for size in LINK_SIZES:
+        x = jax.device_put(jnp.ones((n, size // 4), jnp.float32), NamedSharding(mesh, PartitionSpec("x")))
+        t = _best_time(functools.partial(lambda v: psum(v).block_until_ready(), x), seconds,
+                       times=PSUM_TIMES if spans else None)
+        points.append((2 * size * (n - 1) / n, t))
+    latency, rate = latency_and_rate(points)
+    return latency or 0.0, rate
 
 
 PSUM_TIMES = 20  # all-reduces timed when the devices span processes
@@ -142,3 +168,56 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
         ws = jax.device_put(jnp.full((layers, 9, 8, 8), 0.1, dt), whole)
         t[layers] = _best_time(functools.partial(lambda a: grad(a, x).block_until_ready(), ws), seconds, at_least=3)
     return tuple((m, r / top) for m, r in rates), max(0.0, (t[33] - t[1]) / 32)
+
+
+def measure_model(cfg, devices: list, hw: Hardware, remats, *,
+                  seconds: float = 0.3) -> tuple[tuple[str, float], ...]:
+    """The model's own step measured, for ``Hardware.remat_efficiency``: (remat policy, efficiency) for each of
+    ``remats``, against ``hw``'s peak, matmul rate by rows and layer overhead.
+
+    The model of ``cfg`` (resolved: ``layout.resolve_auto``) runs its forward, loss and backward on every device of
+    ``devices`` at once, each on its own ``ceil(global_batch / devices)`` sequences with a replicated copy of the
+    weights: the compute of a step whose batch is split over every device, without collectives or the optimizer
+    (priced apart). The best of a few runs becomes an efficiency (``cost.measured_efficiency`` on that layout), so
+    that attention, the elementwise work and the embedding at this model's shapes are measured where a constant
+    efficiency would guess them (on this project's CPUs the efficiency of the tiny and an 18M config differed by 4x)."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxtrain.model import Transformer
+    from jaxtrain.planner import cost
+
+    n = len(devices)
+    rows = -(-cfg.train.global_batch // n)
+    mesh = Mesh(np.array(devices), ("x",))
+    # The layout this timing stands for: the batch over every device, one microbatch, no other axis.
+    ref = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=rows * n, microbatches=1))
+    shape = MeshShape(ici=tuple(n if ax == "fsdp" else 1 for ax in MESH_AXES), dcn=(1,) * len(MESH_AXES))
+    tokens = jax.device_put(np.zeros((n * rows, cfg.data.seq_len + 1), np.int32),
+                            NamedSharding(mesh, PartitionSpec("x")))
+    out = []
+    for remat in remats:
+        model_cfg = dataclasses.replace(cfg.model, remat=remat)
+        # Every logical axis replicated: each device holds the whole model.
+        with jax.set_mesh(Mesh(np.array(devices[:1]), ("x",))), nnx.logical_axis_rules(
+                [(k, None) for k in cfg.mesh.rules]):
+            graphdef, abstract = nnx.split(nnx.eval_shape(lambda c=model_cfg: Transformer(c, rngs=nnx.Rngs(0))))
+        params = jax.device_put(jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), abstract),
+                                NamedSharding(mesh, PartitionSpec()))
+
+        def local(params, batch, graphdef=graphdef):
+            def loss(p):
+                logits = nnx.merge(graphdef, p)(batch[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).sum()
+            grads = jax.grad(loss)(params)  # kept alive by the sum below (XLA would drop an unused gradient)
+            return sum(g.sum() for g in jax.tree.leaves(grads)).reshape(1)
+
+        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("x")),
+                                     out_specs=PartitionSpec("x"), check_vma=False))
+        best = _best_time(functools.partial(lambda f, p: f(p, tokens).block_until_ready(), step, params), seconds,
+                          at_least=3)
+        c = dataclasses.replace(ref, model=model_cfg)
+        out.append((remat, cost.measured_efficiency(c, shape, hw, best)))
+    return tuple(out)
