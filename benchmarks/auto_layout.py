@@ -142,8 +142,8 @@ def main() -> int:
             hw = auto.hardware_for(cfg, devices).hw
             print(f"{name}: CPU figures: {hw.peak_flops / 1e9:.1f} GFLOP/s a device x {hw.compute_efficiency}, "
                   f"matmul rate by rows {[(int(r), round(f, 2)) for r, f in hw.matmul_rows]}, "
-                  f"{hw.layer_overhead_s * 1e3:.2f} ms a layer iteration, model efficiency by remat "
-                  f"{[(r, round(e, 3)) for r, e in hw.remat_efficiency]}, "
+                  f"{hw.layer_overhead_s * 1e3:.2f} ms a layer iteration, model efficiency by remat and tensor "
+                  f"{[(r, t, round(e, 3)) for r, t, e in hw.model_efficiency]}, "
                   f"collective {hw.collective_latency * 1e3:.2f} ms", flush=True)
             cache = os.path.join(tmp, "cache")
             exes: dict = {}

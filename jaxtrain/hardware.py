@@ -41,9 +41,9 @@ class Hardware:
     # ``calibration.REFERENCE_ROWS``) ascending, and the fixed seconds of one layer's forward + backward iteration.
     matmul_rows: tuple[tuple[float, float], ...] = ()
     layer_overhead_s: float = 0.0
-    # The compute efficiency of the model's own step by remat policy, (policy, efficiency): measured on the CPU at
-    # hand (``measure.measure_model``), replacing ``compute_efficiency`` for the policies it names.
-    remat_efficiency: tuple[tuple[str, float], ...] = ()
+    # The compute efficiency of the model's own step, (remat policy, tensor, efficiency): measured on the CPU at hand
+    # (``measure.measure_model``), replacing ``compute_efficiency`` for the policies it names (``cost.efficiency``).
+    model_efficiency: tuple[tuple[str, int, float], ...] = ()
 
     @property
     def kinds(self) -> tuple[str, ...]:

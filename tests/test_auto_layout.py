@@ -60,15 +60,31 @@ def test_measured_efficiency_inverts_the_compute_estimate_per_remat(make_config)
     ref, other = cands["fsdp8", "full", 1], cands["fsdp8", "full", 2]
     sized = dataclasses.replace(hw(1e9), matmul_rows=((64.0, 0.5), (512.0, 1.0)), layer_overhead_s=1e-3)
     eff = cost.measured_efficiency(ref.apply(cfg), ref.shape, sized, 0.25)
-    measured = dataclasses.replace(sized, remat_efficiency=(("full", eff),))
+    measured = dataclasses.replace(sized, model_efficiency=(("full", 1, eff),))
     assert cost.compute_seconds(ref.apply(cfg), ref.shape, measured) == pytest.approx(0.25)
-    assert cost.efficiency(ref.apply(cfg), measured) == eff  # remat full: measured
-    assert cost.efficiency(cands["fsdp8", "none", 1].apply(cfg), measured) == 0.5  # not measured: the hardware's
+    assert cost.efficiency(ref.apply(cfg), ref.shape, measured) == eff  # remat full: measured
+    none = cands["fsdp8", "none", 1]
+    assert cost.efficiency(none.apply(cfg), none.shape, measured) == 0.5  # not measured: the hardware's
     # One microbatch: 2 x 128 = 256 rows a device; two: 128, at a rate 2^(1/3) lower (log-log between 64 and 512
     # rows), the same FLOPs, twice the iterations' fixed cost (5 per microbatch: 4 layers + 1, at 1 ms).
     flops_only = 0.25 - 5e-3
     assert cost.compute_seconds(other.apply(cfg), other.shape, measured) == pytest.approx(
         flops_only * 2 ** (1 / 3) + 10e-3)
+
+
+def test_efficiency_carries_a_tensor_ratio_measured_without_remat_to_the_other_policies(make_config):
+    cfg = make_config()
+    cands = {(c.shape.label, c.remat): c for c in auto.candidates(cfg, 8, 1, microbatches=[1])}
+    table = dataclasses.replace(hw(1e9), model_efficiency=(("none", 1, 0.4), ("full", 1, 0.3), ("none", 2, 0.2)))
+
+    def eff(label, remat):
+        c = cands[label, remat]
+        return cost.efficiency(c.apply(cfg), c.shape, table)
+
+    assert eff("fsdp8", "none") == 0.4 and eff("fsdp8", "full") == 0.3 and eff("fsdp4 tensor2", "none") == 0.2
+    assert eff("fsdp4 tensor2", "full") == pytest.approx(0.3 * 0.2 / 0.4)  # full's own x tensor 2's ratio
+    assert eff("fsdp2 tensor4", "full") == 0.3  # tensor 4 not measured: the policy's own
+    assert eff("fsdp8", "save_matmuls") == 0.5  # the policy not measured: the hardware's compute_efficiency
 
 
 def test_a_lighter_remat_dominates_only_at_no_more_compute(make_config):
@@ -79,7 +95,7 @@ def test_a_lighter_remat_dominates_only_at_no_more_compute(make_config):
     fixed = hw(1e12)
     rows = {r: auto.closed_form(cfg, cands["fsdp8", r], fixed) for r in ("none", "full")}
     assert auto._dominates(rows["none"], rows["full"]) and not auto._dominates(rows["full"], rows["none"])
-    fast_full = dataclasses.replace(fixed, remat_efficiency=(("none", 0.2), ("full", 0.5)))
+    fast_full = dataclasses.replace(fixed, model_efficiency=(("none", 1, 0.2), ("full", 1, 0.5)))
     rows = {r: auto.closed_form(cfg, cands["fsdp8", r], fast_full) for r in ("none", "full")}
     assert rows["full"].lower_s < rows["none"].lower_s and not auto._dominates(rows["none"], rows["full"])
 

@@ -315,7 +315,7 @@ def _dominates(a: Row, b: Row) -> bool:
     """``a`` fits and is lighter than ``b`` on the same mesh and schedule: less recompute, and (without a pipeline,
     whose bubble shrinks with more microbatches) no more microbatches, at no more compute. Such a ``b`` only trades
     speed for memory that is not needed, so it is neither compiled nor chosen. Where the heavier setting's compute
-    is estimated lower (a CPU's measured efficiency can favour recompute: ``Hardware.remat_efficiency``), both are
+    is estimated lower (a CPU's measured efficiency can favour recompute: ``Hardware.model_efficiency``), both are
     kept."""
     x, y = a.cand, b.cand
     return (x != y and x.shape == y.shape and x.schedule == y.schedule and a.lower_s <= b.lower_s
@@ -414,7 +414,7 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``."""
     from jaxtrain.layout import resolve_auto
     from jaxtrain.planner import calibration
-    from jaxtrain.planner.measure import hardware_at_hand, measure_model, measure_sized
+    from jaxtrain.planner.measure import hardware_at_hand, measure_model, measure_sized, model_points
 
     resolved = resolve_auto(cfg, devices[0].platform, len(devices))
     dtype = resolved.model.dtype
@@ -426,7 +426,8 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
 
         local = [d for d in devices if d.process_index == jax.process_index()] or devices
         hw = calibration.sized(hw, *measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
-        hw = dataclasses.replace(hw, remat_efficiency=measure_model(resolved, local, hw, REMATS))
+        hw = dataclasses.replace(hw, model_efficiency=measure_model(resolved, local, hw,
+                                                                    model_points(cfg, len(local), REMATS)))
     return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
 
 
@@ -440,8 +441,8 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name)
         + (f"; matmul rate by rows per device {', '.join(f'{r:g}: {f:.2f}' for r, f in rows)}, a layer "
-           f"iteration {_ms(cal.hw.layer_overhead_s)}, the model's efficiency by remat "
-           f"{', '.join(f'{r} {e:.3g}' for r, e in cal.hw.remat_efficiency)} (measured)" if rows else ""))
+           f"iteration {_ms(cal.hw.layer_overhead_s)}, the model's efficiency by remat and tensor "
+           f"{', '.join(f'{r} x{t} {e:.3g}' for r, t, e in cal.hw.model_efficiency)} (measured)" if rows else ""))
     nodes = max(1, jax.process_count())
     keep: dict = {}
     res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,

@@ -125,10 +125,16 @@ def overhead_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     return per * (cfg.model.n_layers / stages + 1) * micro * virtual / (1 - bubble)
 
 
-def efficiency(cfg: Config, hw: Hardware) -> float:
-    """The compute efficiency of ``cfg``'s step: the one measured for its remat policy (``hw.remat_efficiency``),
-    else the hardware's ``compute_efficiency``."""
-    return dict(hw.remat_efficiency).get(cfg.model.remat, hw.compute_efficiency)
+def efficiency(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
+    """The compute efficiency of ``cfg``'s step on ``shape``: the one measured for its remat policy and tensor size
+    (``hw.model_efficiency``); for a tensor size measured with another policy only, the policy's own (tensor 1)
+    times that tensor size's ratio to tensor 1; without any for the policy, the hardware's ``compute_efficiency``."""
+    table = {(r, t): e for r, t, e in hw.model_efficiency}
+    remat, t = cfg.model.remat, shape.axis_sizes["tensor"]
+    if (remat, t) in table or (remat, 1) not in table:
+        return table.get((remat, t), hw.compute_efficiency)
+    other = next((r for r, u in table if u == t and (r, 1) in table), None)
+    return table[remat, 1] * (table[other, t] / table[other, 1] if other else 1.0)
 
 
 def _flops_and_rate(cfg: Config, shape: MeshShape, hw: Hardware, eff: float) -> tuple[float, float]:
@@ -147,13 +153,13 @@ def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     factor at a microbatch's rows per device over tensor) / (1 - bubble), plus the iterations' fixed cost
     (:func:`overhead_seconds`): the compute part of every estimate, known before compiling (the auto search's lower
     bound on a step)."""
-    flops, rate = _flops_and_rate(cfg, shape, hw, efficiency(cfg, hw))
+    flops, rate = _flops_and_rate(cfg, shape, hw, efficiency(cfg, shape, hw))
     return flops / rate / (1 - pipeline_schedule(cfg, shape)[3]) + overhead_seconds(cfg, shape, hw)
 
 
 def measured_efficiency(cfg: Config, shape: MeshShape, hw: Hardware, seconds: float) -> float:
     """The efficiency at which :func:`compute_seconds` gives ``seconds`` for ``cfg`` on ``shape`` (no pipeline): how
-    ``measure.measure_model``'s timing of the model's own forward + backward becomes ``Hardware.remat_efficiency``.
+    ``measure.measure_model``'s timing of the model's own forward + backward becomes ``Hardware.model_efficiency``.
     The iterations' fixed cost is taken out first (it is charged apart); at least 1% of ``seconds`` stays."""
     flops, rate = _flops_and_rate(cfg, shape, hw, 1.0)
     return flops / rate / max(seconds - overhead_seconds(cfg, shape, hw), 0.01 * seconds)
@@ -322,7 +328,7 @@ def context_parallel(cfg: Config, shape: MeshShape, hw: Hardware) -> dict:
     link = hw.inter_node_bandwidth if dict(zip(MESH_AXES, shape.dcn)).get("context", 1) > 1 else \
         hw.intra_node_bandwidth
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    rate = hw.peak_flops * efficiency(cfg, hw)
+    rate = hw.peak_flops * efficiency(cfg, shape, hw)
     per_dev = train_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     attn = attention_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     layers = m.n_layers / s["stage"]

@@ -170,17 +170,18 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
     return tuple((m, r / top) for m, r in rates), max(0.0, (t[33] - t[1]) / 32)
 
 
-def measure_model(cfg, devices: list, hw: Hardware, remats, *,
-                  seconds: float = 0.3) -> tuple[tuple[str, float], ...]:
-    """The model's own step measured, for ``Hardware.remat_efficiency``: (remat policy, efficiency) for each of
-    ``remats``, against ``hw``'s peak, matmul rate by rows and layer overhead.
+def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, int, float], ...]:
+    """The model's own step measured, for ``Hardware.model_efficiency``: (remat policy, tensor, efficiency) for each
+    (remat policy, tensor) of ``points``, against ``hw``'s peak, matmul rate by rows and layer overhead.
 
     The model of ``cfg`` (resolved: ``layout.resolve_auto``) runs its forward, loss and backward on every device of
-    ``devices`` at once, each on its own ``ceil(global_batch / devices)`` sequences with a replicated copy of the
-    weights: the compute of a step whose batch is split over every device, without collectives or the optimizer
-    (priced apart). The best of a few runs becomes an efficiency (``cost.measured_efficiency`` on that layout), so
-    that attention, the elementwise work and the embedding at this model's shapes are measured where a constant
-    efficiency would guess them (on this project's CPUs the efficiency of the tiny and an 18M config differed by 4x)."""
+    ``devices`` at once, each on its own ``ceil(global_batch x tensor / devices)`` sequences with its own copy of a
+    tensor-th of the model (heads, kv heads, MLP width and vocabulary over tensor, as the default rules split them):
+    the compute of a step whose batch is split over devices / tensor, without collectives or the optimizer (priced
+    apart). The best of a few runs becomes an efficiency (``cost.measured_efficiency`` on that layout), so that
+    attention, the elementwise work, the embedding and a tensor split's narrower matmuls at this model's shapes are
+    measured where a constant efficiency would guess them (on this project's CPUs the efficiency of the tiny and an
+    18M config differed by 2x)."""
     import jax
     import optax
     from flax import nnx
@@ -189,35 +190,51 @@ def measure_model(cfg, devices: list, hw: Hardware, remats, *,
     from jaxtrain.model import Transformer
     from jaxtrain.planner import cost
 
-    n = len(devices)
-    rows = -(-cfg.train.global_batch // n)
+    n, m = len(devices), cfg.model
     mesh = Mesh(np.array(devices), ("x",))
-    # The layout this timing stands for: the batch over every device, one microbatch, no other axis.
-    ref = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch=rows * n, microbatches=1))
-    shape = MeshShape(ici=tuple(n if ax == "fsdp" else 1 for ax in MESH_AXES), dcn=(1,) * len(MESH_AXES))
-    tokens = jax.device_put(np.zeros((n * rows, cfg.data.seq_len + 1), np.int32),
-                            NamedSharding(mesh, PartitionSpec("x")))
     out = []
-    for remat in remats:
-        model_cfg = dataclasses.replace(cfg.model, remat=remat)
-        # Every logical axis replicated: each device holds the whole model.
+    for remat, t in points:
+        rows = -(-cfg.train.global_batch * t // n)
+        local = dataclasses.replace(m, remat=remat, n_heads=m.n_heads // t, n_kv_heads=m.n_kv_heads // t,
+                                    d_ff=m.d_ff // t, head_dim=m.resolved_head_dim,
+                                    vocab_size=m.vocab_size // t if m.vocab_size % t == 0 else m.vocab_size)
+        # The layout this timing stands for: the batch over devices / tensor, one microbatch.
+        ref = dataclasses.replace(cfg, model=dataclasses.replace(m, remat=remat), train=dataclasses.replace(
+            cfg.train, global_batch=rows * n // t, microbatches=1))
+        shape = MeshShape(ici=tuple({"fsdp": n // t, "tensor": t}.get(ax, 1) for ax in MESH_AXES),
+                          dcn=(1,) * len(MESH_AXES))
+        tokens = jax.device_put(np.zeros((n * rows, cfg.data.seq_len + 1), np.int32),
+                                NamedSharding(mesh, PartitionSpec("x")))
+        # Every logical axis replicated: each device holds the whole local model.
         with jax.set_mesh(Mesh(np.array(devices[:1]), ("x",))), nnx.logical_axis_rules(
                 [(k, None) for k in cfg.mesh.rules]):
-            graphdef, abstract = nnx.split(nnx.eval_shape(lambda c=model_cfg: Transformer(c, rngs=nnx.Rngs(0))))
+            graphdef, abstract = nnx.split(nnx.eval_shape(lambda c=local: Transformer(c, rngs=nnx.Rngs(0))))
         params = jax.device_put(jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), abstract),
                                 NamedSharding(mesh, PartitionSpec()))
 
-        def local(params, batch, graphdef=graphdef):
+        def one(params, batch, graphdef=graphdef):
             def loss(p):
                 logits = nnx.merge(graphdef, p)(batch[:, :-1])
                 return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).sum()
             grads = jax.grad(loss)(params)  # kept alive by the sum below (XLA would drop an unused gradient)
             return sum(g.sum() for g in jax.tree.leaves(grads)).reshape(1)
 
-        step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("x")),
+        step = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("x")),
                                      out_specs=PartitionSpec("x"), check_vma=False))
-        best = _best_time(functools.partial(lambda f, p: f(p, tokens).block_until_ready(), step, params), seconds,
-                          at_least=3)
-        c = dataclasses.replace(ref, model=model_cfg)
-        out.append((remat, cost.measured_efficiency(c, shape, hw, best)))
+        best = _best_time(functools.partial(lambda f, p, b: f(p, b).block_until_ready(), step, params, tokens),
+                          MODEL_SECONDS, at_least=3)
+        out.append((remat, t, cost.measured_efficiency(ref, shape, hw, best)))
     return tuple(out)
+
+
+MODEL_SECONDS = 0.3  # measure_model's timing per point, beyond its at least 3 runs
+
+
+def model_points(cfg, n_devices: int, remats) -> list[tuple[str, int]]:
+    """The (remat policy, tensor) points :func:`measure_model` times for a search over ``n_devices``: every policy
+    without tensor parallelism, and remat none at each tensor size that splits the heads, kv heads and MLP
+    (``cost.efficiency`` carries the policies' ratios over to those)."""
+    m = cfg.model
+    tensors = [t for t in range(2, n_devices + 1) if n_devices % t == 0 and m.n_heads % t == 0
+               and m.n_kv_heads % t == 0 and m.d_ff % t == 0]
+    return [(r, 1) for r in remats] + [("none", t) for t in tensors]

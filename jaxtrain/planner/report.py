@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from jaxtrain.config import Config
 from jaxtrain.hardware import Hardware
 from jaxtrain.model import count_params
-from jaxtrain.planner.cost import efficiency, remat_factor
+from jaxtrain.planner.cost import remat_factor
 
 WIDTH = 120
 _COLLECTIVE_COLUMNS = ("all-reduce", "all-gather", "reduce-scatter", "a2a+permute")
@@ -102,6 +102,13 @@ def _wrap(text: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, subsequent_indent="  ")
 
 
+def _efficiency(hw: Hardware) -> str:
+    if not hw.model_efficiency:
+        return f"{hw.compute_efficiency:g}"
+    return "measured on the model's own step (remat, tensor: " + ", ".join(
+        f"{r} {t}: {e:.3g}" for r, t, e in hw.model_efficiency) + ")"
+
+
 def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result: dict, wide: bool = False,
                   notes: Sequence[str] = ()) -> str:
     """The ranked table printed by ``jaxtrain plan``: meshes that fit first, then by estimated step time.
@@ -116,9 +123,7 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         + ")")
     lines += _wrap(
         f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
-        f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {efficiency(cfg, hw):.3g}"
-        + (" (measured on the model's own step)" if cfg.model.remat in dict(hw.remat_efficiency) else "")
-        + f"; memory {_bytes(hw.hbm_bytes)} x "
+        f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {_efficiency(hw)}; memory {_bytes(hw.hbm_bytes)} x "
         f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links "
         f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
         "(per device, each way)"
@@ -136,7 +141,7 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         "in-node / x-node: collective bytes each device sends within its node / to other nodes (hierarchical "
         "rings), loop trip counts included.",
         "step = compute + comm + optimizer update (no overlap); overlapped = max(compute, in-node, x-node) + update. "
-        f"compute = model FLOPs x remat {remat_factor(cfg):.3g} / (peak x {efficiency(cfg, hw):.3g}).",
+        f"compute = model FLOPs x remat {remat_factor(cfg):.3g} / (peak x efficiency).",
         "Meshes that fit are listed first, then by step. --wide: memory and bytes per collective kind; --json: "
         "everything, per collective.",
     ]
