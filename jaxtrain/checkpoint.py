@@ -16,24 +16,24 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 
 from jaxtrain import __version__, checkpoint_local, rundir
 from jaxtrain.checkpoint_io import (
     META,
     STATE,
+    PreemptionWatch,  # noqa: F401  (the loop's, with Checkpointer)
     background_failure,
     everyone_ok,
     fingerprint,
     leaf_name,
     leaf_path,
     make_manager,
+    ocp,
     partial_restore,
     reason,
     save_in_flight,
@@ -415,8 +415,14 @@ class Checkpointer:
             os.remove(probe)
         except OSError as e:
             raise ConfigError(f"checkpoint directory {self.directory!r} is not writable: {e.strerror}") from None
-        self._manager = make_manager(self.directory, cfg)
+        self._made: Any = None  # Orbax's manager, made (and Orbax imported) at the first save, not before step 1
         self._meta = {**metadata, **_versions()}
+
+    @property
+    def _manager(self) -> Any:
+        if self._made is None:
+            self._made = make_manager(self.directory, self.cfg)
+        return self._made
 
     def should_save(self, step: int) -> bool:
         every = self.cfg.checkpoint.every
@@ -449,6 +455,8 @@ class Checkpointer:
     def raise_if_failed(self) -> None:
         """Raise CheckpointError now if a background save has failed, rather than at the next save (called after
         every step; cheap: a few attribute reads)."""
+        if self._made is None:  # nothing saved yet, nothing failed
+            return
         try:
             self._manager.check_for_errors()
             failure = background_failure(self._manager)
@@ -458,6 +466,8 @@ class Checkpointer:
             raise CheckpointError(f"a checkpoint save in {self.directory} failed: {reason(e)}") from e
 
     def wait(self) -> None:
+        if self._made is None:
+            return
         try:
             self._manager.wait_until_finished()
         except Exception as e:
@@ -465,34 +475,6 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
-        self._manager.close()
+        if self._made is not None:
+            self._made.close()
 
-
-class PreemptionWatch:
-    """SIGTERM/SIGINT -> stop after the current step, at a step all processes agree on.
-
-    With ``jax.distributed`` initialised, JAX's preemption service catches SIGTERM and Orbax's
-    ``reached_preemption`` returns True on every process at the same step; SIGINT is turned into SIGTERM so it takes
-    the same road. Without it (e.g. a library caller that set up JAX itself), a local flag does the job for one process.
-    """
-
-    def __init__(self, checkpointer: Checkpointer):
-        self._manager, self._flag, self._old = checkpointer._manager, False, {}
-        self._service = jax.distributed.is_initialized()
-        handlers = ({signal.SIGINT: self._forward} if self._service
-                    else {signal.SIGINT: self._set, signal.SIGTERM: self._set})
-        for sig, handler in handlers.items():
-            self._old[sig] = signal.signal(sig, handler)
-
-    def _forward(self, *_):
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    def _set(self, *_):
-        self._flag = True
-
-    def reached(self, step: int) -> bool:
-        return self._manager.reached_preemption(step) if self._service else self._flag
-
-    def close(self) -> None:
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)

@@ -1,19 +1,33 @@
 """The mechanics beneath the checkpoint format (``checkpoint.py``): Orbax's manager and item handlers, a step's
 array metadata read without any array, a failed background write spotted at once, the names of a state's leaves and
-their checksums, and Orbax's errors in one line. ``checkpoint.py`` decides what is saved, when and from where it is
-restored; this module only drives Orbax and JAX for it.
+their checksums, Orbax's errors in one line, and the stop at a preemption (:class:`PreemptionWatch`).
+``checkpoint.py`` decides what is saved, when and from where it is restored; this module only drives Orbax and JAX
+for it. Orbax itself is imported at its first use (a fresh run's first save), not with this module.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import re
-from typing import Any
+import signal
+from typing import TYPE_CHECKING, Any
 
 import jax
-import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxtrain.config import Config
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
+else:
+    class _Orbax:
+        """``orbax.checkpoint``, imported at its first use: a fresh run's first save, not its start (0.4-1 s)."""
+
+        def __getattr__(self, name: str):
+            return getattr(importlib.import_module("orbax.checkpoint"), name)
+
+    ocp = _Orbax()
 
 # A step directory <directory>/<step> holds these two Orbax items.
 STATE, META = "state", "meta"
@@ -160,3 +174,33 @@ def reason(e: BaseException) -> str:
     # and the OS error out of the 400 characters.
     text = re.sub(r"(\\x[0-9a-fA-F]{2}){4,}", "", text)
     return text if len(text) <= 400 else text[:150] + " ... " + text[-250:]  # the OS error is at the end
+
+
+class PreemptionWatch:
+    """SIGTERM/SIGINT -> stop after the current step, at a step all processes agree on.
+
+    With ``jax.distributed`` initialised, JAX's preemption service catches SIGTERM and Orbax's
+    ``reached_preemption`` returns True on every process at the same step; SIGINT is turned into SIGTERM so it takes
+    the same road. Without it (e.g. a library caller that set up JAX itself), a local flag does the job for one process.
+    """
+
+    def __init__(self, checkpointer: Any):  # a checkpoint.Checkpointer
+        self._checkpointer, self._flag, self._old = checkpointer, False, {}
+        self._service = jax.distributed.is_initialized()
+        handlers = ({signal.SIGINT: self._forward} if self._service
+                    else {signal.SIGINT: self._set, signal.SIGTERM: self._set})
+        for sig, handler in handlers.items():
+            self._old[sig] = signal.signal(sig, handler)
+
+    def _forward(self, *_):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _set(self, *_):
+        self._flag = True
+
+    def reached(self, step: int) -> bool:
+        return self._checkpointer._manager.reached_preemption(step) if self._service else self._flag
+
+    def close(self) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

@@ -14,6 +14,7 @@ import json
 import os
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +76,11 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
              f"{jax.devices()[0].device_kind} device(s); model {count_params(m)['total'] / 1e6:.2f}M parameters, "
              f"compute {m.dtype}, params {m.param_dtype}, attention {m.attention}; global batch "
              f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens ...")
+    # XLA compiles on one core without holding the GIL: the loop's own imports meanwhile take another.
+    imports = threading.Thread(target=_import_loop_modules, name="jaxtrain-imports", daemon=True)
+    imports.start()
     compiled = step.compile(with_eval=False)
+    imports.join()
     log.info(f"compiled in {compiled[2]:.2f} s")
     guards.check_memory_fit(layout, compiled[0], functools.partial(compiled_with_microbatches, layout))
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
@@ -94,6 +99,15 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
             f.write(dump_yaml(effective))
     with runtime.process_log(cfg.run.dir):
         return _Loop(step, source, checkpointer, compiled).run(tokens, restored)
+
+
+def _import_loop_modules() -> None:
+    """Grain and Orbax (0.4-1 s of imports; Grain imports Orbax), which the loop needs only after the compile."""
+    try:
+        import grain  # noqa: F401
+        import orbax.checkpoint  # noqa: F401
+    except Exception:  # an import that fails fails again where the module is used, with its own message
+        pass
 
 
 def _changed_settings_note(layout: Layout, source: ckpt.RestoreSource) -> str:

@@ -31,6 +31,18 @@ def test_train_command_imports_no_torch_tensorboardx_or_transformers():
     assert out.stdout.strip() == ""
 
 
+def test_grain_and_orbax_are_imported_while_the_step_compiles():
+    """Grain and Orbax (Grain imports Orbax) are not in the train command's import closure: the loop imports them
+    on another thread while XLA compiles the train step (jaxtrain/loop.py), not before it."""
+    code = ("import sys, jaxtrain.cli, jaxtrain.commands.train, jaxtrain.loop\n"
+            "print(' '.join(m for m in ('grain', 'orbax.checkpoint') if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == ""
+
+
 def test_compile_cache_setting(monkeypatch, tmp_path):
     # JAX's own variable first (the launchers set it in the run directory), then the XDG cache home, then ~/.cache
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache"))

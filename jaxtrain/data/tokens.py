@@ -19,8 +19,8 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from jaxtrain.config import DataConfig
@@ -33,6 +33,9 @@ DOC_START = 1 << 29
 NO_LOSS = 1 << 30
 TOKEN_BITS = DOC_START - 1
 INDEX = "index.json"  # what `prepare` writes next to its shards
+
+if TYPE_CHECKING:  # imported where used: the train command imports it while its step compiles (jaxtrain/loop.py)
+    import grain
 
 
 @dataclass(frozen=True)
@@ -308,6 +311,8 @@ class Windows:
 
 
 def _local_batches(examples: grain.MapDataset, global_batch: int, rows: tuple[int, int], num_batches: int):
+    import grain
+
     lo, hi = rows
 
     def read(step):
@@ -341,6 +346,8 @@ def train_batches(tokens: Tokens | Mixture, cfg: DataConfig, *, seed: int, globa
     Row ``r`` of step ``s`` is example ``s * global_batch + r`` of the shuffled, repeated window stream (of a
     mixture: of the interleaving of its parts' shuffled, repeated streams, part ``i`` shuffled with ``seed + i``).
     """
+    import grain
+
     if isinstance(tokens, Mixture):
         parts = [grain.MapDataset.source(_examples(p.train, cfg.seq_len)).shuffle(seed=seed + i).repeat()
                  for i, p in enumerate(tokens.parts)]
@@ -355,6 +362,8 @@ def eval_batches(tokens: Tokens | Mixture, cfg: DataConfig, *, global_batch: int
                  rows: tuple[int, int]) -> list[np.ndarray]:
     """The held-out batches (same every evaluation, unshuffled, wrapping around a short split; a mixture's parts
     interleaved by their weights)."""
+    import grain
+
     if isinstance(tokens, Mixture):
         examples = grain.MapDataset.mix([grain.MapDataset.source(_examples(p.eval, cfg.seq_len)).repeat()
                                          for p in tokens.parts], tokens.weights)
