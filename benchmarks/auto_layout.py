@@ -2,8 +2,9 @@
 
 For the tiny config and a ~18M-parameter config: hand choices (canonical meshes x remat none/full x microbatches
 1/2, as many as --budget-s allows per config, in a fixed order) are compiled and run for --steps steps each in this
-process (random tokens, zero-initialised state: the step's work does not depend on the values); each compile's
-reading also fills the planner's cache, so the auto search that follows recompiles only what was not measured.
+process (random tokens, zero-initialised state: the step's work does not depend on the values; the fastest step
+counts, as in the trial); each compile's reading also fills the planner's cache, so the auto search that follows
+recompiles only what was not measured.
 Then, at two memory budgets (ample, and 0.95 x the ample pick's compiled memory so that it no longer fits), the auto
 search runs with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` does), and its pick, and
 the estimate's own pick before the trial, are measured too (if they were not). Before ranking, the referee
@@ -25,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -81,7 +81,7 @@ def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int, 
     auto.store(auto.cache_path(cache_dir, c, cand.shape, devices), comp)
     times = trial.step_times(cfg, cand, devices, steps, exes[cand])
     est = search.candidate_result(c, cand.shape, hw, comp)["est_step_seconds"]
-    return Measured(cand, statistics.median(times), comp.memory_bytes, est)
+    return Measured(cand, min(times), comp.memory_bytes, est)
 
 
 def standing(fits: list[Measured], pick: Measured) -> tuple[int, float, float]:
@@ -109,7 +109,7 @@ def table(cfg, name: str, measured: list[Measured], pick: Measured, budget: floa
     lines.append(f"\nauto pick {pick.cand.label}: rank {rank} of {len(fits)}, {gap * 100:+.1f}% from the best measured "
                  f"({best.cand.label}); predicted (cost model) {pick.est_s * 1e3:.1f} ms, measured "
                  f"{pick.step_s * 1e3:.1f} ms (measured {err * 100:+.1f}% against predicted)")
-    lines.append("trial (the search's own measurement, median of mesh.auto_trial_steps after a warm-up): " + (
+    lines.append("trial (the search's own measurement, fastest of mesh.auto_trial_steps): " + (
         "; ".join(f"{r.cand.label}: {r.measured_s * 1e3:.1f} ms, est. {r.est * 1e3:.1f} ms" for r in res.trial)
         if res.trial else "none (one finalist, or mesh.auto_trial_steps=0)"))
     e_rank, e_gap, e_err = standing(fits, estimated)

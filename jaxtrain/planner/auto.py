@@ -118,7 +118,7 @@ class Row:
     guess_s: float
     result: dict | None = None  # search.candidate_result, with "fits" against the budget
     cached: bool = False
-    measured_s: float | None = None  # the trial's median step, where it ran
+    measured_s: float | None = None  # the trial's fastest step, where it ran
 
     @property
     def est(self) -> float:
@@ -380,7 +380,7 @@ def format_result(res: AutoResult, top: int = 8) -> str:
              *(f"  {w}" for w in res.why)]
     if res.trial:
         est = res.estimated
-        lines.append("  trial (median step, after a warm-up): " + "; ".join(
+        lines.append("  trial (fastest step, after a warm-up): " + "; ".join(
             f"{r.cand.label}: {_ms(r.measured_s)} measured, est. {_ms(r.est)}" for r in res.trial)  # type: ignore
             + ("" if est is None or est.cand == c.cand else f"; the estimate alone picked {est.cand.label}"))
     lines += [f"  searched {len(res.rows)} candidates in {res.seconds:.1f} s: {res.pruned} pruned (state alone "
