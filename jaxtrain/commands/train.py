@@ -1,5 +1,7 @@
 """``python -m jaxtrain train [--config PATH] [key=value ...]``."""
 
+import gc
+
 from jaxtrain.commands import add_config_arguments, start
 from jaxtrain.errors import EXIT_PREEMPTED
 
@@ -13,14 +15,20 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    cfg = start(args)
+    collecting = gc.isenabled()
+    gc.disable()  # the imports' objects live for the whole process: collecting while they arrive finds nothing
+    try:
+        cfg = start(args)
+        from jaxtrain import loop
+    finally:
+        gc.freeze()  # and later collections skip them
+        if collecting:
+            gc.enable()
     if cfg.mesh.auto:  # the planner picks the layout where it is first needed (docs/auto-layout.md)
         from jaxtrain import log
         from jaxtrain.planner import auto
 
         cfg = auto.resolve(cfg, log.info)
-    from jaxtrain import loop
-
     result = loop.train(cfg)
     # EX_TEMPFAIL, not 0: a scheduler must tell "finished" from "saved and stopped early" to restart the latter
     # (a JobSet counts a pod that exits 0 as completed and never restarts it).
