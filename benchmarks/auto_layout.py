@@ -4,16 +4,15 @@ For the tiny config and a ~18M-parameter config: hand choices (canonical meshes 
 1/2, as many as --budget-s allows per config, in a fixed order) are compiled and run for --steps steps each in this
 process (random tokens, zero-initialised state: the step's work does not depend on the values; the fastest step
 counts, as in the trial); each compile's reading also fills the planner's cache, so the auto search that follows
-recompiles only what was not measured.
-Then, at two memory budgets (ample, and 0.95 x the ample pick's compiled memory so that it no longer fits), the auto
-search runs with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` does), and its pick, and
-the estimate's own pick before the trial, are measured too (if they were not). Before ranking, the referee
-measures the contenders again (the ``REFEREE`` fastest first measurements at each budget and both picks) the way
-the trial does (``trial.measure``: two passes, the second in the reverse order, 2 x --steps steps each), so that
-the layouts that decide the ranking share the machine's drift; each pick is then ranked by measured tokens/s among
-the hand choices that fit its budget. The CPU figures are those ``mesh.auto`` takes (``auto.hardware_for``: the
-measured matmul, copy and collective rates, the matmul rate by rows, the per-layer fixed cost and the model's own
-efficiency by remat policy).
+recompiles only what was not measured. Then, at two memory budgets (ample, and the largest compiled memory of the
+measured layouts below the ample pick's, so that the pick no longer fits and another does), the auto search runs
+with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` does), and its pick, and the
+estimate's own pick before the trial, are measured too (if they were not). Before ranking, the referee
+measures every one of them again the way the trial does (``trial.measure``: two passes, the second in the reverse
+order, 2 x --steps steps each), so that the whole ranking shares the machine's drift; each pick is then ranked by
+measured tokens/s among the hand choices that fit its budget. The CPU figures are those ``mesh.auto`` takes
+(``auto.hardware_for``: the measured matmul, copy and all-reduce rates, the matmul rate by rows, the per-layer fixed
+cost and the model's own efficiency by remat policy and tensor size).
 
     python benchmarks/auto_layout.py [--configs tiny,18m] [--steps 5] [--budget-s 150] [--json FILE]
 
@@ -46,7 +45,6 @@ CONFIGS = {
 }
 MESHES = ["fsdp8", "data8", "data2 fsdp4", "fsdp4 tensor2", "data4 fsdp2", "data2 fsdp2 tensor2", "fsdp2 tensor4"]
 ORDER = [("none", 1), ("full", 1), ("none", 2), ("full", 2)]  # every mesh at one setting before the next
-REFEREE = 5  # the fastest first measurements re-measured at each budget (with the picks) before ranking
 
 
 def hand_choices(cfg, devices) -> list[auto.Candidate]:
@@ -170,16 +168,21 @@ def main() -> int:
                     if cand not in measured:
                         measured[cand] = measure(cfg, cand, devices, hw, cache, args.steps, exes)
                 searches.append((label, res, trial_s))
-                budget = measured[pick].memory * 0.95  # the next budget: the ample pick no longer fits
-            # The referee: the hand choices that can matter (the REFEREE fastest of the first measurement at each
-            # budget, and the picks) measured again the way the trial measures, in two passes, the second in the
-            # reverse order, so that the ranking's contenders share the machine's drift.
-            contenders: dict = {}
-            for _, res, _ in searches:
-                fits = sorted((m for m in measured.values() if m.memory <= res.budget), key=lambda m: m.step_s)
-                contenders.update(dict.fromkeys([m.cand for m in fits[:REFEREE]]))
-                contenders.update(dict.fromkeys([res.choice.cand, (res.estimated or res.choice).cand]))
-            again = trial.measure(cfg, list(contenders), devices, 2 * args.steps, exes)
+                if label == "tight":
+                    break
+                # The next budget: the ample pick no longer fits, the largest measured layout below it does. Where
+                # the pick already needs the least memory of all (remat full can), there is no tight case to test.
+                smaller = [m.memory for m in measured.values() if m.memory < measured[pick].memory]
+                if not smaller:
+                    print(f"{name}: the ample pick needs the least memory of the layouts measured: no tight budget",
+                          flush=True)
+                    break
+                budget = max(smaller)
+            # The referee: every layout measured (the hand choices and the picks) measured again the way the trial
+            # measures, in two passes, the second in the reverse order, so that the whole ranking shares the
+            # machine's drift (over a run, the same layout's fastest step moved by up to 40% here).
+            contenders = list(measured)
+            again = trial.measure(cfg, contenders, devices, 2 * args.steps, exes)
             for cand, t in again.items():
                 print(f"{name}: referee: {cand.label}: {t * 1e3:.1f} ms (first measured "
                       f"{measured[cand].step_s * 1e3:.1f} ms)", flush=True)
