@@ -26,7 +26,6 @@ from jaxtrain import __version__, checkpoint_local, rundir
 from jaxtrain.checkpoint_io import (
     META,
     STATE,
-    PreemptionWatch,  # noqa: F401  (the loop's, with Checkpointer)
     background_failure,
     everyone_ok,
     fingerprint,

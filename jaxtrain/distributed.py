@@ -29,7 +29,7 @@ A single process does not initialise ``jax.distributed`` at all: nothing listens
 devices exchange data in-process. Once ``jax.distributed`` is initialised, XLA:CPU routes even one process's
 collectives through gloo, which is slower (see benchmarks/cpu_collectives.py) and whose large reduce-scatters
 intermittently return wrong values (jax-ml/jax#40830). Preemption of a single process is a local signal flag
-(``checkpoint.PreemptionWatch``); several processes use JAX's preemption service so that all stop at the same step.
+(``checkpoint_io.PreemptionWatch``); several processes use JAX's preemption service so that all stop at the same step.
 CPU processes of a multi-process job exchange data with gloo.
 
 Where process 0's coordination service listens: ``dist.bind_address``, else ``JAX_COORDINATOR_BIND_ADDRESS`` (which

@@ -25,6 +25,7 @@ import numpy as np
 from jaxtrain import checkpoint as ckpt
 from jaxtrain import checkpoint_local, guards, hardware, log, observe, rundir, runtime
 from jaxtrain import data as data_lib
+from jaxtrain.checkpoint_io import PreemptionWatch
 from jaxtrain.config import Config, dump_yaml, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.layout import Layout
@@ -202,7 +203,7 @@ class _Loop:
         self.start, self.t_start = start, time.perf_counter()
         checkpointer = self.checkpointer
         local_saver = checkpoint_local.saver(cfg, checkpointer.directory)  # None when off: no per-step work
-        watch = ckpt.PreemptionWatch(checkpointer)
+        watch = PreemptionWatch(checkpointer)
         pending = PendingMetrics(self.report, obs.waited)
         failed = True  # until the loop ends; then the endpoint's linger (normal ends only) follows the summary
         try:
