@@ -87,6 +87,33 @@ def test_efficiency_carries_a_tensor_ratio_measured_without_remat_to_the_other_p
     assert eff("fsdp8", "save_matmuls") == 0.5  # the policy not measured: the hardware's compute_efficiency
 
 
+def test_model_is_measured_in_rounds_back_and_forth_keeping_each_points_fastest(make_config, monkeypatch):
+    """measure.measure_model times its points in MODEL_ROUNDS rounds, every other one reversed, warming up in the
+    first only, and turns each point's fastest run (whichever round it fell in) into its efficiency: a slow moment of
+    the machine then weighs on every point alike. The real model runs; only the clock is replaced."""
+    from jaxtrain.planner import measure
+    cfg = make_config(*SMALL, "runtime.cpu_devices=1", "mesh.ici.fsdp=1")
+    devices = jax.devices()[:1]
+    points = [("none", 1), ("full", 1)]
+    seen, fake = [], iter([0.5, 0.2, 0.1, 0.4, 0.3, 0.6])  # per call: point none, full, full, none, none, full
+
+    def best_time(fn, seconds, times=None, at_least=1, warm_up=True):
+        fn()  # really runs the model's forward and backward
+        seen.append(warm_up)
+        return next(fake)
+
+    monkeypatch.setattr(measure, "_best_time", best_time)
+    monkeypatch.setattr(measure, "MODEL_ROUNDS", 3)
+    effs = measure.measure_model(cfg, devices, hw(1e9), points)
+    assert seen == [True, True, False, False, False, False]
+    fastest = {"none": 0.3, "full": 0.1}  # none: 0.5, 0.4, 0.3; full: 0.2, 0.1, 0.6
+    ref = {r: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=r)) for r in fastest}
+    shape = auto.candidates(cfg, 1, 1)[0].shape
+    assert [(r, t) for r, t, _ in effs] == points
+    for r, _, e in effs:
+        assert e == pytest.approx(cost.measured_efficiency(ref[r], shape, hw(1e9), fastest[r]))
+
+
 def test_a_lighter_remat_dominates_only_at_no_more_compute(make_config):
     """Where the measured efficiencies make recompute cheaper (as on this project's CPUs), the layout with remat
     full is compiled and can be chosen although remat none fits; otherwise the lighter setting dominates."""
@@ -253,7 +280,7 @@ def test_trial_steps_are_validated(make_config):
 
 
 @pytest.mark.slow
-def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small):
+def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small, monkeypatch):
     """The real trial on one device: both remat policies of SMALL are finalists (a wide window), each runs two
     steps, and the choice is the one measured faster."""
     cfg, cache, kw, _ = compiled_small
@@ -269,11 +296,8 @@ def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small)
         runs.append((cand.remat, steps))
         return real(c, cand, devices, steps, executable)
 
-    trial.step_times = counted
-    try:
-        seconds = trial.measure(cfg, [r.cand for r in fin], dev, 3)
-    finally:
-        trial.step_times = real
+    monkeypatch.setattr(trial, "step_times", counted)
+    seconds = trial.measure(cfg, [r.cand for r in fin], dev, 3)
     # Two passes, the second in the reverse order, splitting the 3 steps 2 + 1.
     first, second = fin[0].cand.remat, fin[1].cand.remat
     assert runs == [(first, 2), (second, 2), (second, 1), (first, 1)]

@@ -108,10 +108,12 @@ def _all_reduce_link(devices: list, seconds: float) -> tuple[float, float]:
 PSUM_TIMES = 20  # all-reduces timed when the devices span processes
 
 
-def _best_time(fn: Callable[[], Any], seconds: float, times: int | None = None, at_least: int = 1) -> float:
-    """The fastest of ``fn``'s runs after a warm-up: for ``seconds`` (and at least ``at_least`` runs), or exactly
-    ``times`` runs."""
-    fn()  # compile and warm up
+def _best_time(fn: Callable[[], Any], seconds: float, times: int | None = None, at_least: int = 1,
+               warm_up: bool = True) -> float:
+    """The fastest of ``fn``'s runs after a warm-up (``warm_up``): for ``seconds`` (and at least ``at_least`` runs),
+    or exactly ``times`` runs."""
+    if warm_up:
+        fn()  # compile and warm up
     best, t_end, done = float("inf"), time.perf_counter() + seconds, 0
     while (done < times) if times is not None else (time.perf_counter() < t_end or done < at_least):
         t0 = time.perf_counter()
@@ -178,10 +180,10 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
     ``devices`` at once, each on its own ``ceil(global_batch x tensor / devices)`` sequences with its own copy of a
     tensor-th of the model (heads, kv heads, MLP width and vocabulary over tensor, as the default rules split them):
     the compute of a step whose batch is split over devices / tensor, without collectives or the optimizer (priced
-    apart). The best of a few runs becomes an efficiency (``cost.measured_efficiency`` on that layout), so that
-    attention, the elementwise work, the embedding and a tensor split's narrower matmuls at this model's shapes are
-    measured where a constant efficiency would guess them (on this project's CPUs the efficiency of the tiny and an
-    18M config differed by 2x)."""
+    apart). The best of a few runs, in rounds back and forth over the points, becomes an efficiency
+    (``cost.measured_efficiency`` on that layout), so that attention, the elementwise work, the embedding and a
+    tensor split's narrower matmuls at this model's shapes are measured where a constant efficiency would guess them
+    (on this project's CPUs the efficiency of the tiny and an 18M config differed by 2x)."""
     import jax
     import optax
     from flax import nnx
@@ -192,7 +194,7 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
 
     n, m = len(devices), cfg.model
     mesh = Mesh(np.array(devices), ("x",))
-    out = []
+    runs = []  # per point: (remat, t, the layout it stands for, its shape, a run of its step that frees its inputs)
     for remat, t in points:
         rows = -(-cfg.train.global_batch * t // n)
         local = dataclasses.replace(m, remat=remat, n_heads=m.n_heads // t, n_kv_heads=m.n_kv_heads // t,
@@ -203,14 +205,10 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
             cfg.train, global_batch=rows * n // t, microbatches=1))
         shape = MeshShape(ici=tuple({"fsdp": n // t, "tensor": t}.get(ax, 1) for ax in MESH_AXES),
                           dcn=(1,) * len(MESH_AXES))
-        tokens = jax.device_put(np.zeros((n * rows, cfg.data.seq_len + 1), np.int32),
-                                NamedSharding(mesh, PartitionSpec("x")))
         # Every logical axis replicated: each device holds the whole local model.
         with jax.set_mesh(Mesh(np.array(devices[:1]), ("x",))), nnx.logical_axis_rules(
                 [(k, None) for k in cfg.mesh.rules]):
             graphdef, abstract = nnx.split(nnx.eval_shape(lambda c=local: Transformer(c, rngs=nnx.Rngs(0))))
-        params = jax.device_put(jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), abstract),
-                                NamedSharding(mesh, PartitionSpec()))
 
         def one(params, batch, graphdef=graphdef):
             def loss(p):
@@ -221,13 +219,31 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
 
         step = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("x")),
                                      out_specs=PartitionSpec("x"), check_vma=False))
-        best = _best_time(functools.partial(lambda f, p, b: f(p, b).block_until_ready(), step, params, tokens),
-                          MODEL_SECONDS, at_least=3)
-        out.append((remat, t, cost.measured_efficiency(ref, shape, hw, best)))
-    return tuple(out)
+
+        def run(seconds, warm_up, step=step, abstract=abstract, rows=rows):
+            # The inputs live for this run only: a point's copy of the model per device is not held through the
+            # others' (one point at a time in memory, as the trial holds one training state).
+            params = jax.device_put(jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), abstract),
+                                    NamedSharding(mesh, PartitionSpec()))
+            tokens = jax.device_put(np.zeros((n * rows, cfg.data.seq_len + 1), np.int32),
+                                    NamedSharding(mesh, PartitionSpec("x")))
+            return _best_time(lambda: step(params, tokens).block_until_ready(), seconds, at_least=2, warm_up=warm_up)
+
+        runs.append((remat, t, ref, shape, run))
+    # Rounds back and forth over the points, each point's fastest run kept: a machine whose speed moves over
+    # seconds (this project's CPUs: a fixed matmul's best of five ranged over 41-74 ms within one idle minute) then
+    # slows every point alike instead of whichever ran in the slow seconds.
+    best = [float("inf")] * len(runs)
+    for r in range(MODEL_ROUNDS):
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            best[i] = min(best[i], runs[i][4](MODEL_SECONDS / MODEL_ROUNDS, warm_up=r == 0))
+    return tuple((remat, t, cost.measured_efficiency(ref, shape, hw, b))
+                 for (remat, t, ref, shape, _), b in zip(runs, best, strict=True))
 
 
-MODEL_SECONDS = 0.3  # measure_model's timing per point, beyond its at least 3 runs
+MODEL_SECONDS = 0.3  # measure_model's timing per point, beyond its at least 2 runs a round (and a first warm-up)
+MODEL_ROUNDS = 3  # passes over the points, alternating direction
 
 
 def model_points(cfg, n_devices: int, remats) -> list[tuple[str, int]]:
