@@ -8,13 +8,14 @@ recompiles only what was not measured. Then, at two memory budgets (ample, and t
 measured layouts below the ample pick's, so that the pick no longer fits and another does), the auto search runs
 with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` does), and its pick, and the
 estimate's own pick before the trial, are measured too (if they were not). Before ranking, the referee
-measures every one of them again the way the trial does (``trial.measure``: two passes, the second in the reverse
-order, 2 x --steps steps each), so that the whole ranking shares the machine's drift; each pick is then ranked by
-measured tokens/s among the hand choices that fit its budget. The CPU figures are those ``mesh.auto`` takes
+measures every one of them again the way the trial does (``trial.measure``: --referee-passes passes back and forth
+over all of them, 2 x --steps steps each), so that the whole ranking shares the machine's drift; each pick is then
+ranked by measured tokens/s among the hand choices that fit its budget. The CPU figures are those ``mesh.auto`` takes
 (``auto.hardware_for``: the measured matmul, copy and all-reduce rates, the matmul rate by rows, the per-layer fixed
 cost and the model's own efficiency by remat policy and tensor size).
 
-    python benchmarks/auto_layout.py [--configs tiny,18m] [--steps 5] [--budget-s 150] [--json FILE]
+    python benchmarks/auto_layout.py [--configs tiny,18m] [--steps 5] [--budget-s 150] [--referee-passes 4]
+                                     [--json FILE]
 
 Prints one markdown table per config and budget, and the auto pick's predicted vs measured step time.
 """
@@ -129,6 +130,8 @@ def main() -> int:
     p.add_argument("--configs", default="tiny,18m")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds of hand choices per config")
+    p.add_argument("--referee-passes", type=int, default=4,
+                   help="passes over every layout when re-measuring them for the ranking (2 x --steps steps each)")
     p.add_argument("--json", help="write the summary rows here")
     args = p.parse_args()
     devices = jax.devices()[:8]
@@ -179,10 +182,11 @@ def main() -> int:
                     break
                 budget = max(smaller)
             # The referee: every layout measured (the hand choices and the picks) measured again the way the trial
-            # measures, in two passes, the second in the reverse order, so that the whole ranking shares the
-            # machine's drift (over a run, the same layout's fastest step moved by up to 40% here).
+            # measures, in --referee-passes passes back and forth over all of them, so that every layout gets its
+            # share of the machine's fast and slow minutes (this machine's own speed moves: the fastest of five
+            # 1024^2 matmuls ranged over 41-74 ms within one idle minute).
             contenders = list(measured)
-            again = trial.measure(cfg, contenders, devices, 2 * args.steps, exes)
+            again = trial.measure(cfg, contenders, devices, 2 * args.steps, exes, passes=args.referee_passes)
             for cand, t in again.items():
                 print(f"{name}: referee: {cand.label}: {t * 1e3:.1f} ms (first measured "
                       f"{measured[cand].step_s * 1e3:.1f} ms)", flush=True)

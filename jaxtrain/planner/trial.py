@@ -57,14 +57,14 @@ def step_times(cfg: Config, cand: Candidate, devices: list, steps: int, executab
 
 
 def measure(cfg: Config, cands: Sequence[Candidate], devices: list, steps: int, executables: dict | None = None,
-            log: Callable[[str], None] = lambda msg: None) -> dict[Candidate, float]:
-    """Each of ``cands`` -> the fastest of its ``steps`` timed steps, run in ``PASSES`` passes (module docstring).
-    ``executables``: candidate -> the search's (step, compiled), reused where there (and compiled once here
-    where not, kept for the second pass)."""
+            log: Callable[[str], None] = lambda msg: None, passes: int = PASSES) -> dict[Candidate, float]:
+    """Each of ``cands`` -> the fastest of its ``steps`` timed steps, run in ``passes`` passes (module docstring),
+    every other one in the reverse order. ``executables``: candidate -> the search's (step, compiled), reused where
+    there (and compiled once here where not, kept for the later passes)."""
     executables = {} if executables is None else executables
     times: dict = {c: [] for c in cands}
-    for p in range(PASSES):
-        share = steps // PASSES + (p < steps % PASSES)
+    for p in range(passes):
+        share = steps // passes + (p < steps % passes)
         if share == 0:
             continue
         for cand in (cands if p % 2 == 0 else reversed(cands)):
