@@ -10,12 +10,14 @@ with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` d
 estimate's own pick before the trial, are measured too (if they were not). Before ranking, the referee
 measures every one of them again the way the trial does (``trial.measure``: --referee-passes passes back and forth
 over all of them, 2 x --steps steps each), so that the whole ranking shares the machine's drift; each pick is then
-ranked by measured tokens/s among the hand choices that fit its budget. The CPU figures are those ``mesh.auto`` takes
+ranked by measured tokens/s among the hand choices that fit its budget, and where it is not the best, the two are
+measured against each other in --duel-rounds rounds back and forth (``duel``: the median of the pick's step over
+the best's, each ratio from two measurements seconds apart). The CPU figures are those ``mesh.auto`` takes
 (``auto.hardware_for``: the measured matmul, copy and all-reduce rates, the matmul rate by rows, the per-layer fixed
 cost and the model's own efficiency by remat policy and tensor size).
 
     python benchmarks/auto_layout.py [--configs tiny,18m] [--steps 5] [--budget-s 150] [--referee-passes 4]
-                                     [--json FILE]
+                                     [--duel-rounds 10] [--json FILE]
 
 Prints one markdown table per config and budget, and the auto pick's predicted vs measured step time.
 """
@@ -33,6 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -81,6 +84,17 @@ def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int, 
     times = trial.step_times(cfg, cand, devices, steps, exes[cand])
     est = search.candidate_result(c, cand.shape, hw, comp)["est_step_seconds"]
     return Measured(cand, min(times), comp.memory_bytes, est)
+
+
+def duel(cfg, a: auto.Candidate, b: auto.Candidate, devices, rounds: int, exes: dict) -> list[float]:
+    """``a``'s step over ``b``'s, one ratio a round: each runs a warm-up and 2 steps (fastest kept), in the order
+    a, b then b, a: the two steps of a ratio are seconds apart, so the machine's slower minutes cancel out of it
+    (the referee's ranking compares layouts measured minutes apart)."""
+    ratios = []
+    for r in range(rounds):
+        t = {c: min(trial.step_times(cfg, c, devices, 2, exes[c])) for c in ((a, b) if r % 2 == 0 else (b, a))}
+        ratios.append(t[a] / t[b])
+    return ratios
 
 
 def standing(fits: list[Measured], pick: Measured) -> tuple[int, float, float]:
@@ -132,6 +146,8 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds of hand choices per config")
     p.add_argument("--referee-passes", type=int, default=4,
                    help="passes over every layout when re-measuring them for the ranking (2 x --steps steps each)")
+    p.add_argument("--duel-rounds", type=int, default=10,
+                   help="rounds of the pick against the referee's best, where they differ")
     p.add_argument("--json", help="write the summary rows here")
     args = p.parse_args()
     devices = jax.devices()[:8]
@@ -197,6 +213,14 @@ def main() -> int:
                                   measured[estimated])
                 row.update(trial_seconds_total=trial_s, search_s=res.seconds, compiles=res.compiles,
                            cache_hits=res.cache_hits, referee=[c.label for c in contenders])
+                best = min((m for m in measured.values() if m.memory <= res.budget), key=lambda m: m.step_s).cand
+                if best != pick:
+                    ratios = duel(cfg, pick, best, devices, args.duel_rounds, exes)
+                    q = np.percentile(ratios, [0, 25, 50, 75, 100]) * 100 - 100
+                    text += (f"\nduel, the pick against the referee's best, {len(ratios)} rounds back and forth (the "
+                             f"pick's step / the best's, adjacent in time): median {q[2]:+.1f}% (quartiles "
+                             f"{q[1]:+.1f}% / {q[3]:+.1f}%, range {q[0]:+.1f}% to {q[4]:+.1f}%)")
+                    row.update(duel_median=float(np.median(ratios)) - 1, duel_ratios=ratios)
                 print(text, flush=True)
                 rows.append(row)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at the end: {os.getloadavg()[0]:.1f}")
