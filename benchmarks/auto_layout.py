@@ -10,14 +10,15 @@ with its trial (``mesh.auto_trial_steps`` steps of each finalist, as ``train`` d
 estimate's own pick before the trial, are measured too (if they were not). Before ranking, the referee
 measures every one of them again the way the trial does (``trial.measure``: --referee-passes passes back and forth
 over all of them, 2 x --steps steps each), so that the whole ranking shares the machine's drift; each pick is then
-ranked by measured tokens/s among the hand choices that fit its budget, and where it is not the best, the two are
-measured against each other in --duel-rounds rounds back and forth (``duel``: the median of the pick's step over
-the best's, each ratio from two measurements seconds apart). The CPU figures are those ``mesh.auto`` takes
+ranked by measured tokens/s among the hand choices that fit its budget. Last, the pick is measured against each of
+the --duels fastest other layouts of the referee, one pair at a time, in --duel-rounds rounds back and forth
+(``duel``: the median of the pick's step over the other's, each ratio from two measurements seconds apart, where
+the referee compares layouts measured minutes apart). The CPU figures are those ``mesh.auto`` takes
 (``auto.hardware_for``: the measured matmul, copy and all-reduce rates, the matmul rate by rows, the per-layer fixed
 cost and the model's own efficiency by remat policy and tensor size).
 
     python benchmarks/auto_layout.py [--configs tiny,18m] [--steps 5] [--budget-s 150] [--referee-passes 4]
-                                     [--duel-rounds 10] [--json FILE]
+                                     [--duels 2] [--duel-rounds 10] [--json FILE]
 
 Prints one markdown table per config and budget, and the auto pick's predicted vs measured step time.
 """
@@ -146,8 +147,9 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=150.0, help="seconds of hand choices per config")
     p.add_argument("--referee-passes", type=int, default=4,
                    help="passes over every layout when re-measuring them for the ranking (2 x --steps steps each)")
-    p.add_argument("--duel-rounds", type=int, default=10,
-                   help="rounds of the pick against the referee's best, where they differ")
+    p.add_argument("--duels", type=int, default=2,
+                   help="the pick is measured against this many of the referee's fastest others, one pair at a time")
+    p.add_argument("--duel-rounds", type=int, default=10, help="rounds of each duel")
     p.add_argument("--json", help="write the summary rows here")
     args = p.parse_args()
     devices = jax.devices()[:8]
@@ -213,14 +215,18 @@ def main() -> int:
                                   measured[estimated])
                 row.update(trial_seconds_total=trial_s, search_s=res.seconds, compiles=res.compiles,
                            cache_hits=res.cache_hits, referee=[c.label for c in contenders])
-                best = min((m for m in measured.values() if m.memory <= res.budget), key=lambda m: m.step_s).cand
-                if best != pick:
-                    ratios = duel(cfg, pick, best, devices, args.duel_rounds, exes)
+                # Duels: the pick against each of the referee's DUELS fastest (other than itself) that fit.
+                fits = sorted((m for m in measured.values() if m.memory <= res.budget), key=lambda m: m.step_s)
+                row["duels"] = []
+                for other in [m.cand for m in fits if m.cand != pick][:args.duels]:
+                    ratios = duel(cfg, pick, other, devices, args.duel_rounds, exes)
                     q = np.percentile(ratios, [0, 25, 50, 75, 100]) * 100 - 100
-                    text += (f"\nduel, the pick against the referee's best, {len(ratios)} rounds back and forth (the "
-                             f"pick's step / the best's, adjacent in time): median {q[2]:+.1f}% (quartiles "
-                             f"{q[1]:+.1f}% / {q[3]:+.1f}%, range {q[0]:+.1f}% to {q[4]:+.1f}%)")
-                    row.update(duel_median=float(np.median(ratios)) - 1, duel_ratios=ratios)
+                    text += (f"\nduel against {other.label} (referee rank {[m.cand for m in fits].index(other) + 1}), "
+                             f"{len(ratios)} rounds back and forth, the pick's step / the other's, adjacent in time: "
+                             f"median {q[2]:+.1f}% (quartiles {q[1]:+.1f}% / {q[3]:+.1f}%, range {q[0]:+.1f}% to "
+                             f"{q[4]:+.1f}%)")
+                    row["duels"].append({"against": other.label, "median": float(np.median(ratios)) - 1,
+                                         "ratios": ratios})
                 print(text, flush=True)
                 rows.append(row)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at the end: {os.getloadavg()[0]:.1f}")
