@@ -13,6 +13,9 @@
 # Partitions: `debug` (default), and `low`/`high` for preemption: a job in `high` preempts (requeues) one in `low`
 # after the low partition's GraceTime; SlurmctldParameters=preempt_send_user_signal (Slurm 22.05's spelling; later
 # releases: PreemptParameters=send_user_signal) makes Slurm send the job's --signal at preemption time.
+# AuthInfo=cred_expire=10: a requeued job waits the credential lifetime before it may start again (default 120 s,
+# two minutes of every requeue test for nothing). KillWait=5: a task that ignores SIGTERM (a frozen one) is killed
+# after 5 s instead of 30.
 set -euo pipefail
 cmd=$1; dir=$(realpath -m "$2"); gpus=${3:-8}
 conf=$dir/slurm.conf
@@ -33,6 +36,7 @@ SlurmctldHost=$node(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
+AuthInfo=cred_expire=10
 CredType=cred/none
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -45,7 +49,7 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 SchedulerParameters=sched_interval=2
-KillWait=30
+KillWait=5
 ReturnToService=2
 SlurmctldPort=$((17000 + RANDOM % 1000))
 SlurmdPort=$((18000 + RANDOM % 1000))
