@@ -42,6 +42,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.planner import auto, search, trial  # noqa: E402
+from jaxtrain.planner.measure import back_and_forth  # noqa: E402
 
 CONFIGS = {
     "tiny": [],  # the built-in tiny config: 0.8M parameters, 16 x 128 tokens a step
@@ -91,11 +92,8 @@ def duel(cfg, a: auto.Candidate, b: auto.Candidate, devices, rounds: int, exes: 
     """``a``'s step over ``b``'s, one ratio a round: each runs a warm-up and 2 steps (fastest kept), in the order
     a, b then b, a: the two steps of a ratio are seconds apart, so the machine's slower minutes cancel out of it
     (the referee's ranking compares layouts measured minutes apart)."""
-    ratios = []
-    for r in range(rounds):
-        t = {c: min(trial.step_times(cfg, c, devices, 2, exes[c])) for c in ((a, b) if r % 2 == 0 else (b, a))}
-        ratios.append(t[a] / t[b])
-    return ratios
+    t = {(r, c): min(trial.step_times(cfg, c, devices, 2, exes[c])) for r, c in back_and_forth((a, b), rounds)}
+    return [t[r, a] / t[r, b] for r in range(rounds)]
 
 
 def standing(fits: list[Measured], pick: Measured) -> tuple[int, float, float]:

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,6 +122,15 @@ def _best_time(fn: Callable[[], Any], seconds: float, times: int | None = None, 
     return best
 
 
+def back_and_forth(items: Sequence, rounds: int) -> Iterator[tuple[int, Any]]:
+    """(round, item) over ``rounds`` passes through ``items``, every other pass reversed: timings taken this way
+    share a machine whose speed moves over seconds (this project's CPUs: a fixed matmul's best of five ranged over
+    41-74 ms within one idle minute) instead of the slow seconds falling on whichever ran then."""
+    for r in range(rounds):
+        for item in (items if r % 2 == 0 else reversed(items)):
+            yield r, item
+
+
 SIZED_ROWS = (16, 64, 256, 512, 1024)  # rows per device at which measure_sized times the model's matmul
 
 
@@ -230,14 +239,9 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
             return _best_time(lambda: step(params, tokens).block_until_ready(), seconds, at_least=2, warm_up=warm_up)
 
         runs.append((remat, t, ref, shape, run))
-    # Rounds back and forth over the points, each point's fastest run kept: a machine whose speed moves over
-    # seconds (this project's CPUs: a fixed matmul's best of five ranged over 41-74 ms within one idle minute) then
-    # slows every point alike instead of whichever ran in the slow seconds.
-    best = [float("inf")] * len(runs)
-    for r in range(MODEL_ROUNDS):
-        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
-        for i in order:
-            best[i] = min(best[i], runs[i][4](MODEL_SECONDS / MODEL_ROUNDS, warm_up=r == 0))
+    best = [float("inf")] * len(runs)  # each point's fastest run over the rounds
+    for r, i in back_and_forth(range(len(runs)), MODEL_ROUNDS):
+        best[i] = min(best[i], runs[i][4](MODEL_SECONDS / MODEL_ROUNDS, warm_up=r == 0))
     return tuple((remat, t, cost.measured_efficiency(ref, shape, hw, b))
                  for (remat, t, ref, shape, _), b in zip(runs, best, strict=True))
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxtrain.config import Config
 from jaxtrain.planner import search
+from jaxtrain.planner.measure import back_and_forth
 
 PASSES = 2
 Candidate = Any  # an auto.Candidate (auto imports this module)
@@ -63,11 +64,9 @@ def measure(cfg: Config, cands: Sequence[Candidate], devices: list, steps: int, 
     there (and compiled once here where not, kept for the later passes)."""
     executables = {} if executables is None else executables
     times: dict = {c: [] for c in cands}
-    for p in range(passes):
+    for p, cand in back_and_forth(cands, passes):
         share = steps // passes + (p < steps % passes)
-        if share == 0:
-            continue
-        for cand in (cands if p % 2 == 0 else reversed(cands)):
+        if share:
             if cand not in executables:
                 built = search._step(cand.apply(cfg), cand.shape, devices)
                 executables[cand] = (built, search.compile_train_step(built)[0])
