@@ -6,7 +6,7 @@
    how long `save()` holds the loop, and how long the write takes in all; into the persistent directory (a
    temporary directory under BENCH_DIR, default the system's) and into a host-local RAM disk (LOCAL_DIR, default
    /dev/shm when it exists), the kind of directory a local (emergency) checkpoint uses; and one local checkpoint
-   save (jaxtrain/checkpoint_local.py: host copy of this process's shards, the file written in the background; one
+   save (jaxtrain/checkpoint/local.py: host copy of this process's shards, the file written in the background; one
    process, so no peer copy) into LOCAL_DIR.
 2. End-to-end: the same short run with a checkpoint every N steps versus only at the end; the final save and its
    wait are outside the compared window (the sum of step times). SAVES_ONLY=1 skips this part.
@@ -41,9 +41,10 @@ def main(argv):
                  "train.eval_batches=1", "model.remat=none", *argv]
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         cfg = load_config("configs/125m.yaml", [f"run.dir={tmp}/x", *overrides])
-        from jaxtrain import checkpoint as ckpt
-        from jaxtrain import loop, runtime
-        from jaxtrain import step as step_lib
+        from jaxtrain.checkpoint import format as ckpt
+        from jaxtrain.cluster import process as runtime
+        from jaxtrain.train import loop
+        from jaxtrain.train import step as step_lib
 
         runtime.configure(cfg)
         runtime.quiet_logs()
@@ -65,7 +66,7 @@ def main(argv):
                     rows.append((f"{where} ({root})", "async" if async_save else "sync", *_timed_saves(saver, state)))
                     saver.close()
         if local:
-            from jaxtrain import checkpoint_local
+            from jaxtrain.checkpoint import local as checkpoint_local
 
             with tempfile.TemporaryDirectory(dir=local) as into:
                 local_saver = checkpoint_local.LocalSaver(into, tmp)

@@ -1,5 +1,5 @@
-"""Cost of the per-save checksum and finiteness pass (jaxtrain.checkpoint.fingerprint), which blocks the loop at each
-save: configs/125m.yaml's float32 train state (parameters and AdamW moments, 1.48 GB) on one device.
+"""Cost of the per-save checksum and finiteness pass (jaxtrain.checkpoint.format.fingerprint), which blocks the loop at
+each save: configs/125m.yaml's float32 train state (parameters and AdamW moments, 1.48 GB) on one device.
 
     python benchmarks/checkpoint_fingerprint.py [--config 125m]
 """
@@ -10,9 +10,9 @@ import time
 
 import jax
 
-from jaxtrain import checkpoint as ckpt
-from jaxtrain import step as step_lib
+from jaxtrain.checkpoint import format as ckpt
 from jaxtrain.config import load_config
+from jaxtrain.train import step as step_lib
 
 
 def main() -> None:

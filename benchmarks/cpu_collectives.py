@@ -29,7 +29,7 @@ if mode == "gloo":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
 from jaxtrain.config import load_config
-from jaxtrain import step as step_lib
+from jaxtrain.train import step as step_lib
 ts = step_lib.setup(load_config(None, overrides))
 state = ts.layout.init_state()
 step, _, _ = ts.compile(state)

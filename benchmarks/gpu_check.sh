@@ -8,7 +8,7 @@
 #      tokens/s, MFU with model.attention=auto (cuDNN) and the flash kernels (triton, pallas)
 #      (benchmarks/gpu_step.py: no data pipeline, no evaluation, no checkpoint);
 #   2. the flash-attention tests on the GPU (values and gradients against float64, both impls);
-#   3. the attention benchmark (python -m kernels.bench): head dims 64/128, GQA groups 1/4/8, causal without and with
+#   3. the attention benchmark (python -m jaxtrain.kernels.bench): head dims 64/128, GQA groups 1/4/8, causal without and with
 #      document masking; pallas, triton, cuDNN, XLA; TFLOP/s and the ratio to cuDNN;
 #   4. the rest: the 1B step with XLA attention; `jaxtrain train` end to end (125m, each attention impl).
 # Each section appends one JSON line to OUT/results.jsonl the moment it ends (section, status, seconds, figures),
@@ -188,10 +188,10 @@ run "$([ "$SMOKE" = 1 ] && echo 900 || echo 100)" "kernel-tests" "$PY" -m pytest
 
 section "attention TFLOP/s: pallas, triton, cuDNN, XLA; head dims 64/128, GQA 1/4/8, causal and document masks"
 if [ "$SMOKE" = 1 ]; then
-  run 900 "bench" "$PY" -m kernels.bench --smoke --masks causal,doc --groups 2 --impls cudnn,pallas,triton,xla \
+  run 900 "bench" "$PY" -m jaxtrain.kernels.bench --smoke --masks causal,doc --groups 2 --impls cudnn,pallas,triton,xla \
     --out "$OUT/bench" --jsonl "$RESULTS"
 else
-  run 130 "bench" "$PY" -m kernels.bench --head-dims 64,128 --groups 4,1,8 --masks causal,doc --seq-lens 4096 \
+  run 130 "bench" "$PY" -m jaxtrain.kernels.bench --head-dims 64,128 --groups 4,1,8 --masks causal,doc --seq-lens 4096 \
     --impls cudnn,pallas,triton,xla --iters 5 --grad-check-max-seq 0 --time-budget 115 --out "$OUT/bench" \
     --jsonl "$RESULTS"
 fi

@@ -1,7 +1,7 @@
 """Time jaxtrain's compiled train step: ``python benchmarks/gpu_step.py [--config 1b] [--steps 10]
 [--rows-per-device 4] [key=value ...]``.
 
-Builds the layout and step of the config on every visible device (``jaxtrain.step.setup``), creates the state in
+Builds the layout and step of the config on every visible device (``jaxtrain.train.step.setup``), creates the state in
 its shards, compiles the train step ahead of time, runs it on random tokens and prints one JSON line: the resolved
 attention and dtype, compile seconds, median / min step milliseconds after one warm-up step, tokens per second and
 MFU (``model.train_flops_per_token`` over the device kind's peak from ``jaxtrain/configs/hardware``; None for a
@@ -40,11 +40,10 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jaxtrain import hardware
-    from jaxtrain.config import load_config
+    from jaxtrain.config import hardware, load_config
     from jaxtrain.errors import ConfigError
-    from jaxtrain.model import train_flops_per_token
-    from jaxtrain.step import setup
+    from jaxtrain.models.flops import train_flops_per_token
+    from jaxtrain.train.step import setup
 
     n = jax.device_count()
     try:

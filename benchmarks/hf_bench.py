@@ -7,7 +7,7 @@
 16 layers, 32/8 heads, d_ff 8192, tied) in the Hugging Face layout (config.json + 1 GB safetensors shards + index),
 then runs ``python -m jaxtrain convert from-hf`` and ``convert to-hf`` as subprocesses under ``/usr/bin/time -v`` and
 prints wall time and peak resident memory of each. ``decode`` builds each config's model with random parameters on
-one device and times prefill and the per-token decode step of ``jaxtrain.generate`` (greedy, no eos stop).
+one device and times prefill and the per-token decode step of ``jaxtrain.hf.generate`` (greedy, no eos stop).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def write_random_hf(path: str, dtype: str) -> int:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from jaxtrain import hf
     from jaxtrain.config import load_config
+    from jaxtrain.hf import mapping as hf
 
     os.makedirs(path)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "dtype": dtype,
@@ -115,10 +115,10 @@ def bench_decode(configs: list[str], batch: int, new: int, prompt_len: int) -> N
     import numpy as np
     from flax import nnx
 
-    from jaxtrain import generate
     from jaxtrain.config import load_config
-    from jaxtrain.layout import Layout
-    from jaxtrain.model import Transformer
+    from jaxtrain.hf import generate
+    from jaxtrain.models.llama import Transformer
+    from jaxtrain.parallel.layout import Layout
 
     print("| config | params | batch | prompt | new | prefill tokens/s | decode tokens/s | ms/step | compile |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -3,7 +3,7 @@
     python benchmarks/loop_overhead.py [key=value ...]      (default: the tiny config, 100 steps, 1 CPU device)
 
 Measures (1) the compiled train step called back to back on one device-resident batch, no host work in between
-(mean over the calls, one block at the end), and (2) the full loop (`jaxtrain.loop.train`: Grain batches, host to
+(mean over the calls, one block at the end), and (2) the full loop (`jaxtrain.train.loop.train`: Grain batches, host to
 device transfer, metrics fetched one step late, jsonl/TensorBoard/progress output): median step time.
 """
 
@@ -38,8 +38,9 @@ def main(argv):
     steps = 100
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [f"run.dir={tmp}", f"train.steps={steps}", "train.eval_every=0", *argv])
-        from jaxtrain import loop, runtime
-        from jaxtrain import step as step_lib
+        from jaxtrain.cluster import process as runtime
+        from jaxtrain.train import loop
+        from jaxtrain.train import step as step_lib
 
         runtime.configure(cfg)
         trainer = step_lib.setup(cfg)

@@ -32,8 +32,9 @@ jax.config.update("jax_num_cpu_devices", 2)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from jaxtrain import log, loop  # noqa: E402
+from jaxtrain import log  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.train import loop  # noqa: E402
 
 CONFIGS = {
     "off": [],
@@ -80,9 +81,9 @@ def hook_costs(tmp: str, n: int = 2000) -> dict[str, float]:
     times): a step's hooks with the endpoint on (every 10th step logged), and one collective probe."""
     import jax.numpy as jnp
 
-    from jaxtrain import observe
-    from jaxtrain.layout import Layout
-    from jaxtrain.metrics import Throughput
+    from jaxtrain.observe import observer as observe
+    from jaxtrain.observe.metrics import Throughput
+    from jaxtrain.parallel.layout import Layout
 
     cfg = load_config(None, [f"run.dir={tmp}/hooks", "observe.prometheus_port=0", "observe.straggler_every=0",
                              "observe.collective_probe_every=1", "observe.prometheus_linger_s=0"])
@@ -115,7 +116,7 @@ def stall_clock_share(seconds: float = 5.0) -> float:
     """CPU the straggler watch's StallClock thread (on with several processes; it wakes every 10 ms) takes, as a
     share of one core: this process's CPU time while the main thread sleeps and the clock runs (CPU time, not wall
     time: a loaded machine does not blur it)."""
-    from jaxtrain.observe import StallClock
+    from jaxtrain.observe.observer import StallClock
 
     clock = StallClock()
     c0, t0 = time.process_time(), time.perf_counter()
@@ -128,7 +129,7 @@ def stall_clock_share(seconds: float = 5.0) -> float:
 EXCHANGE = """
 import json, socket, sys, time
 import jax
-from jaxtrain.observe import KV_PREFIX, _kv_client
+from jaxtrain.observe.observer import KV_PREFIX, _kv_client
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

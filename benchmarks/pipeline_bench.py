@@ -6,16 +6,16 @@ microbatches). Prints a Markdown table; asserts nothing.
     python benchmarks/pipeline_bench.py [--steps N] [--warmup N] [--microbatches 4 16 64] [--rows 8]
         [--stages 4] [--schedules gpipe 1f1b] [--virtual 1 2] [key=value ...]
 
-Stage 1 is plain FSDP over 8 devices with the same microbatches accumulated (train.accumulate as configured), so
-each row of one microbatch count does the same arithmetic on the same global batch. Every row compiles the real
-train step (jaxtrain.step.setup + Step.compile), reads the per-device temporaries from XLA's memory analysis, then runs
-the compiled step on device-resident state (Layout.init_state) and one random int32 batch placed with the
-batch sharding: warm-up steps, then the median of the timed ones, each waited for.
+Stage 1 is plain FSDP over 8 devices with the same microbatches accumulated (train.accumulate as configured), so each
+row of one microbatch count does the same arithmetic on the same global batch. Every row compiles the real train step
+(jaxtrain.train.step.setup + Step.compile), reads the per-device temporaries from XLA's memory analysis, then runs the
+compiled step on device-resident state (Layout.init_state) and one random int32 batch placed with the batch sharding:
+warm-up steps, then the median of the timed ones, each waited for.
 
-CPU figures say how the schedule's shape costs here (emulated devices share the host's cores, so the bubble is not
-idle time as it would be on accelerators: a GPipe stage's idle iterations still run its chunk on garbage, see
-jaxtrain/pipeline.py, where a 1F1B stage skips them; 1F1B recomputes each pass's forward in its backward); they are
-no forecast for GPUs.
+CPU figures say how the schedule's shape costs here (emulated devices share the host's cores, so the bubble is not idle
+time as it would be on accelerators: a GPipe stage's idle iterations still run its chunk on garbage, see
+jaxtrain/parallel/pipeline.py, where a 1F1B stage skips them; 1F1B recomputes each pass's forward in its backward); they
+are no forecast for GPUs.
 """
 
 import argparse
@@ -31,9 +31,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from jaxtrain import pipeline  # noqa: E402
-from jaxtrain import step as step_lib  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.parallel import pipeline  # noqa: E402
+from jaxtrain.train import step as step_lib  # noqa: E402
 
 # A tiny float32 model; microbatches of --rows sequences (a multiple of 8, so that they divide over fsdp = 8).
 BASE = ["model.n_layers=8", "model.dtype=float32", "model.param_dtype=float32", "data.seq_len=32",

@@ -5,7 +5,8 @@
 Each run is a fresh ``python -m jaxtrain train train.steps=2`` process with its own run.dir (nothing to resume);
 the phases are read off the moments its lines reach stdout (unbuffered), relative to the moment it was started:
 
-- imports: ``python -c "import jaxtrain.commands.train, jaxtrain.loop"`` minus ``python -c pass`` (measured apart);
+- imports: ``python -c "import jaxtrain.commands.train, jaxtrain.train.loop"`` minus ``python -c pass``
+  (measured apart);
 - set-up: up to the "compiling the train step" line (interpreter, imports, config, mesh, layout, data);
 - compile: to the "compiled in" line (the train step; the eval step is compiled at the first evaluation, after
   step 1);
@@ -59,7 +60,7 @@ def _wall(code: str) -> float:
 
 def import_seconds() -> float:
     """Seconds the train command's imports add to a bare interpreter's start."""
-    return _wall("import jaxtrain.cli, jaxtrain.commands.train, jaxtrain.loop") - _wall("pass")
+    return _wall("import jaxtrain.cli, jaxtrain.commands.train, jaxtrain.train.loop") - _wall("pass")
 
 
 def seconds_to_marks(cmd: list[str], marks: Sequence[tuple[str, str]], env: dict, cwd: str) -> dict[str, float]:

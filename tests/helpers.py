@@ -97,8 +97,8 @@ def random_model(tmp_path, *overrides, seed=0, devices=1):
     import numpy as np
     from flax import nnx
 
-    from jaxtrain import step as step_lib
     from jaxtrain.config import load_config
+    from jaxtrain.train import step as step_lib
 
     cfg = load_config(None, [f"run.dir={tmp_path}", *REFERENCE_SMALL, *overrides])
     ts = step_lib.setup(cfg, jax.devices()[:devices])
@@ -147,7 +147,7 @@ def make_hf_model(path, seed=0, **overrides):
 
 def import_dir(src, out, *overrides):
     """``convert.import_hf`` of the Hugging Face directory ``src`` into ``out``; returns the imported config."""
-    from jaxtrain import convert
+    from jaxtrain.hf import convert
 
     cfg, hf_cfg, tensors = convert.hf_import_config(str(src), str(out), ["data.threads=0", *overrides])
     convert.import_hf(cfg, hf_cfg, tensors, str(src), str(out))

@@ -11,9 +11,10 @@ import pytest
 
 from helpers import run_cli
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.layout import resolve_auto, seq_shards
-from jaxtrain.model import REMAT_POLICIES, keep_residuals
-from kernels import mha_reference
+from jaxtrain.kernels import mha_reference
+from jaxtrain.models.attention import REMAT_POLICIES, keep_residuals
+from jaxtrain.parallel.dims import seq_shards
+from jaxtrain.parallel.layout import resolve_auto
 
 FLASH = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
 

@@ -7,9 +7,10 @@ import json
 import jax
 import pytest
 
-from jaxtrain.config import MESH_AXES, load_config
+from jaxtrain.config import load_config
+from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.hardware import Hardware
+from jaxtrain.parallel.dims import MESH_AXES
 from jaxtrain.planner import auto, calibration, cost, trial
 
 # One device: the candidates differ in remat only (one microbatch), so the slow test compiles two small steps.
@@ -43,7 +44,7 @@ def test_closed_forms_are_lower_bounds_where_they_claim(make_config):
     cfg = make_config()
     c = next(c for c in auto.candidates(cfg, 8, 1) if c.shape.axis_sizes["fsdp"] == 8 and c.remat == "none")
     # Parameters + two AdamW moments in float32, sharded 8 ways: the closed form, not a bound, for a pure fsdp mesh.
-    from jaxtrain.model import count_params
+    from jaxtrain.models.flops import count_params
     assert cost.state_bytes_lower(cfg, c.shape) == 3 * 4 * count_params(cfg.model)["total"] / 8
     lower, guess = cost.activation_bytes(c.apply(cfg), c.shape)
     assert 0 < lower < guess

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from helpers import REPO, logged_losses, run_cli
-from jaxtrain import loop
-from jaxtrain import step as step_lib
 from jaxtrain.config import ConfigError
+from jaxtrain.train import loop
+from jaxtrain.train import step as step_lib
 
 # Small and float32 so that runs are quick and comparisons exact.
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
@@ -204,7 +204,7 @@ def test_init_from_loads_parameters_with_a_fresh_optimizer(tmp_path):
     cfg = load_config(None, [f"run.dir={tmp_path / 'finetune'}", *base, "train.steps=1",
                              f"checkpoint.init_from={src / 'checkpoints'}"])
     trainer = step_lib.setup(cfg, jax.devices()[:1])
-    from jaxtrain import checkpoint as ckpt
+    from jaxtrain.checkpoint import format as ckpt
 
     plan = ckpt.choose_restore(cfg, trainer.layout.abstract_state)
     assert plan.kind == "params" and plan.step == 5
@@ -257,7 +257,7 @@ def test_resume_restores_adamw_moments_and_continues_bit_exact(tmp_path):
     saved it, and logs the same losses bit for bit (one CPU device, float32: the run is deterministic)."""
     import orbax.checkpoint as ocp
 
-    from jaxtrain import checkpoint as ckpt
+    from jaxtrain.checkpoint import format as ckpt
     from jaxtrain.config import load_config
 
     def cfg(run, steps):

@@ -6,9 +6,10 @@ from flax import nnx
 
 from helpers import REPO
 from jaxtrain.config import Config, ConfigError, dump_yaml, load_config
-from jaxtrain.layout import resolve_auto
-from jaxtrain.mesh import cpu_devices_per_process
-from jaxtrain.model import Transformer, count_params
+from jaxtrain.models.flops import count_params
+from jaxtrain.models.llama import Transformer
+from jaxtrain.parallel.dims import cpu_devices_per_process
+from jaxtrain.parallel.layout import resolve_auto
 
 
 def test_tiny_yaml_equals_builtin_defaults():

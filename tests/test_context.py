@@ -1,5 +1,5 @@
-"""Context parallelism (jaxtrain/context.py): the sequence split over the ``context`` mesh axis, ring and all-gather
-attention over it, the zigzag load balance, and training that equals the one-device run."""
+"""Context parallelism (jaxtrain/parallel/context.py): the sequence split over the ``context`` mesh axis, ring and
+all-gather attention over it, the zigzag load balance, and training that equals the one-device run."""
 
 import jax
 import jax.numpy as jnp
@@ -8,14 +8,15 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from helpers import FAST
-from jaxtrain import context, loop
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.layout import Layout, resolve_auto
-from jaxtrain.mesh import build_mesh
+from jaxtrain.parallel import context
+from jaxtrain.parallel.layout import Layout, resolve_auto
+from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.planner.collectives import stated_collectives
 from jaxtrain.planner.cost import group_span
 from jaxtrain.planner.hlo import parse_hlo
-from jaxtrain.step import Step
+from jaxtrain.train import loop
+from jaxtrain.train.step import Step
 
 # -- the schedule ----------------------------------------------------------------------------------------------------
 

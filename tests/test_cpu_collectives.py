@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers import FAST, REPO, logged_losses, run_cli
-from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
+from jaxtrain.train import step as step_lib
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])

@@ -3,7 +3,8 @@ import pytest
 
 from helpers import MESHES
 from jaxtrain import data as data_lib
-from jaxtrain.config import ConfigError, check_divisibility, load_config
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.parallel.dims import MeshShape, ParallelDims
 
 
 def _tokens(cfg):
@@ -71,11 +72,7 @@ def test_train_and_eval_splits_do_not_overlap():
 def test_default_global_batch_divides_over_every_tested_mesh(name):
     overrides = MESHES[name]
     cfg = load_config(None, overrides)
-    sizes = {"data": 1, "stage": 1, "fsdp": 1, "tensor": 1}
-    for o in overrides:
-        key, value = o.split("=")
-        sizes[key.split(".")[-1]] *= int(value)
-    check_divisibility(cfg, sizes)  # raises if not
+    ParallelDims(cfg, MeshShape.resolve(cfg.mesh, 8)).check()  # raises if not
 
 
 def test_npy_source_and_vocab_check(tmp_path):

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from helpers import REPO
+from jaxtrain.cluster.distributed import first_slurm_host, resolve
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.distributed import first_slurm_host, resolve
 
 DIST = load_config(None, []).dist
 

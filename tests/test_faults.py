@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 
 from helpers import REPO, logged_losses, run_cli
-from jaxtrain import checkpoint as ckpt
-from jaxtrain import guards, loop, rundir
-from jaxtrain import step as step_lib
+from jaxtrain import rundir
+from jaxtrain.checkpoint import format as ckpt
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain.train import guards, loop
+from jaxtrain.train import step as step_lib
 
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
          "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=5", "train.decay_steps=60",
@@ -393,7 +394,7 @@ def test_checkpoint_fingerprint_matches_numpy_on_any_mesh(dtype):
 
 
 def test_goodput_counts_the_work_a_fault_lost_in_its_own_bucket():
-    from jaxtrain.goodput import Goodput
+    from jaxtrain.observe.goodput import Goodput
 
     g = Goodput(start_time=time.time(), previous_last_step=7)  # the faulted invocation had logged step 7
     for step in range(5, 10):  # restored from step 4: steps 5-7 are recomputed, 8-9 are new

@@ -1,4 +1,4 @@
-"""Flash attention kernels (kernels.flash_attention) against a float64 oracle, on CPU.
+"""Flash attention kernels (jaxtrain.kernels.flash_attention) against a float64 oracle, on CPU.
 
 The Pallas kernels run in interpret mode here; the Triton-language kernels run in Triton's CPU interpreter and
 are compiled for sm_90 when the `triton` package is importable (skipped otherwise); the compiled GPU paths are
@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling
+from jaxtrain.kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling
 
 
 def _has_gpu() -> bool:
@@ -84,7 +84,7 @@ def make_inputs(case_id: str, b, s, h, kvh, d, dtype, segments=None):
 
 
 def flash_with_grads(q, k, v, seg, do, *, causal, **kwargs):
-    """(o, dq, dk, dv) of kernels.flash_attention through jax.vjp, in one compiled program."""
+    """(o, dq, dk, dv) of jaxtrain.kernels.flash_attention through jax.vjp, in one compiled program."""
 
     @jax.jit
     def run(q, k, v, seg, do):
@@ -294,9 +294,9 @@ def test_document_mask_skips_tiles_of_other_documents(causal):
 
 
 def test_tile_skip_report_on_the_embedded_corpus():
-    """python -m kernels.bench --tile-skip 4096: every kernel computes some but not all causal tiles (the corpus's
-    documents are shorter than the window), and no more than the causal tiles."""
-    from kernels import bench
+    """python -m jaxtrain.kernels.bench --tile-skip 4096: every kernel computes some but not all causal tiles (the
+    corpus's documents are shorter than the window), and no more than the causal tiles."""
+    from jaxtrain.kernels import bench
 
     rows = bench.main(["--tile-skip", "4096"])
     assert {r["kernel"] for r in rows} == set(tiling.KINDS)
@@ -694,7 +694,7 @@ def test_gpu_values_and_grads(case):
 
 
 def test_bench_smoke_mode_runs_every_implementation_and_writes_reports(tmp_path, capsys):
-    from kernels import bench
+    from jaxtrain.kernels import bench
 
     rows = bench.main(["--smoke", "--causal", "true", "--out", str(tmp_path)])
     printed = capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Flash kernels on blocks of a sequence (what ring attention calls): query / key position offsets (static and
 traced), sq != skv, separate query and key segment ids, the forward and backward entries
-(``kernels.flash_attention_fwd`` / ``flash_attention_bwd``), against a float64 oracle; partial results over two
+(``jaxtrain.kernels.flash_attention_fwd`` / ``flash_attention_bwd``), against a float64 oracle; partial results over two
 key blocks merged by their log-sum-exp equal attention over the concatenated keys; tiles hidden by the causal mask
 or by the segments are skipped (NaN in them reaches nothing).
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import flash_attention, flash_attention_bwd, flash_attention_fwd
+from jaxtrain.kernels import flash_attention, flash_attention_bwd, flash_attention_fwd
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TILES = dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
@@ -251,8 +251,8 @@ def _triton_block_errors() -> dict:
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from test_flash_attention import interpreter_launch
 
-    from kernels import flash_triton
-    from kernels.flash_pallas import LN2, LOG2E, may_have_empty_rows
+    from jaxtrain.kernels import flash_triton
+    from jaxtrain.kernels.flash_pallas import LN2, LOG2E, may_have_empty_rows
 
     launch = interpreter_launch()
 

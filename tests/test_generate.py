@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 
 from helpers import HF_BASE, import_dir, make_hf_model, run_cli  # noqa: E402
-from jaxtrain import checkpoint as ckpt  # noqa: E402
-from jaxtrain import convert, generate  # noqa: E402
+from jaxtrain.checkpoint import format as ckpt  # noqa: E402
+from jaxtrain.hf import convert, generate  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""The driver / JAX CUDA plugin verdict (jaxtrain.gpu_env) as a pure function of driver and plugins, and
+"""The driver / JAX CUDA plugin verdict (jaxtrain.cluster.gpu_env) as a pure function of driver and plugins, and
 ``python -m jaxtrain env`` on this CPU machine: as it is (no driver), and with a driver's two faces put in place
 (a libcuda.so.1 answering cuDriverGetVersion, compiled here, and an nvidia-smi printing a real header)."""
 
@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from helpers import run_cli
-from jaxtrain.gpu_env import Driver, verdict
+from jaxtrain.cluster.gpu_env import Driver, verdict
 
 NO_DRIVER = Driver(None, None, "no libcuda.so.1 and no nvidia-smi")
 R535 = Driver((12, 2), "535.183.01", "libcuda + nvidia-smi")

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxtrain import hardware, health
+from jaxtrain.config import hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.health_verdict import (
+from jaxtrain.health import check as health
+from jaxtrain.health.verdict import (
     BOUND,
     RELATIVE,
     WRONG,

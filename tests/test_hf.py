@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import HF_BASE, import_dir, make_hf_model, run_cli  # noqa: E402
-from jaxtrain import checkpoint as ckpt  # noqa: E402
-from jaxtrain import convert  # noqa: E402
+from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError  # noqa: E402
+from jaxtrain.hf import convert  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -214,8 +214,8 @@ def test_finetune_imported_checkpoint_on_8_devices_then_export(tmp_path):
     """Import, train 3 steps from it (checkpoint.init_from, via the config.yaml the import wrote) on a 4 x 2 mesh of
     8 devices, export the result: transformers' loss on the held-out batches equals jaxtrain's eval loss (1e-4)."""
     from jaxtrain import data as data_lib
-    from jaxtrain import loop
     from jaxtrain.config import load_config
+    from jaxtrain.train import loop
 
     original = make_hf_model(tmp_path / "hf")
     import_dir(tmp_path / "hf", tmp_path / "jt")  # sharded fsdp=8 at write time; restored onto fsdp=4 x tensor=2

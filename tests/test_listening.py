@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers import REPO
-from jaxtrain import distributed
+from jaxtrain.cluster import distributed
 from jaxtrain.config import load_config
 
 

@@ -1,4 +1,4 @@
-"""Local (emergency) checkpoints (jaxtrain/checkpoint_local.py, docs/checkpoints.md).
+"""Local (emergency) checkpoints (jaxtrain/checkpoint/local.py, docs/checkpoints.md).
 
 Fast: a sharded state's shards packed into one process's blob and back, bit-exact, each distinct shard once; the
 rule that decides which local step every process can restore; a local step written, listed and read back (and one
@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 from test_mp_faults import TINY, _inject, _rng, _start_local, _survivors_exit, job_env  # noqa: F401 (fixture)
 
 from helpers import REPO
-from jaxtrain import checkpoint_local as cl
 from jaxtrain import rundir
+from jaxtrain.checkpoint import local as cl
 from jaxtrain.errors import ConfigError
 
 
@@ -143,7 +143,7 @@ def test_local_steps_are_written_atomically_listed_kept_and_read_back(tmp_path):
 
 
 def test_choose_takes_a_newer_local_step_and_falls_back_when_it_cannot_be_read(tmp_path):
-    from jaxtrain.checkpoint import RestoreSource
+    from jaxtrain.checkpoint.format import RestoreSource
 
     state, abstract = _state(), _abstract(_state())
     local, ck = str(tmp_path / "local"), str(tmp_path / "ck")
@@ -195,7 +195,7 @@ def _listing(local_dir, n):
 
 @pytest.mark.slow
 def test_a_killed_process_resumes_from_local_then_from_the_peer_copy(tmp_path, job_env):  # noqa: F811
-    from jaxtrain import checkpoint as ckpt
+    from jaxtrain.checkpoint import format as ckpt
 
     rng, n, every, local_every = _rng("local-kill-2"), 2, 6, 2
     run, local, out = tmp_path / "run", tmp_path / "local", tmp_path / "fault.out"

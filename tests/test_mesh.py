@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.mesh import MeshShape, build_mesh
+from jaxtrain.parallel.dims import MeshShape
+from jaxtrain.parallel.mesh import build_mesh
 
 
 def test_fill_axis_takes_the_remaining_devices():

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import loop
 from jaxtrain.config import FLASH_HEAD_DIMS, ConfigError, load_config
-from kernels import flash_pallas
+from jaxtrain.kernels import flash_pallas
+from jaxtrain.train import loop
 
 BASE = ["model.dtype=float32", "model.param_dtype=float32", "train.steps=5", "train.eval_every=0",
         "train.eval_batches=1", "model.head_dim=32", "data.seq_len=64", "train.global_batch=8", "data.threads=0",

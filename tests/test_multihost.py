@@ -76,8 +76,8 @@ def test_launcher_stops_the_job_when_a_process_is_killed(tmp_path):
 
 
 def test_distributed_settings_errors():
+    from jaxtrain.cluster.distributed import resolve
     from jaxtrain.config import ConfigError, load_config
-    from jaxtrain.distributed import resolve
 
     cfg = load_config(None, [])
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES set in the environment but not"):
@@ -132,7 +132,7 @@ def test_the_roll_call_stops_a_job_whose_processes_disagree(claims, expected):
     """Every process that reported gets process 0's verdict, and process 0 raises it too: one line each."""
     import threading
 
-    from jaxtrain import distributed
+    from jaxtrain.cluster import distributed
     from jaxtrain.config import load_config
     from jaxtrain.errors import DistributedError
 
@@ -168,7 +168,7 @@ def test_start_up_timeouts_default_to_jaxs_own():
 
     import jax
 
-    from jaxtrain import distributed
+    from jaxtrain.cluster import distributed
     from jaxtrain.config import load_config
 
     params = inspect.signature(jax.distributed.initialize).parameters

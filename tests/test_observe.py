@@ -339,10 +339,10 @@ def test_out_of_memory_writes_the_device_memory_profile_and_the_split(make_confi
     import jax
     import jax.numpy as jnp
 
-    from jaxtrain import observe
-    from jaxtrain import step as step_lib
-    from jaxtrain.metrics import Throughput
-    from jaxtrain.model import count_params
+    from jaxtrain.models.flops import count_params
+    from jaxtrain.observe import observer as observe
+    from jaxtrain.observe.metrics import Throughput
+    from jaxtrain.train import step as step_lib
 
     cfg = make_config("runtime.cpu_devices=2")
     ts = step_lib.setup(cfg, jax.devices()[:2])
@@ -393,7 +393,7 @@ def test_tensorboard_events_read_back_by_the_protobuf_library(tmp_path):
     step), then each logged record's finite numbers as scalars at their step."""
     crc32c = pytest.importorskip("google_crc32c")
     event_pb2 = _event_protos()
-    from jaxtrain.metrics import MetricsWriter
+    from jaxtrain.observe.metrics import MetricsWriter
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

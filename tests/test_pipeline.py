@@ -1,4 +1,5 @@
-"""Pipeline parallelism (jaxtrain/pipeline.py and the train step's stage axis), proven against independent references.
+"""Pipeline parallelism (jaxtrain/parallel/pipeline.py and the train step's stage axis), proven against independent
+references.
 
 - The circular schedule on a toy layer stack against NumPy's sequential application of the layers, and its
   gradients against jax.grad of a plain (unpipelined) scan.
@@ -16,12 +17,14 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from helpers import FAST
-from jaxtrain import loop, pipeline, pipeline_1f1b
-from jaxtrain import step as step_lib
-from jaxtrain.config import MESH_AXES, ConfigError, load_config
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.parallel import pipeline, pipeline_1f1b
+from jaxtrain.parallel.dims import MESH_AXES
 from jaxtrain.planner.collectives import stated_collectives
 from jaxtrain.planner.cost import group_span
 from jaxtrain.planner.hlo import parse_hlo
+from jaxtrain.train import loop
+from jaxtrain.train import step as step_lib
 
 # -- the schedule on a toy stack -----------------------------------------------------------------------------------
 
@@ -29,7 +32,7 @@ D, MB, PER_CHUNK, VOCAB = 8, 4, 2, 16  # feature width, rows per microbatch, lay
 
 
 def _stage_mesh(stages: int) -> jax.sharding.Mesh:
-    """8 devices as (stage, fsdp), Auto axes as jaxtrain.mesh builds them."""
+    """8 devices as (stage, fsdp), Auto axes as jaxtrain.parallel.mesh builds them."""
     return jax.make_mesh((stages, 8 // stages), ("stage", "fsdp"), axis_types=(AxisType.Auto,) * 2,
                          devices=jax.devices()[:8])
 
@@ -195,7 +198,7 @@ def test_bubble_fraction_values():
 
 PIPELINE = ["model.n_layers=8", "train.microbatches=4"]
 LAYOUTS = {
-    # The interleaved 1F1B schedule (jaxtrain/pipeline_1f1b.py); GPipe's run of this layout is in the slow pass.
+    # The interleaved 1F1B schedule (parallel/pipeline_1f1b.py); GPipe's run of this layout is in the slow pass.
     "stage2xfsdp4-v2 1f1b": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.virtual_stages=2",
                              "train.pipeline_schedule=1f1b"],
     "stage4xtensor2-v1": ["mesh.ici.stage=4", "mesh.ici.fsdp=1", "mesh.ici.tensor=2"],

@@ -1,4 +1,4 @@
-"""The 1F1B schedule (jaxtrain/pipeline_1f1b.py) against independent references.
+"""The 1F1B schedule (jaxtrain/parallel/pipeline_1f1b.py) against independent references.
 
 - Its timetable, walked in Python: every work item forwarded and backwarded once per stage, each input arriving from
   the previous stage (or pass) exactly one iteration earlier, each cotangent from the next, and no saved input
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxtrain import pipeline, pipeline_1f1b
+from jaxtrain.parallel import pipeline, pipeline_1f1b
 
 D, MB, PER_CHUNK, VOCAB = 8, 4, 2, 16
 
@@ -172,8 +172,8 @@ def test_1f1b_temporaries_stay_flat_as_microbatches_grow_where_gpipe_grows(tmp_p
     temporaries stay within 15%; GPipe keeps M + S - 1 and grows with M (measured 17 -> 42 -> 141 MB against
     3.8 -> 3.9 -> 3.9 MB for 1F1B)."""
     from helpers import FAST
-    from jaxtrain import step as step_lib
     from jaxtrain.config import load_config
+    from jaxtrain.train import step as step_lib
 
     def temporaries(schedule, m):
         cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", *FAST, "model.n_layers=4", "data.seq_len=64",

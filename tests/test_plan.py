@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from helpers import FAST, run_cli
-from jaxtrain import hardware, model
-from jaxtrain.config import MESH_AXES, ConfigError, load_config
-from jaxtrain.mesh import MeshShape, build_mesh
-from jaxtrain.model import count_params
+from jaxtrain.config import ConfigError, hardware, load_config
+from jaxtrain.models import flops as model
+from jaxtrain.models.flops import count_params
+from jaxtrain.parallel.dims import MESH_AXES, MeshShape
+from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.planner import collectives, cost, report, search
 
 MESHES = {
@@ -370,7 +371,7 @@ def test_table_fits_120_columns_with_the_longest_mesh_label(pipelined):
 def test_1f1b_rows_add_one_forward_and_keep_the_bubble(pipelined):
     """The cost model of train.pipeline_schedule=1f1b on the same compile: compute x (1 + 1/3) for the forward each
     backward recomputes (remat none), GPipe's bubble, the 1F1B loop's iterations, the row marked as 1F1B."""
-    from jaxtrain import pipeline_1f1b
+    from jaxtrain.parallel import pipeline_1f1b
 
     cfg, comp = pipelined
     one_f_one_b = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pipeline_schedule="1f1b"))

@@ -11,8 +11,9 @@ import os
 import numpy as np
 import pytest
 
-from jaxtrain.config import MESH_AXES, load_config
-from jaxtrain.model import count_params
+from jaxtrain.config import load_config
+from jaxtrain.models.flops import count_params
+from jaxtrain.parallel.dims import MESH_AXES
 from jaxtrain.planner import collectives, hlo, passes
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")

@@ -3,9 +3,8 @@ microbatches, and the device peak rates MFU divides by (datasheet numbers writte
 
 import pytest
 
-from jaxtrain import hardware
-from jaxtrain.config import ConfigError, load_config
-from jaxtrain.layout import resolve_auto
+from jaxtrain.config import ConfigError, hardware, load_config
+from jaxtrain.parallel.layout import resolve_auto
 
 
 @pytest.mark.parametrize("platform, overrides, dtype, attention", [

@@ -13,7 +13,7 @@ import pytest
 
 from jaxtrain import data as data_lib
 from jaxtrain.config import load_config
-from jaxtrain.step import document_segments
+from jaxtrain.train.step import document_segments
 
 SEQ = 8
 

@@ -1,4 +1,4 @@
-"""Environment resolution (jaxtrain.distributed.resolve) with asymmetric values, so that a swapped field shows.
+"""Environment resolution (jaxtrain.cluster.distributed.resolve) with asymmetric values, so that a swapped field shows.
 
 Every value below differs from every other (3 processes, process 2, distinct ports and hosts, 6 Slurm tasks on 3
 nodes, local id 1), and each expected value is written out by hand from the documented rule (docs/multihost.md).
@@ -6,8 +6,8 @@ nodes, local id 1), and each expected value is written out by hand from the docu
 
 import pytest
 
+from jaxtrain.cluster.distributed import resolve
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.distributed import resolve
 
 DIST = load_config(None, []).dist
 

@@ -14,9 +14,9 @@ import jax
 import pytest
 
 from helpers import hand_forward_flops_per_token
-from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
-from jaxtrain.model import count_params, train_flops_per_token
+from jaxtrain.models.flops import count_params, train_flops_per_token
+from jaxtrain.train import step as step_lib
 
 
 @pytest.mark.parametrize("config, seq", [(None, 128), ("125m", 512), ("7b", 4096), ("70b", 2048)])

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 from helpers import REFERENCE_SMALL, random_model
-from jaxtrain import step as step_lib
 from jaxtrain.config import load_config
-from jaxtrain.model import rope_frequencies, rotary
+from jaxtrain.models.llama import rope_frequencies, rotary
+from jaxtrain.train import step as step_lib
 
 # ---------------------------------------------------------------------------------------------------------------
 # NumPy reference (float64)

@@ -5,9 +5,9 @@ optimizer update is memory-bound (gradients, parameters and both moments read, p
 import pytest
 
 from helpers import hand_forward_flops_per_token
-from jaxtrain.config import MESH_AXES, load_config
-from jaxtrain.hardware import Hardware
-from jaxtrain.mesh import MeshShape
+from jaxtrain.config import load_config
+from jaxtrain.config.hardware import Hardware
+from jaxtrain.parallel.dims import MESH_AXES, MeshShape
 from jaxtrain.planner import cost
 
 HW = Hardware(peak_flops=1e15, hbm_bytes=8e10, hbm_bandwidth=2e12, devices_per_node=8, intra_node_bandwidth=4e11,

@@ -227,7 +227,7 @@ def test_step_loss_is_per_trained_token_of_the_whole_step_across_microbatches(tm
 
 
 def test_chat_with_pipeline_stages_or_cudnn_packing_exits_before_training(tmp_path, chat):
-    from jaxtrain import loop
+    from jaxtrain.train import loop
 
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", *chat, "mesh.ici.stage=2", "mesh.ici.fsdp=1",
                              "mesh.ici.data=4", "train.microbatches=2", "train.global_batch=8"])

@@ -20,11 +20,12 @@ QUESTIONS = [("what is the colour of the sky ?", "blue ."), ("what is the colour
 
 @pytest.mark.slow
 def test_import_finetune_on_chat_generate_export(tmp_path):
-    from jaxtrain import checkpoint as ckpt
-    from jaxtrain import convert, loop
     from jaxtrain import data as data_lib
+    from jaxtrain.checkpoint import format as ckpt
     from jaxtrain.config import load_config
     from jaxtrain.data.tokens import NO_LOSS, TOKEN_BITS
+    from jaxtrain.hf import convert
+    from jaxtrain.train import loop
 
     make_hf_model(tmp_path / "hf")
     make_chat_tokenizer(tmp_path / "hf")  # the model's tokenizer files sit next to its weights, as on the Hub

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from helpers import REPO, run_cli
-from jaxtrain import runtime
+from jaxtrain.cluster import process as runtime
 from jaxtrain.config import ConfigError, load_config
 
 HEAVY = ("torch", "tensorboardX", "transformers")
@@ -22,7 +22,7 @@ HEAVY = ("torch", "tensorboardX", "transformers")
 def test_train_command_imports_no_torch_tensorboardx_or_transformers():
     """The CLI and the train command's whole import closure (the loop and everything it imports) leave out the
     heavy optional packages, which cost seconds of start-up where installed (torch alone ~1.5 s here)."""
-    code = ("import sys, jaxtrain.cli, jaxtrain.commands.train, jaxtrain.loop\n"
+    code = ("import sys, jaxtrain.cli, jaxtrain.commands.train, jaxtrain.train.loop\n"
             f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -33,8 +33,8 @@ def test_train_command_imports_no_torch_tensorboardx_or_transformers():
 
 def test_grain_and_orbax_are_imported_while_the_step_compiles():
     """Grain and Orbax (Grain imports Orbax) are not in the train command's import closure: the loop imports them
-    on another thread while XLA compiles the train step (jaxtrain/loop.py), not before it."""
-    code = ("import sys, jaxtrain.cli, jaxtrain.commands.train, jaxtrain.loop\n"
+    on another thread while XLA compiles the train step (jaxtrain/train/loop.py), not before it."""
+    code = ("import sys, jaxtrain.cli, jaxtrain.commands.train, jaxtrain.train.loop\n"
             "print(' '.join(m for m in ('grain', 'orbax.checkpoint') if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

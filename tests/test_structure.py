@@ -1,12 +1,44 @@
-"""The package's shape: no import cycle among jaxtrain's modules (imports inside functions included), and no module
-over 500 lines outside kernels/ (a module that grows past that holds more than one concern)."""
+"""The package's shape, read from the source (imports inside functions included):
+
+- no import cycle among jaxtrain's modules;
+- the rooms (packages and top-level modules) import only rooms on lower floors (``FLOORS``), so data flows one way:
+  config -> parallel facts -> model / optimizer -> parallel layout -> step -> loop -> planner -> commands;
+- every package says in its docstring what lives there and what it may import;
+- no module over 500 lines (kernel files: 600), no function over 80 lines, in jaxtrain/;
+- mesh axes named through ``jaxtrain.parallel.dims.Axis``, never as bare strings where a mesh axis is meant.
+"""
 
 import ast
 import os
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "jaxtrain")
-MAX_LINES = 500
+MAX_LINES, MAX_KERNEL_LINES, MAX_FUNCTION_LINES = 500, 600, 80
+
+# Rooms from the bottom up; a room may import its own modules and those of rooms on lower floors only. A room is a
+# package or top-level module of jaxtrain (``jaxtrain.parallel.dims`` and ``jaxtrain.kernels.bench`` are rooms of
+# their own: the device-free parallel facts sit below the config that reads them; the kernels' benchmark reads the
+# data package to attend over real documents, so it sits above the kernels it measures).
+FLOORS = [
+    {"jaxtrain", "errors", "log"},  # the package's __init__ (its version), error types, log lines
+    {"kernels"},  # flash attention kernels: nothing of jaxtrain
+    {"parallel.dims"},  # axes, sizes, derived parallel facts: no JAX
+    {"config"},  # the typed config tree, loading, validation: no JAX
+    {"rundir"},  # run-directory file names, the run lock, metrics.jsonl / summary.json
+    {"cluster"},  # processes, nodes and links: jax.distributed, the GPU driver, process-level JAX settings
+    {"models"},  # model families, logical axes only
+    {"optim"},  # optimizer and train state
+    {"parallel"},  # the layout on devices, parallelism applied to the model
+    {"checkpoint", "data", "observe"},
+    {"train"},  # the step and the loop
+    {"planner"},
+    {"health", "sweep", "hf", "kernels.bench"},
+    {"commands"},
+    {"cli"},
+    {"__main__"},
+]
 
 
 def _modules() -> dict[str, str]:
@@ -33,6 +65,19 @@ def _imports(name: str, path: str, known: set[str]) -> set[str]:
             found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known}
     found.discard(name)
     return found
+
+
+def _room(module: str) -> str:
+    """The room of a module: its package or top-level module under jaxtrain (or a room named in FLOORS)."""
+    rest = module.removeprefix("jaxtrain").removeprefix(".")
+    for special in ("parallel.dims", "kernels.bench"):
+        if rest == special:
+            return special
+    return rest.split(".")[0] if rest else "jaxtrain"
+
+
+def _floor(room: str) -> int:
+    return next(i for i, rooms in enumerate(FLOORS) if room in rooms)
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -70,6 +115,108 @@ def test_the_cycle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_no_module_over_500_lines_outside_kernels():
-    long = {os.path.relpath(p, REPO): n for p in _modules().values() if (n := len(open(p).readlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
+def _upward_imports(modules: dict[str, str]) -> list[str]:
+    bad = []
+    for name, path in sorted(modules.items()):
+        room = _room(name)
+        for target in sorted(_imports(name, path, set(modules))):
+            other = _room(target)
+            if other != room and _floor(other) >= _floor(room):
+                bad.append(f"{name} (room {room}, floor {_floor(room)}) imports {target} (room {other}, "
+                           f"floor {_floor(other)})")
+    return bad
+
+
+def test_every_room_is_on_a_floor():
+    rooms = {_room(m) for m in _modules()}
+    missing = sorted(r for r in rooms if not any(r in floor for floor in FLOORS))
+    assert not missing, f"rooms not placed in FLOORS: {missing}"
+
+
+def test_rooms_import_only_rooms_below_them():
+    bad = _upward_imports(_modules())
+    assert not bad, "imports against the floors (tests/test_structure.py FLOORS):\n" + "\n".join(bad)
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path):
+    """The check itself: a model module importing the train step is reported."""
+    bad_file = tmp_path / "llama.py"
+    bad_file.write_text("from jaxtrain.train import step\n")
+    modules = {"jaxtrain.models.llama": str(bad_file), "jaxtrain.train.step": str(bad_file)}
+    assert any("jaxtrain.models.llama" in line for line in _upward_imports(modules))
+
+
+@pytest.mark.parametrize("package", sorted(
+    d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))))
+def test_every_package_says_what_lives_there_and_what_it_may_import(package):
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, package, "__init__.py")).read())) or ""
+    assert len(doc.split()) >= 25, f"jaxtrain/{package}/__init__.py: say in a paragraph what lives there"
+    assert "import" in doc, f"jaxtrain/{package}/__init__.py: say what the package may import"
+
+
+def test_no_module_over_the_line_cap():
+    long = {}
+    for path in _modules().values():
+        cap = MAX_KERNEL_LINES if os.sep + "kernels" + os.sep in path else MAX_LINES
+        if (n := len(open(path).readlines())) > cap:
+            long[os.path.relpath(path, REPO)] = n
+    assert not long, f"modules over {MAX_LINES} lines ({MAX_KERNEL_LINES} for kernels): {long}"
+
+
+def test_no_function_over_80_lines():
+    long = []
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+AXIS_NAMES = {"data", "stage", "fsdp", "context", "tensor", "expert"}
+# Calls whose string arguments name mesh axes (specs, collectives, sizes).
+AXIS_CALLS = {"PartitionSpec", "P", "axis_index", "psum", "pmean", "pmax", "all_gather", "ppermute", "all_to_all",
+              "psum_scatter", "axis_size", "size", "crosses_nodes"}
+# Where a string equal to an axis name is no mesh axis: (module, the string).
+NOT_AXES = {("jaxtrain/observe/stragglers.py", "data"), ("jaxtrain/observe/observer.py", "data")}
+
+
+def _axis_strings(path: str) -> list[tuple[int, str]]:
+    """(line, name) of string constants equal to a mesh axis name used as one: a subscript (``sizes["fsdp"]``), a
+    comparison (``== "context"``), a ``.get(name, 1)`` or an argument of a spec or collective call."""
+    tree = ast.parse(open(path).read())
+    hits = []
+    for node in ast.walk(tree):
+        consts = []
+        if isinstance(node, ast.Subscript):
+            consts = [node.slice]
+        elif isinstance(node, ast.Compare):
+            consts = [node.left, *node.comparators]
+        elif isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in AXIS_CALLS or (func == "get" and len(node.args) == 2
+                                      and isinstance(node.args[1], ast.Constant) and node.args[1].value == 1):
+                consts = list(node.args)
+        for c in consts:
+            for sub in ast.walk(c):
+                if isinstance(sub, ast.Constant) and sub.value in AXIS_NAMES:
+                    hits.append((sub.lineno, sub.value))
+    return hits
+
+
+def test_mesh_axes_are_named_through_the_axis_enum():
+    allowed_files = {os.path.join("jaxtrain", "parallel", "dims.py"), os.path.join("jaxtrain", "config", "tree.py")}
+    bad = []
+    for path in _modules().values():
+        rel = os.path.relpath(path, REPO)
+        if rel in allowed_files:
+            continue
+        bad += [f"{rel}:{line} {name!r}" for line, name in _axis_strings(path) if (rel, name) not in NOT_AXES]
+    assert not bad, f"mesh axes named by bare strings (use jaxtrain.parallel.dims.Axis): {bad}"
+
+
+def test_the_axis_string_check_sees_one(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('sizes = {}\nn = sizes["fsdp"]\nk = sizes.get("context", 1)\nok = x == "stage"\n')
+    assert [name for _, name in _axis_strings(str(f))] == ["fsdp", "context", "stage"]

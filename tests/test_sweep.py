@@ -9,8 +9,10 @@ import pytest
 import yaml
 
 from helpers import REPO, run_cli
-from jaxtrain import rundir, sweep
-from jaxtrain.config import MESH_AXES, ConfigError, load_config
+from jaxtrain import rundir
+from jaxtrain.config import ConfigError, load_config
+from jaxtrain.parallel.dims import MESH_AXES
+from jaxtrain.sweep import experiment as sweep
 
 
 def write(tmp_path, body, name="exp.yaml"):

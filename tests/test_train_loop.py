@@ -6,8 +6,8 @@ import jax
 import pytest
 
 from helpers import hand_forward_flops_per_token
-from jaxtrain import loop
 from jaxtrain.config import load_config
+from jaxtrain.train import loop
 
 
 def test_default_config_learns_and_writes_its_outputs(tmp_path):

@@ -13,7 +13,7 @@ jax-triton 0.3.1, the GPU machine's versions; the ``gpu`` extras pin the same tr
 * the generic matrix (impl x dtype x head_dim 32..256 x causal x segments) on q [2, 4093, 16, d] with 4 kv heads:
   masked loads (4093 is no tile multiple) and a dk/dv launch split over the GQA group (2 x 4 x 32 programs < 264).
 
-For each it traces ``jax.grad`` of a loss through ``kernels.flash_attention`` and lowers it
+For each it traces ``jax.grad`` of a loss through ``jaxtrain.kernels.flash_attention`` and lowers it
 for an abstract NVIDIA H200 with ``lowering_platforms=("cuda",)``, which is what XLA does on the GPU machine up to
 the launch:
 
@@ -106,20 +106,20 @@ def config_cases(impls=IMPLS, names=SHIPPED_CONFIGS, odd_seq: bool = True) -> li
     device (divided by the tensor axis), rows per device and microbatch, causal, segments when the config masks
     documents, at ``data.seq_len`` and (``odd_seq``) 3 tokens less."""
     from jaxtrain.config import load_config
-    from jaxtrain.mesh import MeshShape
+    from jaxtrain.parallel.dims import ParallelDims
 
     cases = []
     for name in names:
         cfg = load_config(name, [])
         m = cfg.model
-        sizes = MeshShape.resolve(cfg.mesh, GPUS_PER_NODE).axis_sizes
-        rows = cfg.train.global_batch // cfg.train.microbatches // (sizes["data"] * sizes["fsdp"])
+        dims = ParallelDims.of(cfg, num_devices=GPUS_PER_NODE)
+        rows = dims.rows_per_group
         dtype = "bfloat16" if m.dtype == "auto" else m.dtype
         seqs = (cfg.data.seq_len, cfg.data.seq_len - 3) if odd_seq else (cfg.data.seq_len,)
         for impl in impls:
             for seq in seqs:
                 cases.append(Case(impl, dtype, m.resolved_head_dim, True, cfg.data.document_mask, (), max(1, rows),
-                                  seq, m.n_heads // sizes["tensor"], m.n_kv_heads // sizes["tensor"], name))
+                                  seq, m.n_heads // dims.tensor, m.n_kv_heads // dims.tensor, name))
     return cases
 
 
@@ -236,7 +236,7 @@ def _lower_grad(case: Case) -> str:
     import jax
     import jax.numpy as jnp
 
-    from kernels import flash_attention, flash_attention_bwd, flash_attention_fwd
+    from jaxtrain.kernels import flash_attention, flash_attention_bwd, flash_attention_fwd
 
     dtype = jnp.dtype(case.dtype)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.head_dim), dtype)
@@ -314,7 +314,7 @@ def _pallas_kernels(case: Case, workdir: str) -> list[dict]:
 
 
 def _triton_kernels(case: Case) -> list[dict]:
-    from kernels import flash_triton
+    from jaxtrain.kernels import flash_triton
 
     _Recorder.kernels.clear()
     _Recorder.calls.clear()
@@ -352,7 +352,7 @@ def _kind(name: str) -> str:
 def _launch_settings(case: Case) -> dict:
     """{kind: {block_q, block_k, num_warps, num_stages}} as the kernels set them, or {} where not available."""
     try:
-        from kernels import api
+        from jaxtrain.kernels import api
 
         return api.launch_settings((case.batch, case.seq, case.heads, case.head_dim), case.kv_heads, case.dtype,
                                    causal=case.causal, has_segments=case.segments, impl=case.impl,
@@ -432,7 +432,7 @@ def _case_fields(case: Case) -> dict:
 
 def _dkdv_splits(case: Case, block_k: int) -> int:
     """Programs per GQA group of the dk/dv launch (1: the unsplit launch), as the kernels choose it."""
-    from kernels import tiling
+    from jaxtrain.kernels import tiling
 
     forced = dict(case.block_sizes).get("dkdv_splits")
     group = case.heads // case.kv_heads
@@ -498,7 +498,7 @@ def _parse_args(argv):
     parser.add_argument("--list", action="store_true", help="print the configurations (JSON with --json) and exit "
                         "without compiling (needs no GPU toolchain)")
     parser.add_argument("--blocks", default="", help="block-size overrides for every case, NAME=VALUE,... "
-                        "(the keywords of kernels.flash_attention for the impl)")
+                        "(the keywords of jaxtrain.kernels.flash_attention for the impl)")
     args = parser.parse_args(argv)
     if args.subset not in ("full", "ci"):
         parser.exit(2, f"compile_check: --subset {args.subset!r} is not valid; use full or ci\n")

@@ -1,4 +1,4 @@
-"""Print the configuration reference (Markdown) from the config dataclasses in jaxtrain/config.py.
+"""Print the configuration reference (Markdown) from the config dataclasses in jaxtrain/config/tree.py.
 
     python tools/config_reference.py > docs/configuration-reference.md
 
@@ -119,9 +119,9 @@ def render() -> str:
         "",
         "# Configuration reference",
         "",
-        "Every key of the config tree (`jaxtrain/config.py`), its type, its default (the tiny config) and the comment",
-        "beside it in the source. Set a key in a YAML file (`--config`) or on the command line (`key=value`, value in",
-        "YAML syntax); see [configuration.md](configuration.md).",
+        "Every key of the config tree (`jaxtrain/config/tree.py`), its type, its default (the tiny config) and the",
+        "comment beside it in the source. Set a key in a YAML file (`--config`) or on the command line (`key=value`,",
+        "value in YAML syntax); see [configuration.md](configuration.md).",
         "",
         "| key | type | default | description |",
         "| --- | --- | --- | --- |",

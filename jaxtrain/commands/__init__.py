@@ -1,4 +1,10 @@
-"""One module per ``python -m jaxtrain`` subcommand: ``add_arguments(parser)`` and ``run(args) -> int``."""
+"""The command line's subcommands, one module each (``python -m jaxtrain <name>``): ``add_arguments(parser)`` and
+``run(args) -> int``. A command parses its arguments, loads the config and calls into the packages that do the work;
+it holds no logic of its own beyond that wiring, and imports what it needs inside ``run`` so that ``--help`` and a
+bad argument answer before JAX starts.
+
+May import: any package of jaxtrain (commands sit at the top; nothing imports them but ``jaxtrain.cli``).
+"""
 
 
 def add_config_arguments(p, default: str = "the built-in tiny config, = configs/tiny.yaml"):
@@ -12,7 +18,7 @@ def start(args):
     from jaxtrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    from jaxtrain import runtime  # JAX starts only once the config is known to be good
+    from jaxtrain.cluster import process as runtime  # JAX starts only once the config is known to be good
 
     runtime.quiet_logs()
     runtime.configure(cfg)

@@ -21,7 +21,7 @@ def run(args) -> int:
     cfg = start(args)
     import jax
 
-    from jaxtrain import health
+    from jaxtrain.health import check as health
 
     decision = health.run(cfg)  # the same on every process; process 0 says it
     if jax.process_index() == 0:

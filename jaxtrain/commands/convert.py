@@ -37,7 +37,7 @@ def _size(text: str) -> int:
 
 
 def _start(cfg):
-    from jaxtrain import runtime
+    from jaxtrain.cluster import process as runtime
 
     runtime.quiet_logs()
     runtime.configure(cfg)
@@ -46,7 +46,7 @@ def _start(cfg):
 def run(args) -> int:
     import os
 
-    from jaxtrain import convert
+    from jaxtrain.hf import convert
 
     if args.direction == "from-hf":
         cfg, hf_cfg, tensors = convert.hf_import_config(args.src, args.out, args.overrides)
@@ -55,7 +55,7 @@ def run(args) -> int:
         print(f"imported {s['params'] / 1e6:.2f}M parameters in {s['seconds']:.1f} s to {os.path.abspath(args.out)} "
               f"(config.yaml, checkpoints/0{', ' + ', '.join(s['tokenizer']) if s['tokenizer'] else ''})")
         return 0
-    from jaxtrain import checkpoint as ckpt
+    from jaxtrain.checkpoint import format as ckpt
     from jaxtrain.config import load_config
     from jaxtrain.errors import ConfigError
 

@@ -1,5 +1,5 @@
 """``python -m jaxtrain env [--config PATH] [key=value ...] [--json]``: what ``jax.distributed`` would be given, and
-whether the node's NVIDIA driver runs the installed JAX CUDA plugin (``jaxtrain.gpu_env``)."""
+whether the node's NVIDIA driver runs the installed JAX CUDA plugin (``jaxtrain.cluster.gpu_env``)."""
 
 import json
 import os
@@ -23,7 +23,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from jaxtrain import distributed, gpu_env
+    from jaxtrain.cluster import distributed, gpu_env
     from jaxtrain.config import load_config
 
     cfg = load_config(args.config, args.overrides)

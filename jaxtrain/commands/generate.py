@@ -22,8 +22,8 @@ def add_arguments(p):
 def _tokenizer(meta):
     import os
 
-    from jaxtrain import convert, generate
     from jaxtrain.errors import ConfigError
+    from jaxtrain.hf import convert, generate
 
     path = convert.tokenizer_source(meta)
     if path == "bytes":
@@ -40,10 +40,10 @@ def run(args) -> int:
     import os
     import sys
 
-    from jaxtrain import checkpoint as ckpt
-    from jaxtrain import convert
+    from jaxtrain.checkpoint import format as ckpt
     from jaxtrain.config import load_config
     from jaxtrain.errors import ConfigError
+    from jaxtrain.hf import convert
 
     if args.temperature < 0:
         raise ConfigError(f"--temperature={args.temperature} must be >= 0")
@@ -76,7 +76,8 @@ def run(args) -> int:
     eos = tuple(origin.get("eos_token_id") or [meta["config"].get("data", {}).get("eos_id", 0)])
     cfg = load_config(None, convert.model_overrides(meta) + list(args.overrides))
 
-    from jaxtrain import generate, runtime
+    from jaxtrain.cluster import process as runtime
+    from jaxtrain.hf import generate
 
     runtime.quiet_logs()
     runtime.configure(cfg)

@@ -85,7 +85,8 @@ def run(args) -> int:
 def _budget(cfg, args) -> int:
     """``plan --tokens``: plan each node count (targets resolved first, so that a mistake in any answers before a
     compile), then one table of days and cost per candidate and node count."""
-    from jaxtrain import hardware, runtime
+    from jaxtrain.cluster import process as runtime
+    from jaxtrain.config import hardware
     from jaxtrain.planner import log, report, search
     from jaxtrain.planner import target as target_lib
 

@@ -14,10 +14,10 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from jaxtrain import sweep
+    from jaxtrain.sweep import experiment as sweep
 
     exp = sweep.load_experiment(args.config, args.overrides, args.dir)
-    from jaxtrain import runtime
+    from jaxtrain.cluster import process as runtime
 
     runtime.quiet_logs()
     records, paths = sweep.sweep(exp, predict=not args.no_predict)

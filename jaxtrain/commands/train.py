@@ -19,7 +19,7 @@ def run(args) -> int:
     gc.disable()  # the imports' objects live for the whole process: collecting while they arrive finds nothing
     try:
         cfg = start(args)
-        from jaxtrain import loop
+        from jaxtrain.train import loop
     finally:
         gc.freeze()  # and later collections skip them
         if collecting:

@@ -1,6 +1,10 @@
 """Training data: token sources, shards and mixtures (:mod:`.tokens`), ``prepare`` (:mod:`.corpus`) and chat
 data for supervised fine-tuning (:mod:`.chat`). ``from jaxtrain import data`` then ``data.train_batches`` etc.:
-the names are loaded on first use, so that config validation (:mod:`.checks`) imports neither Grain nor NumPy."""
+the names are loaded on first use, so that importing the package loads neither Grain nor NumPy (the data section's
+checks live with the config: ``jaxtrain.config.data_checks``).
+
+May import: errors, log and config; nothing that needs devices or a model.
+"""
 
 from __future__ import annotations
 

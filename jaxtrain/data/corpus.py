@@ -53,7 +53,7 @@ def _expand(inputs: list[str]) -> list[str]:
                 raise ConfigError(f"input file {spec!r} is a directory with no .txt, .jsonl or .parquet file in it")
             files += found
         else:
-            from jaxtrain.locations import existing_file
+            from jaxtrain.config.locations import existing_file
 
             existing_file(spec, "input file")
             files.append(spec)

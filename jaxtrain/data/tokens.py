@@ -34,7 +34,7 @@ NO_LOSS = 1 << 30
 TOKEN_BITS = DOC_START - 1
 INDEX = "index.json"  # what `prepare` writes next to its shards
 
-if TYPE_CHECKING:  # imported where used: the train command imports it while its step compiles (jaxtrain/loop.py)
+if TYPE_CHECKING:  # imported where used: the train command imports it while its step compiles (jaxtrain/train/loop.py)
     import grain
 
 

@@ -13,7 +13,10 @@ For every candidate layout the real train step is lowered and compiled ahead of 
 Modules, in the order a plan uses them: ``target`` (what the plan is for: hardware, devices, nodes, the config as
 it runs there, the meshes), ``search`` (candidate meshes, pruning, compiling), ``hlo`` (HLO text -> instructions,
 loops, replica groups, collectives), ``passes`` (the GPU collective passes), ``cost`` (bytes per link, time per
-part), ``measure`` (the devices at hand), ``report`` (table and JSON).
+part), ``measure`` (the devices at hand), ``report`` (table and JSON); ``auto`` and ``trial`` choose a layout
+for ``mesh.auto``; ``calibration`` reads what the health check measured.
+
+May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
 
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
                                 mem_fraction=mem_fraction)
-    from jaxtrain import runtime
+    from jaxtrain.cluster import process as runtime
     from jaxtrain.planner import auto, calibration, report, search
 
     runtime.quiet_logs()

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxtrain.config import Config, to_dict
+from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.hardware import Hardware
-from jaxtrain.mesh import MeshShape
+from jaxtrain.parallel.dims import Axis, MeshShape
 from jaxtrain.planner import cost, search
 from jaxtrain.planner.collectives import Collective
 from jaxtrain.planner.hlo import UnknownLoop
@@ -65,7 +65,7 @@ class Candidate:
 
     @property
     def stages(self) -> int:
-        return self.shape.axis_sizes["stage"]
+        return self.shape.size(Axis.STAGE)
 
     @property
     def label(self) -> str:
@@ -74,7 +74,7 @@ class Candidate:
 
     def apply(self, cfg: Config) -> Config:
         """``cfg`` with this layout as concrete values and ``mesh.auto`` false: reproducible without the planner."""
-        c = self.shape.apply(cfg)
+        c: Config = self.shape.apply(cfg)
         return dataclasses.replace(
             c, mesh=dataclasses.replace(c.mesh, auto=False),
             model=dataclasses.replace(c.model, remat=self.remat),  # type: ignore[arg-type]  # one of REMATS
@@ -100,7 +100,7 @@ def candidates(cfg: Config, n_devices: int, nodes: int, remats=REMATS, microbatc
             why = why or str(e)
             continue
         for shape in shapes:
-            schedules = ("gpipe", "1f1b") if shape.axis_sizes["stage"] > 1 else (cfg.train.pipeline_schedule,)
+            schedules = ("gpipe", "1f1b") if shape.size(Axis.STAGE) > 1 else (cfg.train.pipeline_schedule,)
             out += [Candidate(shape, r, k, s) for r in remats for s in schedules]
     if not out:
         raise ConfigError(f"mesh.auto: no valid layout over {n_devices} device(s): {why}")
@@ -412,7 +412,7 @@ def to_json(res: AutoResult) -> dict:
 def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None):
     """The devices' hardware figures (``measure.hardware_at_hand``) with the calibration in (``calibration_path``,
     else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``."""
-    from jaxtrain.layout import resolve_auto
+    from jaxtrain.parallel.layout import resolve_auto
     from jaxtrain.planner import calibration
     from jaxtrain.planner.measure import hardware_at_hand, measure_model, measure_sized, model_points
 

@@ -31,8 +31,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.hardware import Hardware
 
 REFERENCE_ROWS = 512  # the rows of measure.measure_cpu's matmul (peak_flops): the table's rates are relative to it
 

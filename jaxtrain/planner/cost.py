@@ -6,13 +6,12 @@ network. The step time is model FLOPs over (peak x efficiency), each link class'
 memory-bound optimizer update.
 
 With pipeline stages (mesh axis ``stage`` > 1) the step runs ``M * V + S - 1`` iterations (M microbatches, V virtual
-stages, S stages) of which each stage works in ``M * V``: the compute time is divided by (1 - bubble fraction),
-bubble ``(S - 1) / (M * V + S - 1)`` (``jaxtrain.pipeline``). The 1F1B schedule (``train.pipeline_schedule=1f1b``)
-has the same bubble (its stages skip the half of an iteration they have no work for) and recomputes each pass's
-forward in its backward: one more forward, a third of the model FLOPs (:func:`pipeline_recompute`). The pipeline's
-own traffic (the ring's collective permutes, once per iteration in the forward and the backward loop, the weight
-exchange of interleaving, the all-to-all that hands out the outputs) is read from the HLO like every other
-collective.
+stages, S stages) of which each stage works in ``M * V``: the compute time is divided by (1 - bubble fraction), bubble
+``(S - 1) / (M * V + S - 1)`` (``jaxtrain.parallel.pipeline``). The 1F1B schedule (``train.pipeline_schedule=1f1b``) has
+the same bubble (its stages skip the half of an iteration they have no work for) and recomputes each pass's forward in
+its backward: one more forward, a third of the model FLOPs (:func:`pipeline_recompute`). The pipeline's own traffic (the
+ring's collective permutes, once per iteration in the forward and the backward loop, the weight exchange of
+interleaving, the all-to-all that hands out the outputs) is read from the HLO like every other collective.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtrain.config import MESH_AXES, Config, batch_mesh_axes
-from jaxtrain.hardware import Hardware
-from jaxtrain.mesh import MeshShape
-from jaxtrain.model import attention_flops_per_token, count_params, train_flops_per_token
-from jaxtrain.pipeline import bubble_fraction
+from jaxtrain.config import Config
+from jaxtrain.config.hardware import Hardware
+from jaxtrain.models.flops import attention_flops_per_token, count_params, train_flops_per_token
+from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
+from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.planner.collectives import Collective
 
 
@@ -85,7 +84,7 @@ def remat_factor(cfg: Config) -> float:
 def pipeline_recompute(cfg: Config, shape: MeshShape) -> float:
     """Hardware FLOPs the pipeline schedule adds, over model FLOPs: 1F1B's backward recomputes each pass from its
     saved stage input (one forward, 1/3 of forward + backward); 0 for GPipe and without a pipeline."""
-    return 1 / 3 if shape.axis_sizes["stage"] > 1 and cfg.train.pipeline_schedule == "1f1b" else 0.0
+    return 1 / 3 if shape.axis_sizes[Axis.STAGE] > 1 and cfg.train.pipeline_schedule == "1f1b" else 0.0
 
 
 def optimizer_bytes_moved(params_bytes: float, opt_bytes: float) -> float:
@@ -96,7 +95,7 @@ def optimizer_bytes_moved(params_bytes: float, opt_bytes: float) -> float:
 def pipeline_schedule(cfg: Config, shape: MeshShape) -> tuple[int, int, int, float]:
     """(stages, microbatches, virtual stages, bubble fraction) of the step on ``shape``; without a pipeline
     (stage axis 1): (1, microbatches, 1, 0.0), virtual stages doing nothing there."""
-    stages, micro = shape.axis_sizes["stage"], cfg.train.microbatches
+    stages, micro = shape.axis_sizes[Axis.STAGE], cfg.train.microbatches
     if stages == 1:
         return 1, micro, 1, 0.0
     virtual = cfg.train.virtual_stages
@@ -130,7 +129,7 @@ def efficiency(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     (``hw.model_efficiency``); for a tensor size measured with another policy only, the policy's own (tensor 1)
     times that tensor size's ratio to tensor 1; without any for the policy, the hardware's ``compute_efficiency``."""
     table = {(r, t): e for r, t, e in hw.model_efficiency}
-    remat, t = cfg.model.remat, shape.axis_sizes["tensor"]
+    remat, t = cfg.model.remat, shape.axis_sizes[Axis.TENSOR]
     if (remat, t) in table or (remat, 1) not in table:
         return table.get((remat, t), hw.compute_efficiency)
     other = next((r for r, u in table if u == t and (r, 1) in table), None)
@@ -145,7 +144,7 @@ def _flops_and_rate(cfg: Config, shape: MeshShape, hw: Hardware, eff: float) -> 
     rows, seq = _rows_and_seq(cfg, shape)
     # A tensor-parallel device multiplies its rows by a tensor-th of the weight: the table (measured with the whole
     # weight) is read at the rows that do the same work, rows / tensor.
-    return flops, hw.peak_flops * eff * matmul_factor(hw, rows * seq / shape.axis_sizes["tensor"])
+    return flops, hw.peak_flops * eff * matmul_factor(hw, rows * seq / shape.axis_sizes[Axis.TENSOR])
 
 
 def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
@@ -239,16 +238,14 @@ def _dtype_bytes(name: str) -> int:
 def state_bytes_lower(cfg: Config, shape: MeshShape) -> float:
     """Parameters and AdamW's two moments (both in param_dtype) per device, every parameter divided by the fsdp x
     tensor x stage shards: a lower bound (the embedding is not split over stages, norms not at all)."""
-    s = shape.axis_sizes
-    return 3 * count_params(cfg.model)["total"] * _dtype_bytes(cfg.model.param_dtype) / (
-        s["fsdp"] * s["tensor"] * s["stage"])
+    shards = ParallelDims(cfg, shape).param_shards
+    return 3 * count_params(cfg.model)["total"] * _dtype_bytes(cfg.model.param_dtype) / shards
 
 
 def _rows_and_seq(cfg: Config, shape: MeshShape) -> tuple[float, float]:
     """(sequences of one microbatch per device, tokens of a sequence per device)."""
-    s = shape.axis_sizes
-    dp = float(np.prod([s[ax] for ax in batch_mesh_axes(cfg.mesh.rules) if ax in s]))
-    return cfg.train.global_batch / cfg.train.microbatches / dp, cfg.data.seq_len / s.get("context", 1)
+    dims = ParallelDims(cfg, shape)
+    return dims.rows_per_microbatch / dims.data_parallel, cfg.data.seq_len / dims.context
 
 
 def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
@@ -261,17 +258,17 @@ def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
     m, s = cfg.model, shape.axis_sizes
     rows, seq = _rows_and_seq(cfg, shape)
     act = _dtype_bytes(m.dtype)
-    layers = m.n_layers / s["stage"]
+    layers = m.n_layers / s[Axis.STAGE]
     tokens = rows * seq
     lower = layers * tokens * m.d_model * act
-    scores = m.n_heads / s["tensor"] * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
-    full_layer = tokens * ((8 * m.d_model + 3 * m.d_ff) / s["tensor"] * act + scores)
-    per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s["tensor"] * act,
+    scores = m.n_heads / s[Axis.TENSOR] * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
+    full_layer = tokens * ((8 * m.d_model + 3 * m.d_ff) / s[Axis.TENSOR] * act + scores)
+    per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s[Axis.TENSOR] * act,
                  "full": tokens * m.d_model * act}[m.remat]
-    logits = tokens * m.vocab_size / s["tensor"] * 4 * 2  # float32 logits and their gradient
+    logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * 2  # float32 logits and their gradient
     est = layers * per_layer + full_layer + logits
-    if s["stage"] > 1 and cfg.train.pipeline_schedule == "gpipe":
-        est *= cfg.train.microbatches / s["stage"]
+    if s[Axis.STAGE] > 1 and cfg.train.pipeline_schedule == "gpipe":
+        est *= cfg.train.microbatches / s[Axis.STAGE]
     return lower, est
 
 
@@ -281,30 +278,29 @@ def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     tensor parallelism's two activation all-reduces per layer and pass, context parallelism's K/V ring, each at the
     rate of the link its axis crosses, plus the fixed cost per collective."""
     m, s = cfg.model, shape.axis_sizes
-    dcn = dict(zip(MESH_AXES, shape.dcn))
-    rate = {ax: hw.inter_node_bandwidth if dcn[ax] > 1 else hw.intra_node_bandwidth for ax in s}
-    pbytes = count_params(m)["total"] * _dtype_bytes(m.param_dtype) / (s["tensor"] * s["stage"])
+    rate = {ax: hw.inter_node_bandwidth if shape.crosses_nodes(ax) else hw.intra_node_bandwidth for ax in s}
+    pbytes = count_params(m)["total"] * _dtype_bytes(m.param_dtype) / (s[Axis.TENSOR] * s[Axis.STAGE])
     rows, seq = _rows_and_seq(cfg, shape)
     act = _dtype_bytes(m.dtype)
-    layers, micro = m.n_layers / s["stage"], cfg.train.microbatches
+    layers, micro = m.n_layers / s[Axis.STAGE], cfg.train.microbatches
     gathers = micro if cfg.train.accumulate == "sharded" else 1
     t, count = 0.0, 0.0
-    if s["fsdp"] > 1:
-        f = s["fsdp"]
-        t += 3 * gathers * pbytes * (f - 1) / f / rate["fsdp"]
+    if s[Axis.FSDP] > 1:
+        f = s[Axis.FSDP]
+        t += 3 * gathers * pbytes * (f - 1) / f / rate[Axis.FSDP]
         count += 3 * gathers * layers
-    if s["data"] > 1:
-        d = s["data"]
-        t += 2 * pbytes / s["fsdp"] * (d - 1) / d / rate["data"]
+    if s[Axis.DATA] > 1:
+        d = s[Axis.DATA]
+        t += 2 * pbytes / s[Axis.FSDP] * (d - 1) / d / rate[Axis.DATA]
         count += layers
-    if s["tensor"] > 1:
-        n = s["tensor"]
-        t += 4 * layers * micro * 2 * rows * seq * m.d_model * act * (n - 1) / n / rate["tensor"]
+    if s[Axis.TENSOR] > 1:
+        n = s[Axis.TENSOR]
+        t += 4 * layers * micro * 2 * rows * seq * m.d_model * act * (n - 1) / n / rate[Axis.TENSOR]
         count += 4 * layers * micro
-    if s.get("context", 1) > 1:
-        c = s["context"]
-        kv = 2 * rows * seq * m.n_kv_heads * m.resolved_head_dim * act / s["tensor"]
-        t += 3 * layers * micro * (c - 1) * kv / rate["context"]  # forward, backward's K/V and their gradients
+    if s[Axis.CONTEXT] > 1:
+        c = s[Axis.CONTEXT]
+        kv = 2 * rows * seq * m.n_kv_heads * m.resolved_head_dim * act / s[Axis.TENSOR]
+        t += 3 * layers * micro * (c - 1) * kv / rate[Axis.CONTEXT]  # forward, backward's K/V and their gradients
         count += 3 * layers * micro * (c - 1)
     return t + count * hw.collective_latency
 
@@ -320,18 +316,17 @@ def context_parallel(cfg: Config, shape: MeshShape, hw: Hardware) -> dict:
     - memory: ``state_bytes_lower`` + ``activation_bytes`` (the estimate), on seq / C tokens a device.
     """
     m, s = cfg.model, shape.axis_sizes
-    c = s.get("context", 1)
+    c = s[Axis.CONTEXT]
     rows, seq = _rows_and_seq(cfg, shape)
     act = _dtype_bytes(m.dtype)
-    kv_block = 2 * rows * seq * m.n_kv_heads / s["tensor"] * m.resolved_head_dim * act
+    kv_block = 2 * rows * seq * m.n_kv_heads / s[Axis.TENSOR] * m.resolved_head_dim * act
     ring_per_layer = 3 * (c - 1) * kv_block
-    link = hw.inter_node_bandwidth if dict(zip(MESH_AXES, shape.dcn)).get("context", 1) > 1 else \
-        hw.intra_node_bandwidth
+    link = hw.inter_node_bandwidth if shape.crosses_nodes(Axis.CONTEXT) else hw.intra_node_bandwidth
     tokens = cfg.train.global_batch * cfg.data.seq_len
     rate = hw.peak_flops * efficiency(cfg, shape, hw)
     per_dev = train_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     attn = attention_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
-    layers = m.n_layers / s["stage"]
+    layers = m.n_layers / s[Axis.STAGE]
     return {"context": c, "ring_bytes_per_layer": ring_per_layer, "ring_s_per_layer": ring_per_layer / link,
             "compute_s_per_layer": per_dev / rate / layers, "compute_s_balanced": per_dev / rate,
             "compute_s_unbalanced": (per_dev + attn * (1 - 1 / c)) / rate,

@@ -1,5 +1,5 @@
 """The hardware at hand: the CPU measured (emulated devices have no datasheet), an accelerator recognised by its
-device kind among the shipped hardware descriptions (``jaxtrain.hardware``)."""
+device kind among the shipped hardware descriptions (``jaxtrain.config.hardware``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain import hardware
+from jaxtrain.config import hardware
+from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.hardware import Hardware
-from jaxtrain.mesh import MESH_AXES, MeshShape
+from jaxtrain.parallel.dims import Axis, MeshShape
 
 # ASSUMPTION for the CPU at hand, like the GPU files' compute_efficiency: the fraction of the best measured matmul
 # rate that XLA's CPU code sustains over a whole transformer step (small matmuls, softmax, elementwise work). On this
@@ -198,7 +198,7 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxtrain.model import Transformer
+    from jaxtrain.models.llama import Transformer
     from jaxtrain.planner import cost
 
     n, m = len(devices), cfg.model
@@ -212,8 +212,7 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
         # The layout this timing stands for: the batch over devices / tensor, one microbatch.
         ref = dataclasses.replace(cfg, model=dataclasses.replace(m, remat=remat), train=dataclasses.replace(
             cfg.train, global_batch=rows * n // t, microbatches=1))
-        shape = MeshShape(ici=tuple({"fsdp": n // t, "tensor": t}.get(ax, 1) for ax in MESH_AXES),
-                          dcn=(1,) * len(MESH_AXES))
+        shape = MeshShape.of({Axis.FSDP: n // t, Axis.TENSOR: t})
         # Every logical axis replicated: each device holds the whole local model.
         with jax.set_mesh(Mesh(np.array(devices[:1]), ("x",))), nnx.logical_axis_rules(
                 [(k, None) for k in cfg.mesh.rules]):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.config import MESH_AXES
+from jaxtrain.parallel.dims import MESH_AXES
 from jaxtrain.planner.collectives import AllReduceElement, Collective, replica_groups, stated_collectives
 from jaxtrain.planner.hlo import (
     HloModule,

@@ -10,8 +10,8 @@ import textwrap
 from collections.abc import Sequence
 
 from jaxtrain.config import Config
-from jaxtrain.hardware import Hardware
-from jaxtrain.model import count_params
+from jaxtrain.config.hardware import Hardware
+from jaxtrain.models.flops import count_params
 from jaxtrain.planner.cost import remat_factor
 
 WIDTH = 120

@@ -1,4 +1,4 @@
-"""Candidate meshes, pruning, and compiling the real train step for each (``jaxtrain.step.setup``).
+"""Candidate meshes, pruning, and compiling the real train step for each (``jaxtrain.train.step.setup``).
 
 A compiled program depends only on the axis sizes (data, stage, fsdp, tensor); how each axis splits into intra-node
 (ici) and inter-node (dcn) parts only changes which physical devices its logical ids are, so it is compiled once per
@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxtrain import pipeline, pipeline_1f1b
-from jaxtrain.config import MESH_AXES, Config, batch_mesh_axes, check_divisibility
+from jaxtrain.config import Config
+from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.hardware import Hardware
-from jaxtrain.mesh import MeshShape
+from jaxtrain.parallel import pipeline, pipeline_1f1b
+from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
 from jaxtrain.planner.collectives import KINDS, Collective
 from jaxtrain.planner.cost import estimate, pipeline_schedule
 from jaxtrain.planner.hlo import UnknownLoop
@@ -55,7 +55,7 @@ def search_shapes(cfg: Config, n_devices: int, nodes: int) -> tuple[list[MeshSha
     only where the batch is split to one sequence per group (:data:`CONTEXT_AFTER_BATCH`). Tensor parallelism stays
     inside a node (dcn tensor = 1): its per-layer activation all-reduces would otherwise cross the network. A pipeline
     (stage > 1) needs ``train.microbatches`` a multiple of the stages and ``model.n_layers`` a multiple of stages x
-    ``train.virtual_stages`` (``config.check_divisibility``); with the default single microbatch every stage > 1
+    ``train.virtual_stages`` (``ParallelDims.check``); with the default single microbatch every stage > 1
     mesh is rejected (:func:`pipeline_note` says so). Raises ConfigError saying why when nothing is valid.
     """
     per_node = devices_per_node(n_devices, nodes)
@@ -65,11 +65,11 @@ def search_shapes(cfg: Config, n_devices: int, nodes: int) -> tuple[list[MeshSha
         for dcn_dsf in _factorizations(nodes, len(MESH_AXES) - 1):
             shape = MeshShape(ici=ici, dcn=(*dcn_dsf, 1))
             try:
-                check_divisibility(cfg, shape.axis_sizes)
+                ParallelDims(cfg, shape).check()
             except ConfigError as e:
                 rejected.setdefault(str(e), []).append(shape)
                 continue
-            if shape.axis_sizes["context"] > 1 and _sequences_per_group(cfg, shape) > 1:
+            if shape.size(Axis.CONTEXT) > 1 and ParallelDims(cfg, shape).rows_per_group > 1:
                 rejected.setdefault(CONTEXT_AFTER_BATCH, []).append(shape)
                 continue
             shapes.append(shape)
@@ -85,24 +85,19 @@ CONTEXT_AFTER_BATCH = ("context > 1 only where each data-parallel group holds on
                        "batch over data or fsdp first; more microbatches also leave fewer)")
 
 
-def _sequences_per_group(cfg: Config, shape: MeshShape) -> int:
-    dp = math.prod(shape.axis_sizes[ax] for ax in batch_mesh_axes(cfg.mesh.rules))
-    return cfg.train.global_batch // cfg.train.microbatches // dp
-
-
 def pipeline_note(cfg: Config, rejected: dict[str, list[MeshShape]], planned: list[MeshShape]) -> str | None:
     """A line for the plan's notes when no pipeline (stage > 1) mesh is planned though some were considered: how
     many, and the first reason (most often ``train.microbatches=1``), so that the user learns what to set."""
-    if any(s.axis_sizes["stage"] > 1 for s in planned):
+    if any(s.size(Axis.STAGE) > 1 for s in planned):
         return None
-    staged = [(msg, s) for msg, group in rejected.items() for s in group if s.axis_sizes["stage"] > 1]
+    staged = [(msg, s) for msg, group in rejected.items() for s in group if s.size(Axis.STAGE) > 1]
     if not staged:
         return None
     # The example: a reason that rejected only pipelines (the microbatches, the layer split), if there is one.
-    only_pipelines = {msg for msg, group in rejected.items() if all(s.axis_sizes["stage"] > 1 for s in group)}
+    only_pipelines = {msg for msg, group in rejected.items() if all(s.size(Axis.STAGE) > 1 for s in group)}
     msg, first = next(((m, s) for m, s in staged if m in only_pipelines), staged[0])
     # Stage counts the layer stack splits into: for those the microbatch count is what is missing.
-    stages = sorted({n for _, s in staged if cfg.model.n_layers % ((n := s.axis_sizes["stage"])
+    stages = sorted({n for _, s in staged if cfg.model.n_layers % ((n := s.size(Axis.STAGE))
                                                                    * cfg.train.virtual_stages) == 0})
     hint = ""
     if stages and any(cfg.train.microbatches % n for n in stages):
@@ -115,7 +110,7 @@ def pipeline_note(cfg: Config, rejected: dict[str, list[MeshShape]], planned: li
 def given_shape(cfg: Config, n_devices: int, nodes: int) -> MeshShape:
     """The config's own mesh over ``n_devices`` (the -1 axis filled), checked against the node count."""
     shape = MeshShape.resolve(cfg.mesh, n_devices)
-    check_divisibility(cfg, shape.axis_sizes)
+    ParallelDims(cfg, shape).check()
     devices_per_node(n_devices, nodes)
     if shape.num_nodes != nodes:
         raise ConfigError(f"mesh.dcn sizes multiply to {shape.num_nodes} but the plan is for {nodes} node(s); "
@@ -141,7 +136,7 @@ class Compiled:
 
 
 def _step(cfg: Config, shape: MeshShape, devices: list):
-    from jaxtrain.step import setup
+    from jaxtrain.train.step import setup
 
     return setup(shape.apply(cfg), devices[:shape.num_devices])
 
@@ -164,7 +159,7 @@ def _compile(step) -> Compiled:
 
 def reading(step, train, seconds: float) -> Compiled:
     """What the planner reads off ``train``, the compiled train step of ``step`` (memory, collectives)."""
-    from jaxtrain.layout import compiled_need
+    from jaxtrain.parallel.layout import compiled_need
 
     layout = step.layout
     params, opt = layout.state_bytes
@@ -251,7 +246,7 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
         sizes_text = " ".join(f"{ax}={n}" for ax, n in group[0].axis_sizes.items())
         progress(f"[{i}/{len(by_sizes)}] {sizes_text}: compiled in {time.perf_counter() - t0:.1f} s")
         results += [candidate_result(cfg, s, hw, comp) for s in group]
-        if group[0].axis_sizes["stage"] > 1 and cfg.train.pipeline_schedule == "gpipe" and \
+        if group[0].size(Axis.STAGE) > 1 and cfg.train.pipeline_schedule == "gpipe" and \
                 comp.memory_bytes > hw.usable_bytes:
             # GPipe keeps every microbatch's stage inputs: where that does not fit, plan the 1F1B schedule too,
             # whose stage inputs are bounded by the stages (the ranking then puts it first if it fits).

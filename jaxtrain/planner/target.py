@@ -7,11 +7,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from jaxtrain import hardware
-from jaxtrain.config import Config, validate
+from jaxtrain.config import Config, hardware, validate
+from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.hardware import Hardware
-from jaxtrain.mesh import MeshShape
+from jaxtrain.parallel.dims import MeshShape
 
 # XLA:CPU aborts the process in AllReducePromotion ("Invalid binary instruction opcode copy") on a bfloat16 psum
 # whose reduction computation ends in a copy (the pipeline's first version summed its bf16 input gradient over the
@@ -57,7 +56,7 @@ def as_on_gpu(cfg: Config) -> Config:
     kernel does not take the config (e.g. a head dim outside config.FLASH_HEAD_DIMS) the XLA reference stands in,
     and the plan's temporaries are then an upper bound.
     """
-    from jaxtrain.layout import resolve_auto  # imports JAX: only once the plan's XLA flags are set
+    from jaxtrain.parallel.layout import resolve_auto  # imports JAX: only once the plan's XLA flags are set
 
     cfg = resolve_auto(cfg, "gpu")
     if cfg.model.attention != "cudnn":
@@ -105,7 +104,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
             raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} contradicts --hardware {hardware_name} "
                               f"--nodes {nodes} ({n_devices} devices); drop it")
         hw = dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
-        from jaxtrain.layout import resolve_auto  # imports JAX
+        from jaxtrain.parallel.layout import resolve_auto  # imports JAX
 
         on_gpu, cfg = resolve_auto(cfg, "gpu"), as_on_gpu(cfg)
         if cfg.model.attention != on_gpu.model.attention:
@@ -128,7 +127,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
     else:
         import jax
 
-        from jaxtrain.mesh import cpu_devices_per_process
+        from jaxtrain.parallel.dims import cpu_devices_per_process
         from jaxtrain.planner.measure import hardware_at_hand
 
         _add_xla_flags(f"--xla_disable_hlo_passes={_ABORTS_ON_PIPELINES}")
@@ -137,7 +136,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         n_devices = len(devices)
         if nodes == 1 and jax.process_count() > 1:
             nodes = jax.process_count()
-        from jaxtrain.layout import resolve_auto
+        from jaxtrain.parallel.layout import resolve_auto
 
         cfg = resolve_auto(cfg, devices[0].platform)
         shapes = shapes_for(cfg, n_devices, nodes)

@@ -37,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 from helpers import FAST  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.mesh import MeshShape  # noqa: E402
+from jaxtrain.parallel.dims import MeshShape  # noqa: E402
 from jaxtrain.planner import search  # noqa: E402
 from jaxtrain.planner.passes import collectives  # noqa: E402
 

@@ -1,0 +1,39 @@
+"""Loading the config tree: defaults, then a YAML file, then dotted ``key=value`` overrides; validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import yaml
+
+from jaxtrain.config.schema import build, find_yaml, load_yaml, set_dotted
+from jaxtrain.config.tree import Config, unknown_config_key
+from jaxtrain.config.validate import validate
+from jaxtrain.errors import ConfigError
+
+
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path`` (if any; a shipped name such as ``7b`` also works), then
+    ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
+    tree = load_yaml(find_yaml(path, "", "config"), "config file") if path is not None else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.steps=100)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        set_dotted(tree, key.strip(), value)
+    cfg = build(Config(), tree, "", unknown_config_key)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

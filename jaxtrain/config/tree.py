@@ -1,0 +1,217 @@
+"""The config tree: typed dataclasses, one per section, whose defaults *are* the tiny CPU config.
+
+``configs/tiny.yaml`` spells the same values out, so ``python -m jaxtrain train`` with no arguments needs no file.
+Each field's comment is its documentation (tools/config_reference.py builds docs/configuration-reference.md from
+them). No JAX here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from jaxtrain.config.ops import CheckConfig, DistConfig, ObserveConfig
+from jaxtrain.config.schema import dotted_keys, unknown_key
+from jaxtrain.errors import ConfigError
+from jaxtrain.parallel.dims import MESH_AXES
+
+FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels/flash_pallas.py checks too)
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tiny"  # where the run writes (relative to the working directory); its files: docs/training.md
+
+
+@dataclass
+class RuntimeConfig:
+    # Emulated CPU devices per process; None: as many as the mesh's fixed axes need (mesh.cpu_devices_per_process).
+    cpu_devices: int | None = None
+    ignore_memory_check: bool = False  # train even when the compiled step needs more memory than the devices have
+    compile_cache: str = "auto"  # compile cache: auto ($JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxtrain), dir, none
+
+
+@dataclass
+class AxisSizes:
+    data: int = 1  # data parallelism: replicas of the parameters, each with its rows of the batch
+    stage: int = 1  # pipeline stages: the layer stack is split into this many consecutive groups of devices
+    fsdp: int = 1  # fully sharded data parallelism: parameters, gradients and optimizer state sharded (ZeRO-3)
+    context: int = 1  # context parallelism: the sequence split, ring attention over it (docs/long-context.md)
+    tensor: int = 1  # tensor parallelism: heads and MLP columns split (Megatron); inside a node only
+
+
+def default_rules() -> dict[str, Any]:
+    # Parameters are sharded over fsdp (ZeRO-3 style) and tensor (Megatron style); activations' batch dimension
+    # over data and fsdp. Activation names start with "act_" so that an activation's embed dimension stays
+    # replicated while the parameter's embed dimension is fsdp-sharded.
+    return {
+        "batch": ["data", "fsdp"],
+        "vocab": "tensor",
+        "embed": "fsdp",
+        "mlp": "tensor",
+        "heads": "tensor",
+        "kv_heads": "tensor",
+        "head_dim": None,
+        # The stacked layers' leading axis: split over pipeline stages (nothing to split with one stage).
+        "layers": "stage",
+        # The pipeline's per-stage activation buffers [stage, microbatch, seq, embed] (jaxtrain/parallel/pipeline.py).
+        "stage": "stage",
+        "norm": None,
+        "act_seq": "context",  # the activations' sequence dimension; ring attention when the context axis > 1
+        "act_embed": None,
+        "act_mlp": "tensor",
+        "act_heads": "tensor",
+        "act_kv_heads": "tensor",
+        "act_vocab": "tensor",
+    }
+
+
+@dataclass
+class MeshConfig:
+    # Intra-node (NVLink) and inter-node (InfiniBand) parts of each axis; the axis size is ici * dcn.
+    # One of the eight may be -1: it takes whatever the device count leaves.
+    ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
+    dcn: AxisSizes = field(default_factory=AxisSizes)
+    rules: dict[str, Any] = field(default_factory=default_rules)  # logical axis -> mesh axis, list of axes, or null
+    # true: at start-up the planner picks the mesh sizes, model.remat, train.microbatches and train.pipeline_schedule
+    # (of those that fit, the fastest estimate, or measured: auto_trial_steps; docs/auto-layout.md) and
+    # run.dir/config.yaml records them, with auto false.
+    auto: bool = False  # let the planner choose the layout (mesh, remat, microbatches, pipeline schedule)
+    auto_memory_margin: float = 0.1  # mesh.auto: fraction of the usable device memory a choice must leave free
+    # mesh.auto: each finalist (fits, estimated near the best) runs this many timed steps, in two passes with a
+    # warm-up step each, and the fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what
+    # a trial costs on GPUs)
+    auto_trial_steps: int = 6  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
+
+    def sizes(self) -> dict[tuple[str, str], int]:
+        """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
+        return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
+
+
+@dataclass
+class RopeScalingConfig:
+    # Llama 3.1's rotary frequency scaling ("llama3"): wavelengths longer than original_max_len / low_freq_factor
+    # are stretched by `factor`, those shorter than original_max_len / high_freq_factor kept, smoothly in between.
+    type: Literal["none", "llama3"] = "none"  # none: plain RoPE; llama3: Llama 3.1's scaling (above)
+    factor: float = 8.0  # how much the longest wavelengths are stretched
+    low_freq_factor: float = 1.0  # wavelengths above original_max_len / low_freq_factor are stretched fully
+    high_freq_factor: float = 4.0  # wavelengths below original_max_len / high_freq_factor are kept
+    original_max_len: int = 8192  # the context length the model was pre-trained with
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256  # token ids 0 .. vocab_size - 1 (256: the byte-level embedded corpus)
+    d_model: int = 128  # width of the residual stream
+    n_layers: int = 4  # decoder blocks (attention + SwiGLU MLP, pre-RMSNorm)
+    n_heads: int = 8  # query heads
+    n_kv_heads: int = 4  # key/value heads (grouped-query attention); divides n_heads
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int = 384  # hidden width of the SwiGLU MLP
+    rope_theta: float = 10000.0  # rotary embeddings' base wavelength
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    norm_eps: float = 1e-5  # RMSNorm's epsilon
+    tie_embeddings: bool = True  # the output projection reuses the embedding table
+    init_std: float = 0.02  # standard deviation of the normal initialisation (output projections scaled by depth)
+    # Compute dtype. "auto": resolved once at start-up (layout.resolve_auto): bfloat16 on accelerators, float32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameters and AdamW moments
+    # xla: reference einsum; cudnn: jax.nn.dot_product_attention's cuDNN kernel (GPU, 16-bit); pallas / triton:
+    # jaxtrain's flash kernels (pallas runs interpreted, slowly, on CPU); auto: resolved once at start-up for the
+    # platform (layout.resolve_auto), and recorded as the concrete choice in run.dir/config.yaml.
+    attention: Literal["xla", "cudnn", "pallas", "triton", "auto"] = "xla"
+    remat: Literal["none", "full", "save_matmuls"] = "none"  # recompute: full, or all but matmuls
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # embedded | synthetic | .bin/.npy file | shard dir | glob | chat .jsonl (docs/data.md)
+    mixture: Any = field(default_factory=list)  # instead of source: [{source: PATH, weight: W}, ...] drawn by weight
+    format: Literal["tokens", "chat"] = "tokens"  # chat: supervised fine-tuning on `messages` .jsonl, loss-masked
+    tokenizer: str | None = None  # the model's tokenizer.json (or its dir): renders chat, checks shards' index
+    pack: bool = True  # chat: examples packed into seq_len rows (document-masked), else one per row, padded
+    seq_len: int = 128  # tokens per training sequence (each window reads seq_len + 1 for the targets)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # for .bin files only
+    # Packed documents: with document_mask a token attends only to tokens of its own document, the segments being
+    # cut after each eos_id token (0 separates documents of the byte-level sources).
+    document_mask: bool = False
+    eos_id: int = 0  # the token that ends a document (document_mask)
+    eval_fraction: float = 0.05  # tail of the token stream held out for evaluation
+    threads: int = 2  # Grain reader threads
+    prefetch: int = 4  # batches read ahead
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps of the whole run (a resumed run continues up to it)
+    seed: int = 0  # parameter initialisation and the data order
+    global_batch: int = 16  # sequences per optimizer step, over all devices and processes
+    microbatches: int = 1  # gradient accumulation: global_batch is split into this many sequential chunks
+    # With microbatches > 1: "unreduced" reduces gradients across the batch axes once per step (one all-gather and
+    # one reduce-scatter per step, as without accumulation; each device holds the gathered parameters and a gradient
+    # accumulator of their size); "sharded" keeps them reduced and sharded inside the loop (the memory of a step
+    # without accumulation; the collectives once per microbatch). With pipeline stages the pipeline's microbatches
+    # are the accumulation and this does not apply.
+    accumulate: Literal["unreduced", "sharded"] = "unreduced"
+    # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
+    # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,
+    # (stages - 1) / (microbatches * virtual_stages + stages - 1), at the price of moving the stage's layer weights
+    # between stages once per step (docs/parallelism.md). Does nothing with one stage.
+    virtual_stages: int = 1
+    pipeline_schedule: Literal["gpipe", "1f1b"] = "gpipe"  # 1f1b: memory bounded by stages (docs/parallelism.md)
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    warmup_steps: int = 30  # linear warmup from 0 to lr
+    # The cosine's horizon is its own option, not train.steps, so that extending or resuming a run with more steps
+    # does not rewrite the learning rates already used; past it the rate stays at lr * min_lr_ratio.
+    decay_steps: int = 300
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay (not on norm scales)
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    eval_every: int = 100  # 0 disables periodic evaluation (it still runs at the end)
+    eval_batches: int = 4  # held-out batches per evaluation
+    log_every: int = 10  # progress line and metrics.jsonl every N steps (and the first and last step)
+    max_nonfinite_steps: int = 10  # stop after this many steps in a row with non-finite loss or gradients (skipped)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <run.dir>/checkpoints
+    every: int = 100  # save every N steps (and at the last step); 0: only at the last step
+    keep: int = 3  # the newest N checkpoints are kept
+    resume: str = "auto"  # auto (latest, if any) | never | a step number | a path to a checkpoint directory or step
+    init_from: str | None = None  # parameters only, fresh optimizer (fine-tuning); used when nothing is resumed
+    async_save: bool = True  # write in the background while training continues
+    # Local (emergency) checkpoints: a host-local directory (e.g. /dev/shm/jaxtrain, local NVMe); each process
+    # writes its own shards under <local_dir>/process_<i>/, and a copy of them under its peer's (docs/checkpoints.md)
+    local_dir: str | None = None
+    local_every: int = 0  # save there every N steps, in addition to checkpoint.dir (0: off; < checkpoint.every)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the config tree, e.g. ``["run.dir", ...]`` (dict-valued options end at their name)."""
+    return dotted_keys(Config)
+
+
+def unknown_config_key(name: str) -> ConfigError:
+    """The error for a key the tree does not have, naming the closest ones."""
+    return unknown_key(name, all_keys() + [f"mesh.rules.{k}" for k in default_rules()], "config key")

@@ -1,0 +1,90 @@
+"""Attention as one device computes it, and what the remat policies may save of it. No mesh is named here.
+
+:class:`Local` is causal self-attention on the arrays it is given: the XLA reference einsum, cuDNN's fused kernel, or
+jaxtrain's flash kernels (Pallas or Triton). Run on whole (GSPMD-partitioned) arrays it is the attention of one
+device or of XLA's automatic partitioning; :mod:`jaxtrain.parallel.attention` wraps it for a mesh (per-device shards
+under ``shard_map``, ring attention over the context axis). The model takes either as its ``attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxtrain.kernels import flash_attention, mha_reference
+from jaxtrain.kernels.flash_pallas import CHECKPOINT_NAMES
+
+IMPLS = ("xla", "cudnn", "pallas", "triton")  # the resolved values of model.attention
+
+# The flash kernels and cuDNN's attention (keep_residuals) name their forward results (output and log-sum-exp or
+# softmax statistics, CHECKPOINT_NAMES): saving them costs [batch, seq, heads, head_dim] + [batch, heads, seq] per
+# layer and spares re-running the forward kernel in the backward pass. With the XLA reference there are no such
+# names and nothing extra is saved.
+_SAVE_ATTENTION = jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES)
+REMAT_POLICIES = {
+    "full": _SAVE_ATTENTION,
+    # Keep the outputs of weight matmuls, recompute the cheap elementwise work and attention probabilities.
+    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_ATTENTION),
+}
+
+
+@dataclass(frozen=True)
+class Local:
+    """Causal self-attention on the given arrays: ``impl`` one of :data:`IMPLS` (``layout.resolve_auto`` gave
+    "auto" its meaning); ``interpret`` runs the flash kernels in Pallas' interpreter (CPU). Frozen, so that two
+    models built with the same choice have equal graph definitions."""
+
+    impl: str
+    interpret: bool = False
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment_ids int [batch, seq]
+        or None -> [batch, seq, heads, head_dim]."""
+        if self.impl == "xla":
+            return mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
+        if self.impl == "cudnn":
+            if segment_ids is not None:
+                raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
+            return _cudnn_attention(q, k, v)
+        if self.impl not in ("pallas", "triton"):
+            raise ValueError(f"attention impl {self.impl!r} is not resolved; expected one of {', '.join(IMPLS)}")
+        return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl,
+                               interpret=self.interpret)
+
+
+def keep_residuals(fn):
+    """``fn(q, k, v) -> out`` (attention, out [batch, seq, heads, head_dim]) with its backward's residuals under
+    the checkpoint names ``attn_out`` (the output) and ``attn_lse`` (the rest, e.g. cuDNN's softmax statistics).
+
+    A name on ``fn``'s result alone is not enough for a ``jax.custom_vjp`` function such as cuDNN's attention: its
+    backward reads the residuals its forward rule made, which are other values than the named result, so a remat
+    policy saving the name still reruns the forward in the backward pass. Here the residuals themselves are named.
+    Residuals that are q, k or v as passed stay unnamed (the policy decides about them as about any input).
+    """
+
+    @jax.custom_vjp
+    def call(q, k, v):
+        return fn(q, k, v)
+
+    def forward(q, k, v):
+        out, pull = jax.vjp(fn, q, k, v)
+        named_out = checkpoint_name(out, CHECKPOINT_NAMES[0])
+
+        def name(r):
+            if any(r is x for x in (q, k, v)):
+                return r
+            return named_out if r is out else checkpoint_name(r, CHECKPOINT_NAMES[1])
+
+        return named_out, jax.tree.map(name, pull)
+
+    call.defvjp(forward, lambda pull, g: pull(g))
+    return call
+
+
+# cuDNN's fused attention (GPU, 16-bit), causal, with its output and softmax statistics saveable by the remat
+# policies (REMAT_POLICIES save CHECKPOINT_NAMES).
+_cudnn_attention = keep_residuals(
+    lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))

@@ -1,0 +1,240 @@
+"""Llama-style decoder in Flax NNX.
+
+Token embedding, pre-norm blocks of RMSNorm + grouped-query attention with rotary positions + SwiGLU MLP, a final
+RMSNorm, tied or untied output projection. Layers are created stacked (leading ``layers`` axis) and applied with
+``jax.lax.scan``: one compiled block whatever the depth, and few state leaves.
+
+Every parameter names its logical axes (``embed``, ``mlp``, ``heads``, ...) and key activations are constrained to
+logical axes (``batch``, ``act_embed``, ...). The mapping to mesh axes lives in the config (``mesh.rules``) and is
+applied by the caller through ``nnx.logical_axis_rules``; this module never names a mesh axis. Attention is the
+``attention`` callable the model is built with: by default :class:`jaxtrain.models.attention.Local` on the arrays it
+is given; the layout passes :class:`jaxtrain.parallel.attention.MeshAttention`, which lays it out on the mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import with_logical_constraint
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.models.attention import REMAT_POLICIES, Local
+
+# (q, k, v, segment_ids) -> out: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment
+# ids int [batch, seq] or None, out like q. Causal.
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
+
+def _init(std: float, axes: tuple[str | None, ...]):
+    return nnx.with_partitioning(nnx.initializers.normal(std), axes)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """Rotary inverse frequencies float32 [head_dim / 2], with Llama 3.1's scaling when ``cfg.rope_scaling`` asks."""
+    dim = cfg.resolved_head_dim
+    freqs = cfg.rope_theta ** (-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2 / dim)
+    rs = cfg.rope_scaling
+    if rs.type == "llama3":
+        # Wavelengths beyond the original context / low_freq_factor are stretched by `factor`, those below
+        # original context / high_freq_factor kept, and those in between interpolated (Meta's Llama 3.1 recipe).
+        wavelen = 2 * jnp.pi / freqs
+        smooth = (rs.original_max_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        mid = (1 - smooth) * freqs / rs.factor + smooth * freqs
+        freqs = jnp.where(wavelen > rs.original_max_len / rs.low_freq_factor, freqs / rs.factor,
+                          jnp.where(wavelen < rs.original_max_len / rs.high_freq_factor, freqs, mid))
+    return freqs
+
+
+def rotary(x: jax.Array, freqs: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (half-split layout) of x [batch, seq, heads, head_dim] with inverse frequencies
+    ``freqs`` [head_dim / 2]; ``positions`` int [batch, seq] (default: 0..seq-1 for every row)."""
+    if positions is None:
+        positions = jnp.arange(x.shape[1])[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [batch or 1, seq, dim/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def cached_attention(q, k_cache, v_cache, q_positions) -> jax.Array:
+    """Attention of new queries over a KV cache, for decoding. q [batch, new, heads, head_dim], caches
+    [batch, max_len, kv_heads, head_dim], q_positions int [batch, new]: a query attends to cache slots at or before
+    its own position (slots past it may hold stale values; they are masked). Same arithmetic as ``mha_reference``."""
+    b, t, h, d = q.shape
+    kv = k_cache.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * d**-0.5
+    visible = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]  # [batch, new, max_len]
+    logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+CACHE_AXES = ("batch", None, "act_kv_heads", None)  # one layer's KV cache [batch, max_len, kv_heads, head_dim]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, rngs: nnx.Rngs):
+        self.cfg, self.attention = cfg, attention
+        d, hd = cfg.d_model, cfg.resolved_head_dim
+        common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q = nnx.LinearGeneral(d, (cfg.n_heads, hd),
+                                   kernel_init=_init(cfg.init_std, ("embed", "heads", "head_dim")), **common)
+        self.k = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd),
+                                   kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+        self.v = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd),
+                                   kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+        # Scaled init of residual-branch outputs (GPT-2): keeps the residual stream's variance independent of depth.
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1),
+                                   kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
+                 cache: tuple[jax.Array, jax.Array] | None = None):
+        """x: [batch, seq, embed] -> [batch, seq, embed].
+
+        Decoding passes ``positions`` int [batch, seq] and ``cache`` (k, v) [batch, max_len, kv_heads, head_dim]:
+        the new keys and values are written at ``positions`` and the queries attend over the cache; then the
+        result is (output, updated cache).
+        """
+        q = with_logical_constraint(self.q(x), ("batch", "act_seq", "act_heads", None))
+        k = with_logical_constraint(self.k(x), ("batch", "act_seq", "act_kv_heads", None))
+        v = with_logical_constraint(self.v(x), ("batch", "act_seq", "act_kv_heads", None))
+        freqs = rope_frequencies(self.cfg)
+        q, k = rotary(q, freqs, positions), rotary(k, freqs, positions)
+        if cache is None:
+            out = self.attention(q, k, v, segment_ids)
+        else:
+            rows = jnp.arange(x.shape[0])[:, None]
+            k_cache = with_logical_constraint(cache[0].at[rows, positions].set(k.astype(cache[0].dtype)), CACHE_AXES)
+            v_cache = with_logical_constraint(cache[1].at[rows, positions].set(v.astype(cache[1].dtype)), CACHE_AXES)
+            out = cached_attention(q, k_cache, v_cache, positions)
+        out = with_logical_constraint(out, ("batch", "act_seq", "act_heads", None))
+        return self.o(out) if cache is None else (self.o(out), (k_cache, v_cache))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, rngs: nnx.Rngs):
+        common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_init(cfg.init_std, ("embed", "mlp")), **common)
+        self.up = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_init(cfg.init_std, ("embed", "mlp")), **common)
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_init(out_std, ("mlp", "embed")), **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """SwiGLU. x: [batch, seq, embed] -> [batch, seq, embed]; hidden [batch, seq, mlp]."""
+        h = nnx.silu(self.gate(x)) * self.up(x)
+        h = with_logical_constraint(h, ("batch", "act_seq", "act_mlp"))
+        return self.down(h)
+
+
+def _norm(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
+                       scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",)), rngs=rngs)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, rngs: nnx.Rngs):
+        self.attn_norm = _norm(cfg, dtype, param_dtype, rngs)
+        self.attn = Attention(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+        self.mlp_norm = _norm(cfg, dtype, param_dtype, rngs)
+        self.mlp = MLP(cfg, dtype, param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
+                 cache: tuple[jax.Array, jax.Array] | None = None):
+        """x [batch, seq, embed] -> same; with a KV ``cache`` (decoding, see Attention) -> (x, updated cache)."""
+        attn = self.attn(self.attn_norm(x), segment_ids, positions, cache)
+        attn, cache = attn if cache is not None else (attn, None)
+        x = with_logical_constraint(x + attn, ("batch", "act_seq", "act_embed"))
+        x = x + self.mlp(self.mlp_norm(x))
+        x = with_logical_constraint(x, ("batch", "act_seq", "act_embed"))
+        return x if cache is None else (x, cache)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer for a resolved model config (``layout.resolve_auto``: no "auto" left).
+
+    ``attention``: the attention each layer calls (:data:`AttentionFn`); default ``Local(cfg.attention)``, on the
+    arrays as given (the layout passes the mesh-aware one, :class:`jaxtrain.parallel.attention.MeshAttention`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: AttentionFn | None = None):
+        if "auto" in (cfg.dtype, cfg.attention):
+            raise ValueError("the model needs a resolved config (layout.resolve_auto): dtype and attention not auto")
+        self.cfg = cfg
+        attention = Local(cfg.attention) if attention is None else attention
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+                               embedding_init=_init(cfg.init_std, ("vocab", "embed")), rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs):
+            return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = _norm(cfg, dtype, param_dtype, rngs)
+        if not cfg.tie_embeddings:
+            self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                      kernel_init=_init(cfg.init_std, ("embed", "vocab")), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *, positions: jax.Array | None = None,
+                 cache: dict | None = None):
+        """tokens: int [batch, seq] -> logits float32 [batch, seq, vocab] (logical: batch, act_seq, act_vocab).
+
+        ``positions`` int [batch, seq]: each token's place for rotary (default 0..seq-1; the context axis's zigzag
+        order passes its real positions). Decoding (prefill and each step) passes them and ``cache`` (from
+        :meth:`init_cache`: "k" and "v", [layers, batch, max_len, kv_heads, head_dim]) and gets (logits, cache).
+        """
+        x = self.embed_tokens(tokens)
+        if cache is None:
+            return self.head(self.layers(x, segment_ids, positions))
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def decode_body(h, layer):
+            layer_state, k, v = layer
+            h, (k, v) = nnx.merge(graphdef, layer_state)(h, None, positions, (k, v))
+            return h, (k, v)
+
+        x, (k, v) = jax.lax.scan(decode_body, x, (stacked, cache["k"], cache["v"]))
+        return self.head(x), {"k": k, "v": v}
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens int [..., batch, seq] -> embeddings [..., batch, seq, embed] in the compute dtype."""
+        # Gather the (vocab, fsdp)-sharded table before the lookup: XLA cannot partition a gather from a
+        # vocab-sharded table into a batch-sharded result without replicating it anyway (and warns).
+        table = with_logical_constraint(self.embed.embedding[...], (None, "act_embed"))
+        x = jnp.take(table, tokens, axis=0).astype(self.embed.dtype)
+        lead = (None,) * (tokens.ndim - 2)
+        return with_logical_constraint(x, (*lead, "batch", "act_seq", "act_embed"))
+
+    def layers(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None) -> jax.Array:
+        """The layer stack, one scan: x [batch, seq, embed] -> same; ``positions`` int [batch, seq] each token's
+        place in its sequence for rotary (default 0..seq-1; the context axis's zigzag order passes them)."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, segment_ids, positions), None
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Final norm and output projection: x [batch, seq, embed] -> logits float32 [batch, seq, vocab]."""
+        x = self.final_norm(x)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.unembed(x)
+        return with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty KV cache for decoding: "k" and "v" zeros [layers, batch, max_len, kv_heads, head_dim] in the
+        compute dtype, sharded like the attention activations (batch over data/fsdp, kv heads over tensor)."""
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
+        zeros = jnp.zeros(shape, self.embed.dtype)
+        zeros = with_logical_constraint(zeros, (None, *CACHE_AXES))
+        return {"k": zeros, "v": zeros}

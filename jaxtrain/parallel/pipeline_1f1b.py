@@ -1,0 +1,237 @@
+"""The 1F1B pipeline schedule (``train.pipeline_schedule=1f1b``; interleaved 1F1B with ``train.virtual_stages`` > 1):
+forward and backward of different microbatches alternate inside one loop, so a stage keeps the inputs of at most
+``2 * stages * virtual - 1`` work items, whatever the number of microbatches.
+
+The schedule is the circular one of :mod:`jaxtrain.parallel.pipeline` with the microbatches taken in groups of
+``stages`` (Megatron-LM's interleaved order): forward work item ``w`` is microbatch ``(w // (S V)) * S + w % S`` on pass
+``(w % (S V)) // S`` and runs on stage ``s`` at iteration ``w + s``. A group's output leaving the last stage enters
+stage 0 for its next pass at the very next iteration, so no buffer is needed between passes. Backward work item ``u``
+(the same group order, passes in reverse) runs on stage ``s`` at iteration ``S V - 1 + u + (S - 1 - s)``: the last stage
+computes the loss of a microbatch's last pass and its cotangent in the iteration of its forward, and starts that item's
+backward at once. Each iteration every stage runs (at most) one forward and one backward, and two ring permutes move the
+activations one stage on and the cotangents one stage back.
+
+The backward is written here, not left to JAX's transpose of the loop: each stage keeps the *input* of its passes
+(slot ``w % (2 S V - 1)`` of a buffer) and its backward recomputes the pass with ``jax.vjp`` from that input (one
+extra forward per pass, as ``model.remat=full`` costs); the weight and embedding gradients accumulate in the loop's
+carry. The forward and the backward sit in ``lax.cond``: a stage with nothing to do in an iteration skips that
+half, so the step takes ``(M V + S - 1)`` forward+backward times: the bubble is GPipe's,
+``(S - 1) / (M V + S - 1)`` (:func:`jaxtrain.parallel.pipeline.bubble_fraction`).
+
+:func:`loss_and_grads` names no model; :func:`pipelined_loss` runs a Transformer through it, differentiable
+(``jax.custom_vjp``) so that the train step takes ``jax.value_and_grad`` of it as of any loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxtrain.parallel import pipeline
+
+
+def iterations(stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Iterations of the 1F1B loop: the last backward (work item ``M V - 1``) leaves stage 0 at iteration
+    ``S V - 1 + M V - 1 + S - 1``."""
+    return microbatches * virtual + (virtual + 1) * stages - 2
+
+
+def saved_inputs(stages: int, microbatches: int, virtual: int = 1) -> int:
+    """Stage inputs each stage keeps (the buffer's slots): an item's input lives from its forward until its backward,
+    at most ``2 S V - 2`` iterations (pass 0 on stage 0), and never more than the ``M V`` items there are."""
+    return min(2 * stages * virtual - 1, microbatches * virtual)
+
+
+def forward_item(w, stages: int, virtual: int):
+    """Forward work item ``w`` -> (pass, microbatch): microbatches in groups of ``stages``, each group's passes in
+    order."""
+    group, r = w // (stages * virtual), w % (stages * virtual)
+    return r // stages, group * stages + r % stages
+
+
+def backward_item(u, stages: int, virtual: int):
+    """Backward work item ``u`` -> (pass, microbatch, forward work item of the same pass and microbatch): the groups
+    in order, each group's passes in reverse."""
+    group, r = u // (stages * virtual), u % (stages * virtual)
+    v = virtual - 1 - r // stages
+    return v, group * stages + r % stages, group * stages * virtual + v * stages + r % stages
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def _f32_zeros(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+
+def _add(acc, d):
+    return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, d)
+
+
+def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, chunks: Any, rest: Any,
+                   tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int,
+                   stage_axis: str, batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, Any, Any]:
+    """(loss, d_chunks, d_rest) of one step through the 1F1B schedule.
+
+    stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [rows, ...] (this device's rows).
+    embed_fn(rest, tokens_m) -> h: the pipeline's input of one microbatch (stage 0, pass 0).
+    loss_fn(rest, h, targets_m) -> scalar: one microbatch's share of the loss from the last stage's output on its
+        last pass (this device's rows).
+    chunks: pytree of [virtual, stages, ...] (:func:`jaxtrain.parallel.pipeline.arrange_chunks`) split over
+        ``stage_axis`` on dim 1, not over ``batch_axes``. rest: pytree of the parameters embed_fn and loss_fn use, not
+        split over the stage or batch axes.
+    tokens, targets: [M, rows, ...] (M a multiple of ``stages``); side: pytree of [M, rows, ...] or None; rows split
+        over ``batch_axes``.
+
+    Returns the loss (sum over microbatches of loss_fn, mean over the batch groups) and its gradients with respect
+    to ``chunks`` (float32, split like chunks) and ``rest`` (float32, replicated). The gradients are summed over the
+    batch axes (and, for ``rest``, the stages) once, after the loop.
+    """
+    s_n, v_n, m_n = stages, virtual, tokens.shape[0]
+    items, slots = m_n * v_n, saved_inputs(stages, m_n, virtual)
+    forward_ring = [(i, (i + 1) % s_n) for i in range(s_n)]
+    backward_ring = [((i + 1) % s_n, i) for i in range(s_n)]
+    reduce_axes = (stage_axis, *batch_axes)
+
+    def local(chunks, rest, tokens, targets, side):
+        me = jax.lax.axis_index(stage_axis)
+        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
+        groups = jax.lax.psum(1, batch_axes) if batch_axes else 1
+
+        def chunk(v):  # one pass: a static index, so that no copy of the stage's weights is made per iteration
+            return jax.tree.map(lambda a: a[0] if v_n == 1 else a[v], chunks)
+
+        def side_of(m):
+            return None if side is None else jax.tree.map(lambda a: a[m], side)  # side may be a tuple (step.py)
+
+        h_shape = jax.eval_shape(embed_fn, rest, tokens[0])
+        h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
+
+        def iteration(carry, t):
+            h_ring, ct_ring, saved, loss, d_chunks, d_rest = carry
+            # Forward half: work item t - me, its input fresh from the embedding (stage 0, pass 0) or from the ring.
+            w = t - me
+            f_ok = (w >= 0) & (w < items)
+            w = jnp.clip(w, 0, items - 1)
+            v_f, m_f = forward_item(w, s_n, v_n)
+            h = jax.lax.cond(f_ok & (me == 0) & (v_f == 0), lambda: embed_fn(rest, tokens[m_f]), lambda: h_ring)
+            slot = w % slots
+            saved = saved.at[slot].set(jnp.where(f_ok, h, saved[slot]))
+            out = jax.lax.cond(f_ok, lambda: stage_fn(chunk(v_f), h, side_of(m_f)), lambda: h_zero)
+
+            # The last stage ends a microbatch's last pass: its loss, and the cotangent that starts the backward.
+            def head():
+                loss_m, vjp = jax.vjp(lambda r, o: loss_fn(r, o, targets[m_f]), rest, out)
+                d_r, d_out = vjp(jnp.ones_like(loss_m))
+                return loss_m.astype(jnp.float32), d_r, d_out
+
+            ends = f_ok & (me == s_n - 1) & (v_f == v_n - 1)
+            loss_m, d_r_head, ct_head = jax.lax.cond(
+                ends, head, lambda: (jnp.zeros((), jnp.float32), _zeros(rest), h_zero))
+
+            # Backward half: work item u, recomputed from its saved input; the cotangent from the head (the item just
+            # forwarded, on the last stage's last pass) or from the ring.
+            u = t - (s_n * v_n - 1) - (s_n - 1 - me)
+            b_ok = (u >= 0) & (u < items)
+            u = jnp.clip(u, 0, items - 1)
+            v_b, m_b, w_b = backward_item(u, s_n, v_n)
+            ct = jnp.where((me == s_n - 1) & (v_b == v_n - 1), ct_head, ct_ring)
+
+            def backward():
+                _, vjp = jax.vjp(lambda c, x: stage_fn(c, x, side_of(m_b)), chunk(v_b), saved[w_b % slots])
+                return vjp(ct)
+
+            d_chunk, d_in = jax.lax.cond(b_ok, backward, lambda: (_zeros(chunk(v_b)), h_zero))
+
+            # Stage 0 ends a microbatch's first pass: the cotangent reaches the embedding.
+            def embed_grad():
+                return jax.vjp(lambda r: embed_fn(r, tokens[m_b]), rest)[1](d_in)[0]
+
+            d_r_embed = jax.lax.cond(b_ok & (me == 0) & (v_b == 0), embed_grad, lambda: _zeros(rest))
+
+            if v_n == 1:
+                d_chunks = jax.tree.map(lambda a, g: a + g.astype(jnp.float32)[None], d_chunks, d_chunk)
+            else:
+                d_chunks = jax.tree.map(lambda a, g: a.at[v_b].add(g.astype(jnp.float32)), d_chunks, d_chunk)
+            d_rest = _add(_add(d_rest, d_r_head), d_r_embed)
+            # Named, so that the program's two rings can be told apart (with two stages both are the same pairs).
+            with jax.named_scope("forward_ring"):
+                h_ring = jax.lax.ppermute(out, stage_axis, perm=forward_ring)
+            with jax.named_scope("backward_ring"):
+                ct_ring = jax.lax.ppermute(d_in, stage_axis, perm=backward_ring)
+            return (h_ring, ct_ring, saved, loss + loss_m, d_chunks, d_rest), None
+
+        carry = (h_zero, h_zero, jnp.zeros((slots, *h_zero.shape), h_zero.dtype), jnp.zeros((), jnp.float32),
+                 _f32_zeros(chunks), _f32_zeros(rest))
+        steps = jnp.arange(iterations(s_n, m_n, v_n))
+        (_, _, _, loss, d_chunks, d_rest), _ = jax.lax.scan(iteration, carry, steps)
+        # The sums over devices, once per step: the loss and the embedding/head gradients live on one stage each.
+        loss = jax.lax.psum(loss, reduce_axes) / groups
+        d_rest = jax.tree.map(lambda g: jax.lax.psum(g, reduce_axes) / groups, d_rest)
+        d_chunks = jax.tree.map(lambda g: (jax.lax.psum(g, batch_axes) if batch_axes else g)[:, None] / groups,
+                                d_chunks)
+        return loss, d_chunks, d_rest
+
+    rows = PartitionSpec(None, batch_axes or None)
+    stage_names = (stage_axis, *batch_axes)
+    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), PartitionSpec(), rows, rows, rows),
+                         out_specs=(PartitionSpec(), PartitionSpec(None, stage_axis), PartitionSpec()),
+                         axis_names=frozenset(stage_names), check_vma=False)(chunks, rest, tokens, targets, side)
+
+
+def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: jax.Array | None, layout,
+                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """A Transformer's mean loss over M microbatches through the 1F1B schedule, differentiable in the model's
+    parameters. tokens, targets int [M, microbatch, seq]; segment_ids int [M, microbatch, seq] or None.
+    loss_fn(logits float32 [rows, seq, vocab], targets [rows, seq]) -> the mean loss of those rows.
+
+    The layer stack's parameters are arranged into chunks as the GPipe schedule arranges them
+    (:func:`jaxtrain.parallel.pipeline.stack_chunks`); the other parameters (embedding, final norm, output projection)
+    enter the loop gathered and their gradients leave it summed over stages and batch groups.
+    """
+    m_n = tokens.shape[0]
+    is_stack = nnx.All(nnx.Param, nnx.PathContains("blocks"))
+    graphdef, *states = nnx.split(model, is_stack, nnx.Param, ...)
+    stack, rest, other = states
+    blocks_def = nnx.graphdef(model.blocks)  # one stacked layer's structure, as pipeline.pipelined_layers merges it
+    abstract_stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
+    stage_fn = pipeline.chunk_function(blocks_def, layout, model.cfg.remat)
+
+    def view(r):  # the model with these non-stack parameters (the stack is never read outside the loop's chunks)
+        return nnx.merge(graphdef, abstract_stack, r, other)
+
+    def embed_fn(r, tokens_m):
+        with nnx.logical_axis_rules(layout.local_rules):
+            return view(r).embed_tokens(tokens_m)
+
+    def head_loss(r, h, targets_m):
+        with nnx.logical_axis_rules(layout.local_rules):
+            return loss_fn(view(r).head(h), targets_m) / m_n
+
+    schedule = partial(loss_and_grads, stage_fn, embed_fn, head_loss, stages=layout.stages,
+                       virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
+                       batch_axes=layout.batch_axes)
+
+    @jax.custom_vjp
+    def run(chunks, rest, tokens, targets, segments):
+        return schedule(chunks, rest, tokens, targets, segments)[0]
+
+    def run_fwd(chunks, rest, tokens, targets, segments):
+        loss, d_chunks, d_rest = schedule(chunks, rest, tokens, targets, segments)
+        return loss, (d_chunks, d_rest, chunks, rest)
+
+    def run_bwd(res, g):
+        d_chunks, d_rest, chunks, rest = res
+        cast = partial(jax.tree.map, lambda d, p: (g * d).astype(p.dtype))
+        # token ids and segments (with a context axis: segments and positions, step.py): no gradient
+        return cast(d_chunks, chunks), cast(d_rest, rest), None, None, jax.tree.map(lambda _: None, segment_ids)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(pipeline.stack_chunks(stack["blocks"], layout), rest, tokens, targets, segment_ids)
