@@ -198,6 +198,16 @@ REJECTED = {
     "coordinator pod out of range": (
         lambda js: js["spec"].update(coordinator={"replicatedJob": "workers", "podIndex": 1}),
         "coordinator pod index 1 is invalid"),
+    "dependsOn on the first replicated job": (
+        lambda js: js["spec"]["replicatedJobs"][0].update(dependsOn=[{"name": "prep", "status": "Complete"}]),
+        "DependsOn can't be set for the first ReplicatedJob"),
+    "InOrder startup with dependsOn": (
+        lambda js: js["spec"].update(startupPolicy={"startupPolicyOrder": "InOrder"}) or
+        js["spec"]["replicatedJobs"][0].update(dependsOn=[{"name": "prep", "status": "Complete"}]),
+        "StartupPolicy and DependsOn APIs are mutually exclusive"),
+    "group name not DNS-1035": (lambda js: js["spec"]["replicatedJobs"][0].update(groupName="Workers"),
+                                "'Workers': a DNS-1035 label"),
+    "JobSet name with capitals": (lambda js: js["metadata"].update(name="JaxTrain"), "metadata.name: Invalid value"),
     "typo in the pod template": (lambda js: _at(js, POD)["containers"][0].update(resource={}),
                                  "replicatedJobs[workers].template"),
 }
