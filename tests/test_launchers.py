@@ -1,8 +1,5 @@
-"""The launchers' shared environment file and the Kubernetes JobSet, checked structurally (no cluster here).
-
-The JobSet's Job template is validated against Kubernetes' own OpenAPI schema (kubernetes-validate, strict: unknown
-fields fail); the JobSet fields around it, which that schema does not cover, are checked one by one.
-"""
+"""The launchers' shared environment file and scripts, checked without a cluster. The Kubernetes JobSet is checked
+against JobSet's CRD and webhook rules in tests/test_jobset.py."""
 
 import os
 import re
@@ -84,54 +81,6 @@ def test_kustomization_makes_the_configmap_the_pods_load():
     kubernetes_validate.validate(configmap, "1.31", strict=True)
 
 
-def test_job_template_validates_against_the_kubernetes_schema():
-    rjob = jobset()["spec"]["replicatedJobs"][0]
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "jaxtrain-workers-0"},
-           "spec": rjob["template"]["spec"]}
-    kubernetes_validate.validate(job, "1.31", strict=True)
-    broken = yaml.safe_load(yaml.safe_dump(job))
-    broken["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # a typo strict validation must catch
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(broken, "1.31", strict=True)
-
-
-def test_jobset_has_what_a_jax_job_on_rdma_nodes_needs():
-    js = jobset()
-    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
-    spec = js["spec"]
-    assert spec["failurePolicy"]["maxRestarts"] >= 1  # any failure restarts every pod
-    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]  # gang admission
-    assert spec["network"]["enableDNSHostnames"] is True
-    (rjob,) = spec["replicatedJobs"]
-    job = rjob["template"]["spec"]
-    assert job["parallelism"] == job["completions"] == 1 and job["backoffLimit"] == 0
-    pod = job["template"]["spec"]
-    assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] >= 120
-    assert pod["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    (c,) = pod["containers"]
-    assert re.fullmatch(r"[\w./-]+@sha256:[0-9a-f]{64}", c["image"])  # pinned by digest
-    assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
-    req, lim = c["resources"]["requests"], c["resources"]["limits"]
-    assert req["nvidia.com/gpu"] == lim["nvidia.com/gpu"] == 8 and "cpu" in req and "memory" in req
-    assert any(k.startswith("rdma/") for k in lim)
-    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
-    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
-    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-
-    # The node count lives in one place: replicas. Processes read it and their index from JobSet's pod labels.
-    env = {e["name"]: e for e in c["env"]}
-    assert env["JAX_NUM_PROCESSES"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"
-    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['jobset.sigs.k8s.io/job-index']"
-    assert not any(str(rjob["replicas"]) == a.split("=")[-1] for a in c["command"] if "dcn" in a)
-    assert "mesh.dcn.data=-1" in c["command"]
-    host, port = env["JAX_COORDINATOR_ADDRESS"]["value"].rsplit(":", 1)
-    assert host == f"{js['metadata']['name']}-{rjob['name']}-0-0.{spec['network']['subdomain']}"
-    assert int(port) == c["ports"][0]["containerPort"]
-    assert c["command"][:4] == ["python", "-m", "jaxtrain", "train"]
-
-
 @pytest.mark.parametrize("script, env", [
     ("local.sh", {"GRACE_S": "a[$(touch {marker})]"}),
     ("slurm.sbatch", {"JAXTRAIN_METRICS_PORT": "a[$(touch {marker})]", "JAXTRAIN_CHECK": "0"}),
@@ -146,34 +95,6 @@ def test_launchers_treat_environment_values_as_data(tmp_path, script, env):
                           timeout=60, cwd=tmp_path)
     assert proc.returncode == 2 and not marker.exists(), proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "must be" in proc.stderr
-
-
-# JobSet's API (jobset.x-k8s.io/v1alpha2, FailurePolicyRule; its CRD requires `name` and `action`): the actions and
-# the Job failure reasons a rule may name (site/content/en/docs/tasks/failure_policy.md in kubernetes-sigs/jobset).
-JOBSET_ACTIONS = {"FailJobSet", "RestartJobSet", "RestartJobSetAndIgnoreMaxRestarts"}
-JOB_FAILURE_REASONS = {"BackoffLimitExceeded", "DeadlineExceeded", "PodFailurePolicy"}
-
-
-def test_jobset_restarts_a_run_that_stopped_early():
-    """A run stopped by SIGTERM exits EXIT_PREEMPTED; the Job fails on it (podFailurePolicy, reason PodFailurePolicy)
-    and the JobSet restarts every Job on that reason. Exit 0 (finished) matches no rule: the Job completes."""
-    from jaxtrain.errors import EXIT_PREEMPTED
-
-    spec = jobset()["spec"]
-    job = spec["replicatedJobs"][0]["template"]["spec"]
-    pod = job["template"]["spec"]
-    assert pod["restartPolicy"] == "Never"  # Kubernetes accepts a podFailurePolicy only with Never
-    (rule,) = [r for r in job["podFailurePolicy"]["rules"] if "onExitCodes" in r]
-    codes = rule["onExitCodes"]
-    assert rule["action"] == "FailJob" and codes["operator"] == "In" and codes["values"] == [EXIT_PREEMPTED]
-    assert codes["containerName"] == pod["containers"][0]["name"]
-    rules = spec["failurePolicy"]["rules"]
-    for r in rules:
-        assert r["name"] and r["action"] in JOBSET_ACTIONS and set(r.get("onJobFailureReasons", [])) <= \
-            JOB_FAILURE_REASONS, r
-    first = next(r for r in rules if "PodFailurePolicy" in r.get("onJobFailureReasons", []))
-    assert first["action"].startswith("RestartJobSet"), first
-    assert "targetReplicatedJobs" not in first or spec["replicatedJobs"][0]["name"] in first["targetReplicatedJobs"]
 
 
 def _stub(directory, name, body):
