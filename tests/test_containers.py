@@ -72,6 +72,35 @@ def test_every_missing_package_is_named_in_one_line_before_anything_runs(tmp_pat
     assert sorted(listed.stdout.split()) == sorted(json.loads(diag.stdout)["missing_packages"])
 
 
+@pytest.mark.slow
+def test_the_install_adds_what_is_missing_and_never_changes_an_installed_package(tmp_path):
+    """`--install --dry-run` through pip and the package index (needs the registry, hence slow): with grain,
+    tensorboardX and prometheus-client hidden, pip would install exactly those three; with the installed protobuf
+    replaced by a 4.0.0 (grain needs >= 5.28.3), the constraints make pip stop instead of upgrading it."""
+    (tmp_path / "a").mkdir()
+    env = _python_without(tmp_path / "a", HIDDEN.values())
+    proc = subprocess.run([sys.executable, "-S", "-m", "jaxtrain.cluster.packages", "--install", "--dry-run"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (would,) = [line for line in proc.stdout.splitlines() if line.startswith("Would install")]
+    assert sorted(p.rsplit("-", 1)[0].lower() for p in would.split()[2:]) == sorted(
+        packages._normalise(n).replace("-", "_") for n in HIDDEN), would
+    (tmp_path / "b").mkdir()
+    env = _python_without(tmp_path / "b", [*HIDDEN.values(), "protobuf"])
+    old = tmp_path / "b" / "site-packages" / "protobuf-4.0.0.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: protobuf\nVersion: 4.0.0\n")
+    proc = subprocess.run([sys.executable, "-S", "-m", "jaxtrain.cluster.packages", "--install", "--dry-run"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "ResolutionImpossible" in said and "Would install" not in said, said[-2000:]
+    assert "protobuf==4.0.0" in said  # pip names the constraint that stopped it
+    # Without the constraints the same pip would have replaced the installed protobuf.
+    plain = subprocess.run([sys.executable, "-S", "-m", "pip", "install", "--no-cache-dir", "--dry-run",
+                            *_declared(HIDDEN)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert re.search(r"^Would install .*\bprotobuf-", plain.stdout, re.M), plain.stdout[-2000:]
+
+
 def test_a_hidden_install_counts_as_missing(tmp_path):
     """Metadata present but the module unimportable (a broken install, or one shadowed on the path): missing."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['grain'] = None\n")
@@ -79,6 +108,29 @@ def test_a_hidden_install_counts_as_missing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxtrain", "train"], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "does not have: grain." in proc.stderr, proc.stderr
+
+
+def test_other_versions_are_reported_and_refused_only_when_strict(tmp_path):
+    """safetensors' metadata replaced by a 0.1.0 (pyproject: >=0.8,<0.9), its module left: present, other version."""
+    import safetensors
+
+    env = _python_without(tmp_path, ["safetensors"])
+    site = tmp_path / "site-packages"
+    (site / "safetensors").symlink_to(os.path.dirname(safetensors.__file__))
+    old = site / "safetensors-0.1.0.dist-info"
+    old.mkdir()
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: safetensors\nVersion: 0.1.0\n")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-S", "-m", *args], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+
+    assert run("jaxtrain.cluster.packages").returncode == 0
+    strict = run("jaxtrain.cluster.packages", "--strict")
+    assert strict.returncode == 2 and "safetensors 0.1.0 (jaxtrain is tested with " in strict.stdout, strict.stdout
+    diag = run("jaxtrain", "env", "--json")
+    assert json.loads(diag.stdout)["other_versions"] == {"safetensors": "0.1.0 (needs " + _declared(
+        ["safetensors"])[0][len("safetensors"):] + ")"}
 
 
 def test_requirements_are_pyprojects_and_parse_as_packaging_does():
@@ -141,17 +193,18 @@ def test_dockerfile_pins_the_base_by_digest_and_installs_the_project_itself():
     source, target = copy.split()
     assert source == "."  # the repository root: pyproject.toml, from which pip reads the requirements
     (run,) = [v for k, v in steps if k == "RUN"]
-    words = shlex.split(run)
-    # The package list is pyproject.toml's (pip installs the copied project); no name of a requirement is listed
-    # by hand, so the image cannot drift from what the code imports.
+    commands = [shlex.split(c) for c in run.split("&&")]
+    # The package list is pyproject.toml's, read by jaxtrain.cluster.packages in the copied checkout (the tests
+    # above run the same command): no name of a requirement is listed by hand, so the image cannot drift from it.
     names = {packages._normalise(r.name) for r in packages.requirements()}
-    assert not names & {packages._normalise(w) for w in words}, run
-    install = words.index("install")
-    assert words[install - 2:install] == ["-m", "pip"] and target in words[install:]
-    # The image's own packages are pinned before pip runs, and the check that follows fails the build on a gap.
-    constraint = words[words.index("--constraint") + 1]
-    assert words.index(constraint) < install and "--format=freeze" in words[:install]
-    assert words[-3:] == ["python", "-m", "jaxtrain.cluster.packages"]
+    assert not names & {packages._normalise(w) for c in commands for w in c}, run
+    assert commands[0] == ["cd", target] and ["python", "-m", "jaxtrain.cluster.packages", "--install"] in commands
+    install = commands.index(["python", "-m", "jaxtrain.cluster.packages", "--install"])
+    (itself,) = [i for i, c in enumerate(commands) if c[:4] == ["python", "-m", "pip", "install"]]
+    assert install < itself and "--no-deps" in commands[itself] and commands[itself][-1] == target
+    # Then, from outside the checkout, the installed jaxtrain checks itself: missing packages or versions outside
+    # pyproject's fail the build.
+    assert commands[-2:] == [["cd", "/"], ["python", "-m", "jaxtrain.cluster.packages", "--strict"]]
     ignore = open(DOCKERFILE + ".dockerignore").read().split()
     assert {".git", "runs", "gpu-wheels"} <= set(ignore) and "jaxtrain" not in ignore and "pyproject.toml" not in ignore
 

@@ -14,7 +14,8 @@ from the distribution's own ``top_level.txt`` or file list when it is installed.
 installed distributions outside the required versions, without refusing them: images ship development builds
 (``0.11.0.dev2026...``) that may well work.
 
-``python -m jaxtrain.cluster.packages --missing`` prints the missing requirements, one per line;
+``python -m jaxtrain.cluster.packages`` reports (exit 2 when something is missing; with ``--strict`` also when a
+version is outside the requirements); ``--missing`` prints the missing requirements, one per line;
 ``--install`` installs them with pip, constrained to the versions of everything already installed, so that an image's
 own jax, CUDA plugin and numpy are never replaced (pip stops instead, naming the conflict). ``launch/slurm.sbatch``
 runs it in the container for the no-build path (``JAXTRAIN_CONTAINER_INSTALL=1``, docs/gpu.md).
@@ -238,8 +239,9 @@ def install(dry_run: bool = False) -> int:
         return 0
     with tempfile.NamedTemporaryFile("w", suffix="-constraints.txt", delete=False) as f:
         f.write("\n".join(constraints()) + "\n")
-    cmd = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--constraint", f.name,
-           *(["--dry-run"] if dry_run else []), *(r.text for r in report.missing)]
+    # The same interpreter as started: a Python run with -S (no site-packages processing) installs into its path.
+    cmd = [sys.executable, *(["-S"] if sys.flags.no_site else []), "-m", "pip", "install", "--no-cache-dir",
+           "--constraint", f.name, *(["--dry-run"] if dry_run else []), *(r.text for r in report.missing)]
     print("jaxtrain: installing " + ", ".join(r.name for r in report.missing) + " (installed versions kept): "
           + " ".join(cmd), flush=True)
     try:
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--missing", action="store_true", help="print the missing requirements, one per line")
     mode.add_argument("--install", action="store_true", help="pip-install the missing ones, keeping the installed")
     p.add_argument("--dry-run", action="store_true", help="with --install: pip's --dry-run")
+    p.add_argument("--strict", action="store_true", help="exit 2 on installed versions outside the requirements too")
     args = p.parse_args(argv)
     if args.install:
         return install(args.dry_run)
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         print(missing_message(report))
     if report.other_versions:
         print(versions_message(report))
-    return 2 if report.missing else 0
+    return 2 if report.missing or (args.strict and report.other_versions) else 0
 
 
 if __name__ == "__main__":
