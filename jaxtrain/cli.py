@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 
+from jaxtrain.cluster import packages
 from jaxtrain.errors import EXIT_STATUS, CheckpointError, ConfigError, one_line
 
 # name -> (module, one-line help)
@@ -70,6 +71,8 @@ def _main(argv: list[str] | None) -> int:
             p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
+        if args.command not in packages.COMMANDS_WITHOUT_CHECK:
+            packages.require_runtime()  # every missing package named at once, before JAX or any of them is imported
         return importlib.import_module(COMMANDS[args.command][0]).run(args)
     except Exception as e:
         status = next((code for kind, code in EXIT_STATUS.items() if isinstance(e, kind)), None)

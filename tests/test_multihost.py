@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -301,34 +302,42 @@ def test_real_slurm_gpu_layouts_as_each_task_sees_them(slurm, tmp_path, layout):
 
 @pytest.mark.slow
 def test_real_slurm_steps_get_the_container_and_the_batch_script_does_not(slurm, tmp_path):
-    """pyxis is not installable here: a PATH-front `srun` records each step's command line and runs the real srun
-    without the container options. Every step carries the image, mounts and workdir; the batch script itself runs
-    on the host (it calls the host's srun, and sbatch got no container option)."""
+    """pyxis is not installable here: tests/slurm/pyxis_srun.sh, first on PATH as `srun`, records each step's
+    options, applies pyxis' environment rule for an image that sets XLA_FLAGS and NCCL_DEBUG (the image's value wins
+    unless named in --container-env) and runs the step through the real srun without the container options. The
+    step carries the image, the container's name, mounts, workdir and --container-env; the batch script runs on the
+    host (it calls the host's srun, and sbatch got no container option); each task sees the environment file's
+    NCCL_DEBUG, not the image's, and XLA_FLAGS layered: the image's, then the file's."""
     real = shutil.which("srun", path=slurm["PATH"])
     bin_dir, calls = tmp_path / "bin", tmp_path / "srun-calls"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text(f"""#!/usr/bin/env bash
-printf '%s\\n' "$*" >> {calls}
-args=()
-for a in "$@"; do
-  case "$a" in --container-image=*|--container-mounts=*|--container-workdir=*) ;; *) args+=("$a") ;; esac
-done
-exec {real} "${{args[@]}}"
-""")
-    (bin_dir / "srun").chmod(0o755)
-    env = slurm | {"PATH": f"{bin_dir}:{slurm['PATH']}", "JAXTRAIN_IMAGE": "reg/jaxtrain@sha256:0123",
-                   "JAXTRAIN_CONTAINER_MOUNTS": f"{REPO}:{REPO},{tmp_path}:{tmp_path}"}
+    (bin_dir / "srun").symlink_to(os.path.join(REPO, "tests/slurm/pyxis_srun.sh"))
+    image_env = tmp_path / "image.env"
+    image_env.write_text("XLA_FLAGS=--xla_gpu_enable_triton_gemm=false\nNCCL_DEBUG=INFO\n")
+    python = tmp_path / "python"  # each task's environment, then the real command
+    python.write_text(f'#!/usr/bin/env bash\nenv -0 > {tmp_path}/env-$SLURM_PROCID\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    image = "registry.example.com#acme/jaxtrain@sha256:" + "0123456789abcdef" * 4
+    env = slurm | {"PATH": f"{bin_dir}:{slurm['PATH']}", "PYTHON": str(python), "JAXTRAIN_IMAGE": image,
+                   "JAXTRAIN_CONTAINER_MOUNTS": f"{REPO}:{REPO},{tmp_path}:{tmp_path}", "PYXIS_STUB_LOG": str(calls),
+                   "PYXIS_STUB_SRUN": real, "PYXIS_STUB_IMAGE_ENV": str(image_env)}
     out = tmp_path / "job.out"
     submit, job = sbatch(env, "-N1", "--ntasks-per-node=2", f"--output={out}",
                          os.path.join(REPO, "launch/slurm.sbatch"), "env", "--json", timeout=300)
     log = out.read_text()
     assert submit.returncode == 0, submit.stderr + log[-3000:]
     assert "--container" not in " ".join(submit.args)  # the batch script was not started in a container
-    (step,) = calls.read_text().splitlines()
-    assert step.startswith(f"--kill-on-bad-exit=1 --container-image=reg/jaxtrain@sha256:0123 "
-                           f"--container-mounts={REPO}:{REPO},{tmp_path}:{tmp_path} --container-workdir={REPO} "), step
+    (step,) = [shlex.split(line) for line in calls.read_text().splitlines()]
+    opts = dict(a[2:].split("=", 1) for a in step if a.startswith("--container"))
+    assert opts["container-image"] == image and opts["container-name"].startswith("jaxtrain-")
+    assert opts["container-mounts"] == f"{REPO}:{REPO},{tmp_path}:{tmp_path}" and opts["container-workdir"] == REPO
+    assert {"NCCL_DEBUG", "JAX_PLATFORMS", "JAXTRAIN_XLA_FLAGS"} <= set(opts["container-env"].split(","))
     rows = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert sorted(r["process_id"] for r in rows) == [0, 1]  # the step ran its 2 tasks through the real srun
+    for task in (0, 1):
+        seen = dict(item.split("=", 1) for item in (tmp_path / f"env-{task}").read_text().split("\0") if "=" in item)
+        assert seen["XLA_FLAGS"] == "--xla_gpu_enable_triton_gemm=false --xla_gpu_enable_latency_hiding_scheduler=true"
+        assert seen["NCCL_DEBUG"] == "WARN" and seen["JAX_PLATFORMS"] == "cpu"  # the file's; the user's
     assert "jaxtrain: each step runs in the container" in log
 
 

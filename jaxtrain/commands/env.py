@@ -14,12 +14,13 @@ def add_arguments(p):
                      "(config, environment, Slurm), without starting JAX. Run it inside the job (e.g. `srun python "
                      "-m jaxtrain env`) when a job sees the wrong devices. It also prints the NVIDIA driver's "
                      "release and CUDA version, the installed JAX CUDA plugin and one line saying whether they fit "
-                     "(and what to install when not).")
+                     "(and what to install when not), and which of jaxtrain's packages are missing (the other "
+                     "commands refuse to start without them) or installed in other versions.")
     add_config_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object (keys: coordinator, num_processes, "
                    "process_id, local_device_ids, platform, coordinator_bind_address, sources, host, "
                    "cuda_visible_devices, driver_release, driver_cuda, driver_source, jax, cuda_plugins, gpu_fits, "
-                   "gpu_verdict)")
+                   "gpu_verdict, missing_packages, other_versions)")
 
 
 def run(args) -> int:
@@ -32,6 +33,11 @@ def run(args) -> int:
                                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
     gpu = gpu_env.report()
     out |= gpu
+    from jaxtrain.cluster import packages
+
+    found = packages.check()
+    out |= {"missing_packages": [r.text for r in found.missing],
+            "other_versions": {r.name: f"{version} (needs {r.specifier})" for r, version in found.other_versions}}
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
@@ -53,4 +59,7 @@ def run(args) -> int:
     for key, value, source in rows:
         print(f"{key:<{width}}  {str(value):<{value_width}}  ({source})")
     print(("GPU: " if gpu["gpu_fits"] else "GPU MISMATCH: ") + gpu["gpu_verdict"])
+    print(packages.missing_message(found) if found.missing else "packages: every one jaxtrain needs is installed")
+    if found.other_versions:
+        print(packages.versions_message(found))
     return 0
