@@ -121,7 +121,7 @@ def _bench(*sweeps: dict, smoke: dict) -> Commands:
 def _step(impl: str, steps: int, checkpoint: bool = False, smoke_skip: str = "") -> Commands:
     def commands(ctx: Ctx, name: str) -> list[list[str]] | str:
         if ctx.smoke and smoke_skip:
-            return f"skipped in --smoke: {smoke_skip}"
+            return f"in --smoke, {smoke_skip}"
         args = STEP_SMOKE if ctx.smoke else STEP_1B + ["--steps", str(steps)]
         saves = ["--checkpoint-dir", ctx.path("checkpoint")] if checkpoint else []
         return [[ctx.py, GPU_STEP, *args, *saves, f"model.attention={impl}"]]
@@ -131,7 +131,7 @@ def _step(impl: str, steps: int, checkpoint: bool = False, smoke_skip: str = "")
 def _train(impl: str, smoke_skip: str = "") -> Commands:
     def commands(ctx: Ctx, name: str) -> list[list[str]] | str:
         if ctx.smoke and smoke_skip:
-            return f"skipped in --smoke: {smoke_skip}"
+            return f"in --smoke, {smoke_skip}"
         if ctx.smoke:  # the built-in tiny config
             config = ["train.steps=3", "train.log_every=1", "model.head_dim=32"]
         else:
@@ -188,7 +188,7 @@ def _attention(sec: Section, rows: list[dict]) -> list[dict]:
                   for base in ("cudnn", "xla") if t and ok.get(base) and base != impl}
             figures[impl] = dict(status=r.get("status"), fwd_tflops=r.get("fwd_tflops"), fwdbwd_tflops=t, **vs)
             ratios = ", ".join(f"{x:.2f}x {k[3:]}" for k, x in vs.items())
-            parts.append(f"{impl} {t:.0f}" + (f" ({ratios})" if ratios else "") if t is not None
+            parts.append(f"{impl} {t:.3g}" + (f" ({ratios})" if ratios else "") if t is not None
                          else f"{impl} {str(r.get('status'))[:60]}")
         out.append(dict(what=f"attention d{d} GQA {group} {mask} b{batch} s{seq}, fwd+bwd TFLOP/s",
                         result="; ".join(parts), figures=figures))
@@ -210,7 +210,7 @@ def _step_and_save(sec: Section, rows: list[dict]) -> list[dict]:
         if r["status"] != "ok":
             result = r["status"]
         else:
-            during = (f"{r['steps_during_write']} steps during the write at {r['step_ms_during_write']} ms vs "
+            during = (f"{r['steps_during_write']} step(s) during the write at {r['step_ms_during_write']} ms vs "
                       f"{r['step_ms_before']} ms" if r["steps_during_write"] else "no step during the write")
             result = (f"loop blocked {r['blocked_s']:.2f} s, on disk after {r['written_s']:.1f} s "
                       f"({r['gb_per_s']:.2f} GB/s), {during}")
@@ -226,7 +226,7 @@ def _train_run(sec: Section, rows: list[dict]) -> list[dict]:
     if r is None:
         return []
     mfu = f", MFU {100 * r['mfu']:.1f} %" if r.get("mfu") is not None else ""
-    return [dict(what=f"jaxtrain train 125m end to end, attention {r['attention']}", figures=r,
+    return [dict(what=f"jaxtrain train end to end, attention {r['attention']}", figures=r,
                  result=f"compile {r['compile_seconds']:.1f} s, {1e3 * r['step_seconds']['median']:.1f} ms/step, "
                         f"{r['tokens_per_second']:,.0f} tokens/s{mfu}")]
 

@@ -161,7 +161,7 @@ def plan_lines(plan: Plan) -> list[str]:
     for i, e in enumerate(plan.entries, 1):
         until += e.cap
         lines.append(f"  {i:>2}  {e.section.name:<18} {e.cap:>5}  {until:>7}  "
-                     + (f"({e.skip})" if e.skip else e.section.title))
+                     + (f"(skipped: {e.skip})" if e.skip else e.section.title))
     lines.append(f"  {'':>2}  {'(this script)':<18} {plan.overhead:>5}  {until + plan.overhead:>7}  reports between "
                  "sections")
     lines.append(f"total {plan.total} s of the {plan.budget} s budget")
@@ -338,7 +338,7 @@ def run_section(entry: Entry, ctx, env: dict, console: Console, reports: Reports
     limit = min(entry.cap, int(budget - (started - t0)))
     lines: list[str] = []
     if isinstance(got, str):
-        status, got = (got if got.startswith("skipped") else f"skipped: {got}"), []
+        status, got = f"skipped: {got}", []
     elif limit < min(10, entry.cap):
         status = "skipped: the budget is spent"
     else:
@@ -367,7 +367,7 @@ def print_summary(doc: dict, console: Console, out: str) -> None:
         console.say(f"{h['what']:<{width}}  {h['result']}")
     console.say("sections: " + "; ".join(f"{r['section']} {r['status']} ({r['seconds']:.0f} s)"
                                          for r in doc["sections"]))
-    trains = [r for r in doc["sections"] if r["section"].startswith("train-") and r["status"] != "skipped"]
+    trains = [r for r in doc["sections"] if r["section"].startswith("train-") and not r["status"].startswith("skipped")]
     if trains:  # the end-to-end runs side by side
         console.say(f"\n{'attention':10} {'status':8} {'compile s':>9} {'step ms':>8} {'tokens/s':>10} {'MFU':>6}")
         for r in trains:

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                           tokens_per_s=round(tokens_per_s), mfu=None if mfu is None else round(mfu, 4),
                           loss_first=losses[0], loss_last=losses[-1])), flush=True)
     if args.checkpoint_dir:
-        return _time_saves(Checkpointer, cfg, args.checkpoint_dir, train, state, batch, step_s)
+        return _time_saves(Checkpointer, lay.cfg, args.checkpoint_dir, train, state, batch, step_s)
     return 0
 
 
