@@ -353,8 +353,9 @@ def run_section(entry: Entry, ctx, env: dict, console: Console, reports: Reports
         ctx.devices = next((r["devices"] for r in rows if r.get("kind") == "setup"), ctx.devices)
     if status != "ok":
         console.say(f"!! {sec.name}: {status}")
+    tail = {} if status == "ok" or not lines else {"output_tail": [line[-500:] for line in lines[-20:]]}
     _record(reports, entry, status, t0, seconds=round(time.monotonic() - started, 1), limit_s=limit, commands=got,
-            rows=rows)
+            rows=rows, **tail)
     return status
 
 
