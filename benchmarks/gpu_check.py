@@ -334,6 +334,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [s for s in args.only if s not in SECTIONS_BY_NAME]
     if unknown:
         p.error(f"--sections: unknown section(s) {', '.join(unknown)}; valid: {', '.join(SECTIONS_BY_NAME)}")
+    elsewhere = [s for s in args.only if SECTIONS_BY_NAME[s].group not in MODES[args.mode]]
+    if elsewhere:
+        p.error(f"--sections: {', '.join(elsewhere)} not in {args.mode} mode; leave out --{args.mode}")
     if args.wheels and not os.path.isdir(args.wheels):
         p.error(f"--wheels '{args.wheels}' is not a directory")
     if args.wheels and not run.wheel_files(args.wheels):

@@ -234,7 +234,7 @@ def run_one(argv: list[str], seconds: float, env: dict, log, console: Console, l
 
 def run_commands(argvs: list[list[str]], limit: int, env: dict, log_path: str, console: Console):
     """(status, output lines) of ``argvs`` run in turn within ``limit`` seconds; the first failure ends them."""
-    deadline, lines = time.monotonic() + limit, []
+    deadline, lines = time.monotonic() + limit, list[str]()
     with open(log_path, "a") as log:
         log.write(f"---- {datetime.datetime.now().isoformat(timespec='seconds')}\n")
         for argv in argvs:

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
 def _run_steps(train, state, batch, count: int, until=None):
     """Run ``count`` steps (or, with ``until``, steps while ``until()`` holds, at most ``count``), each timed to its
     loss on the host: (state, seconds per step, losses)."""
-    times, losses = [], []
+    times: list[float] = []
+    losses: list[float] = []
     while len(times) < count and (until is None or until()):
         t0 = time.perf_counter()
         state, metrics = train(state, batch)

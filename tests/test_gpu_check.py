@@ -56,6 +56,7 @@ def _main(*args):
     (["--budget", "20"], "--budget 20 is below the set-up's 40 s"),
     (["--quick", "--rest"], "not allowed with argument --quick"),
     (["--sections", "step-auto,nope"], "unknown section(s) nope; valid: setup, kernel-tests"),
+    (["--quick", "--sections", "bench,step-xla"], "--sections: step-xla not in quick mode; leave out --quick"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message):
     proc = _main(*args)
