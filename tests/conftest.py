@@ -1,4 +1,4 @@
-"""Tests run on 8 emulated CPU devices; each test picks the first N it needs. Shared helpers live in helpers.py."""
+"""Tests run on 8 emulated CPU devices; each test picks the first N it needs. Shared helpers: jaxtrain_testing.py."""
 
 import atexit
 import os
@@ -15,8 +15,8 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 import pytest  # noqa: E402
 
-from helpers import FAST  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain_testing import FAST  # noqa: E402
 
 # Slow tests of these files start, kill, freeze or time several processes (heartbeat and collective timeouts,
 # stall bounds, a Slurm cluster on fixed ports): marked `serial`, they run one at a time after the others, which

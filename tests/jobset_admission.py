@@ -12,7 +12,7 @@ import jsonschema
 import kubernetes_validate
 import yaml
 
-from helpers import REPO
+from jaxtrain_testing import REPO
 
 CRD = os.path.join(REPO, "tests", "jobset", "jobset.x-k8s.io_jobsets.excerpt.yaml")
 K8S_VERSION = "1.31"

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import run_cli
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.kernels import mha_reference
 from jaxtrain.models.attention import REMAT_POLICIES, keep_residuals
 from jaxtrain.parallel.dims import seq_shards
 from jaxtrain.parallel.layout import resolve_auto
+from jaxtrain_testing import run_cli
 
 FLASH = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
 

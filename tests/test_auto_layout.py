@@ -316,7 +316,7 @@ def test_two_processes_trial_process_0s_finalists_and_train_its_fastest(tmp_path
 
     import yaml
 
-    from helpers import launch_local
+    from jaxtrain_testing import launch_local
 
     proc = launch_local(2, "train", f"run.dir={tmp_path}", "runtime.cpu_devices=1", "mesh.auto=true", *SMALL,
                         "train.steps=1", "observe.prometheus_linger_s=0", timeout=900)

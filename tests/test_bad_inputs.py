@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import run_cli
+from jaxtrain_testing import run_cli
 
 RUN = "run"  # the run directory inside the workspace: it already holds a previous run's files
 

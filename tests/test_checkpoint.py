@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import REPO, logged_losses, run_cli
 from jaxtrain.config import ConfigError
 from jaxtrain.train import loop
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import REPO, logged_losses, run_cli
 
 # Small and float32 so that runs are quick and comparisons exact.
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from helpers import run_cli
+from jaxtrain_testing import run_cli
 
 BAD = {
     "unknown key": (["train.stpes=3"], "did you mean 'train.steps'"),

@@ -4,12 +4,12 @@ import jax
 import pytest
 from flax import nnx
 
-from helpers import REPO
 from jaxtrain.config import Config, ConfigError, dump_yaml, load_config
 from jaxtrain.models.flops import count_params
 from jaxtrain.models.llama import Transformer
 from jaxtrain.parallel.dims import cpu_devices_per_process
 from jaxtrain.parallel.layout import resolve_auto
+from jaxtrain_testing import REPO
 
 
 def test_tiny_yaml_equals_builtin_defaults():

@@ -18,8 +18,8 @@ import tomllib
 
 import pytest
 
-from helpers import REPO
 from jaxtrain.cluster import packages
+from jaxtrain_testing import REPO
 
 LAUNCH = os.path.join(REPO, "launch")
 DOCKERFILE = os.path.join(LAUNCH, "container", "Dockerfile")

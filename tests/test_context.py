@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from helpers import FAST
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel import context
 from jaxtrain.parallel.layout import Layout, resolve_auto
@@ -17,6 +16,7 @@ from jaxtrain.planner.cost import group_span
 from jaxtrain.planner.hlo import parse_hlo
 from jaxtrain.train import loop
 from jaxtrain.train.step import Step
+from jaxtrain_testing import FAST
 
 # -- the schedule ----------------------------------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import FAST, REPO, logged_losses, run_cli
 from jaxtrain.config import load_config
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import FAST, REPO, logged_losses, run_cli
 
 
 @pytest.mark.parametrize("microbatches", [1, 2])

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from helpers import MESHES
 from jaxtrain import data as data_lib
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel.dims import MeshShape, ParallelDims
+from jaxtrain_testing import MESHES
 
 
 def _tokens(cfg):

@@ -4,8 +4,8 @@ another device count (slow pass: real multi-process runs through launch/local.sh
 import numpy as np
 import pytest
 
-from helpers import F32, launch_local, logged_losses, run_cli
 from jaxtrain import data as data_lib
+from jaxtrain_testing import F32, launch_local, logged_losses, run_cli
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from helpers import REPO
 from jaxtrain.cluster.distributed import first_slurm_host, resolve
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain_testing import REPO
 
 DIST = load_config(None, []).dist
 

@@ -18,12 +18,12 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import REPO, logged_losses, run_cli
 from jaxtrain import rundir
 from jaxtrain.checkpoint import format as ckpt
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.train import guards, loop
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import REPO, logged_losses, run_cli
 
 SMALL = ["model.dtype=float32", "model.param_dtype=float32", "data.seq_len=64", "train.global_batch=8",
          "train.eval_every=0", "train.eval_batches=1", "train.warmup_steps=5", "train.decay_steps=60",

@@ -602,7 +602,7 @@ def triton_interpreter_results():
         pytest.skip("the triton package is not installed")
     if HAS_GPU:
         pytest.skip("a GPU is present: the jax-triton path is tested instead")
-    from helpers import triton_interpreter_results  # here: this file also runs, via runpy, outside pytest
+    from jaxtrain_testing import triton_interpreter_results  # here: this file also runs, via runpy, outside pytest
 
     return triton_interpreter_results(__file__, "_triton_interpreter_errors")
 

@@ -307,7 +307,7 @@ def _triton_block_errors() -> dict:
 def triton_block_results():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("the triton package is not installed")
-    from helpers import triton_interpreter_results  # here: this file also runs, via runpy, outside pytest
+    from jaxtrain_testing import triton_interpreter_results  # here: this file also runs, via runpy, outside pytest
 
     return triton_interpreter_results(__file__, "_triton_block_errors")
 

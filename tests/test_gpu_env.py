@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from helpers import run_cli
 from jaxtrain.cluster.gpu_env import Driver, verdict
+from jaxtrain_testing import run_cli
 
 NO_DRIVER = Driver(None, None, "no libcuda.so.1 and no nvidia-smi")
 R535 = Driver((12, 2), "535.183.01", "libcuda + nvidia-smi")

@@ -21,9 +21,9 @@ import subprocess
 import kubernetes_validate
 import pytest
 import yaml
-from jobset_admission import K8S_VERSION, admission_errors
 
-from helpers import REPO
+from jaxtrain_testing import REPO
+from jobset_admission import K8S_VERSION, admission_errors
 
 LAUNCH = os.path.join(REPO, "launch")
 COMPONENTS = sorted(os.listdir(os.path.join(LAUNCH, "k8s", "overlays")))

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from helpers import F32, REPO, launcher_env
+from jaxtrain_testing import F32, REPO, launcher_env
 
 
 @pytest.mark.slow

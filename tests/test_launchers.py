@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helpers import REPO
+from jaxtrain_testing import REPO
 
 LAUNCH = os.path.join(REPO, "launch")
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from helpers import REPO
 from jaxtrain.cluster import distributed
 from jaxtrain.config import load_config
+from jaxtrain_testing import REPO
 
 
 def _listening_ports(pid: int) -> set[int]:

@@ -24,10 +24,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_mp_faults import TINY, _inject, _rng, _start_local, _survivors_exit, job_env  # noqa: F401 (fixture)
 
-from helpers import REPO
 from jaxtrain import rundir
 from jaxtrain.checkpoint import local as cl
 from jaxtrain.errors import ConfigError
+from jaxtrain_testing import REPO
 
 
 def _state():

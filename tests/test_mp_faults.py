@@ -20,9 +20,9 @@ import time
 import pytest
 from test_multihost import job_state, sbatch, slurm  # noqa: F401  (slurm: the real one-node cluster fixture)
 
-from helpers import REPO, launcher_env
 from jaxtrain import rundir
 from jaxtrain.checkpoint import format as ckpt
+from jaxtrain_testing import REPO, launcher_env
 
 SEED = int(os.environ.get("JAXTRAIN_FAULT_SEED") or random.SystemRandom().randrange(2**31))
 HEARTBEAT_S = 10  # dist.heartbeat_timeout_s of these jobs (with 5 s, a start-up at a load of 20 on 2 cores missed it)

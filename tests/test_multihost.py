@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import F32, REPO, launch_local, launcher_env, logged_losses, run_cli
+from jaxtrain_testing import F32, REPO, launch_local, launcher_env, logged_losses, run_cli
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import FAST, REPO
+from jaxtrain_testing import FAST, REPO
 
 MONITORING = os.path.join(REPO, "launch", "monitoring")
 SMALL = [*FAST, "data.seq_len=64", "train.global_batch=8", "train.warmup_steps=2", "train.decay_steps=400"]

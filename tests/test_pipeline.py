@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from helpers import FAST
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel import pipeline, pipeline_1f1b
 from jaxtrain.parallel.dims import MESH_AXES
@@ -25,6 +24,7 @@ from jaxtrain.planner.cost import group_span
 from jaxtrain.planner.hlo import parse_hlo
 from jaxtrain.train import loop
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import FAST
 
 # -- the schedule on a toy stack -----------------------------------------------------------------------------------
 

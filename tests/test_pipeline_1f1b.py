@@ -171,9 +171,9 @@ def test_1f1b_temporaries_stay_flat_as_microbatches_grow_where_gpipe_grows(tmp_p
     temporaries (XLA's memory analysis) as M goes 4 -> 16 -> 64. 1F1B keeps at most 2 S - 1 = 7 stage inputs, so its
     temporaries stay within 15%; GPipe keeps M + S - 1 and grows with M (measured 17 -> 42 -> 141 MB against
     3.8 -> 3.9 -> 3.9 MB for 1F1B)."""
-    from helpers import FAST
     from jaxtrain.config import load_config
     from jaxtrain.train import step as step_lib
+    from jaxtrain_testing import FAST
 
     def temporaries(schedule, m):
         cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", *FAST, "model.n_layers=4", "data.seq_len=64",

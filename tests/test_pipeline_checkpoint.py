@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import F32, launch_local, logged_losses, run_cli
 from jaxtrain.config import load_config
 from jaxtrain.train import loop
+from jaxtrain_testing import F32, launch_local, logged_losses, run_cli
 
 # n_layers 8 splits into 4 stages x 2 virtual stages; microbatches 4 is a multiple of 4 stages.
 PIPE = ["model.dtype=float32", "model.param_dtype=float32", "model.n_layers=8", "data.seq_len=64",

@@ -13,13 +13,13 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import FAST, run_cli
 from jaxtrain.config import ConfigError, hardware, load_config
 from jaxtrain.models import flops as model
 from jaxtrain.models.flops import count_params
 from jaxtrain.parallel.dims import MESH_AXES, MeshShape
 from jaxtrain.parallel.mesh import build_mesh
 from jaxtrain.planner import collectives, cost, report, search
+from jaxtrain_testing import FAST, run_cli
 
 MESHES = {
     "data8": ["mesh.ici.data=8", "mesh.ici.fsdp=1"],

@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from helpers import run_cli
 from jaxtrain import data as data_lib
 from jaxtrain.config import load_config
 from jaxtrain.data import corpus as prepare_lib
 from jaxtrain.errors import ConfigError
+from jaxtrain_testing import run_cli
 
 
 def _docs(n, seed=0):

@@ -27,7 +27,7 @@ import urllib.request
 import pytest
 import yaml
 
-from helpers import FAST, REPO
+from jaxtrain_testing import FAST, REPO
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")

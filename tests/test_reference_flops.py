@@ -1,6 +1,6 @@
 """Model FLOPs against a hand count and against XLA's own count of the compiled step; the microbatch split's HLO.
 
-The hand count (helpers.hand_forward_flops_per_token) lists every matmul of one Llama training token (forward 2
+The hand count (jaxtrain_testing.hand_forward_flops_per_token) lists every matmul of one Llama training token (forward 2
 FLOPs per multiply-add, backward twice the forward): q, k, v, o projections, the SwiGLU's three matrices, the output
 projection (also when tied), and attention's scores and weighted sum over the causal half of the sequence. XLA's
 ``cost_analysis`` counts what the compiled program executes, which differs from model FLOPs in known ways that the
@@ -13,10 +13,10 @@ import re
 import jax
 import pytest
 
-from helpers import hand_forward_flops_per_token
 from jaxtrain.config import load_config
 from jaxtrain.models.flops import count_params, train_flops_per_token
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import hand_forward_flops_per_token
 
 
 @pytest.mark.parametrize("config, seq", [(None, 128), ("125m", 512), ("7b", 4096), ("70b", 2048)])

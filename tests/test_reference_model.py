@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import REFERENCE_SMALL, random_model
 from jaxtrain.config import load_config
 from jaxtrain.models.llama import rope_frequencies, rotary
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import REFERENCE_SMALL, random_model
 
 # ---------------------------------------------------------------------------------------------------------------
 # NumPy reference (float64)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import random_model
 from jaxtrain.config import load_config
 from jaxtrain.optim.state import make_optimizer
+from jaxtrain_testing import random_model
 
 OPT = ["train.lr=0.05", "train.warmup_steps=2", "train.decay_steps=5", "train.min_lr_ratio=0.2",
        "train.weight_decay=0.3", "train.b1=0.8", "train.b2=0.9", "train.grad_clip=0.5"]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import make_chat_tokenizer, random_model
 from jaxtrain import data as data_lib
 from jaxtrain.config import load_config
 from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
 from jaxtrain.errors import ConfigError
+from jaxtrain_testing import make_chat_tokenizer, random_model
 
 pytest.importorskip("tokenizers")
 

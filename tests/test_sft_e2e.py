@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import make_chat_tokenizer, make_hf_model, run_cli
+from jaxtrain_testing import make_chat_tokenizer, make_hf_model, run_cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import FAST, MESHES, hand_forward_flops_per_token
 from jaxtrain.train import loop
 from jaxtrain.train import step as step_lib
+from jaxtrain_testing import FAST, MESHES, hand_forward_flops_per_token
 
 STEPS = ["train.steps=8", "train.warmup_steps=2", "train.eval_every=0"]
 

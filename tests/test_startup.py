@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from helpers import REPO, run_cli
 from jaxtrain.cluster import process as runtime
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain_testing import REPO, run_cli
 
 HEAVY = ("torch", "tensorboardX", "transformers")
 

@@ -8,11 +8,11 @@ import os
 import pytest
 import yaml
 
-from helpers import REPO, run_cli
 from jaxtrain import rundir
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel.dims import MESH_AXES
 from jaxtrain.sweep import experiment as sweep
+from jaxtrain_testing import REPO, run_cli
 
 
 def write(tmp_path, body, name="exp.yaml"):

@@ -5,9 +5,9 @@ import json
 import jax
 import pytest
 
-from helpers import hand_forward_flops_per_token
 from jaxtrain.config import load_config
 from jaxtrain.train import loop
+from jaxtrain_testing import hand_forward_flops_per_token
 
 
 def test_default_config_learns_and_writes_its_outputs(tmp_path):

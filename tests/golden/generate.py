@@ -1,7 +1,8 @@
 """Regenerate the golden HLO files: ``python tests/golden/generate.py [NAME ...]`` (all: about 5 minutes on 2 cores).
 
 Each golden is the post-optimisation HLO (``Compiled.as_text()``) of the real train step of the tiny model
-(tests/helpers.py's FAST settings) compiled by XLA:CPU on 8 emulated devices, trimmed to what the planner reads:
+(tests/jaxtrain_testing.py's FAST settings) compiled by XLA:CPU on 8 emulated devices, trimmed to what the planner
+reads:
 
 1. the module header reduced to its name and partition count, the stack-frame tables dropped, metadata reduced
    to op_name; backend_config kept only where it states a loop trip count; layouts and
@@ -35,11 +36,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from helpers import FAST  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.parallel.dims import MeshShape  # noqa: E402
 from jaxtrain.planner import search  # noqa: E402
 from jaxtrain.planner.passes import collectives  # noqa: E402
+from jaxtrain_testing import FAST  # noqa: E402
 
 # name -> overrides on top of FAST and 8 devices. What each exercises is in tests/golden/README.md.
 GOLDENS = {

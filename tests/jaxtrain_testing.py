@@ -2,9 +2,9 @@
 subprocesses, the losses a run logged, the hand FLOP count, a model with random weights, and the small Hugging Face
 models built with ``transformers``.
 
-Tests import these from here (``from helpers import run_cli``), never from one another; conftest.py only configures
-JAX and fixtures. jax, jaxtrain, torch and transformers are imported inside the helpers that need them, so that
-importing this module initialises nothing and needs neither torch nor transformers (the ``hf-parity`` extra).
+Tests import these from here (``from jaxtrain_testing import run_cli``), never from one another; conftest.py only
+configures JAX and fixtures. jax, jaxtrain, torch and transformers are imported inside the helpers that need them, so
+that importing this module initialises nothing and needs neither torch nor transformers (the ``hf-parity`` extra).
 """
 
 import json
