@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxtrain.kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling
+from jaxtrain.kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling, triton_kernels
 
 
 def _has_gpu() -> bool:
@@ -469,7 +469,7 @@ def test_bad_input_raises_value_error_before_any_launch(bad, message, monkeypatc
         raise AssertionError("a kernel was launched before the input was rejected")
 
     monkeypatch.setattr(flash_pallas, "_flash_attention", launched)
-    monkeypatch.setattr(flash_triton, "_kernels", launched)
+    monkeypatch.setattr(triton_kernels, "jitted", launched)
     monkeypatch.setattr(flash_triton, "availability_error", launched)
     args, kwargs = bad
     with pytest.raises(ValueError, match=message):
@@ -650,7 +650,7 @@ def test_triton_kernels_compile_for_sm90(dtype, d, causal, segments):
     q, do = (np.zeros((b, s, h, d), np_dtype) for _ in range(2))
     k = v = np.zeros((b, s, kvh, d), np_dtype)
     seg = np.zeros((b, s) if segments else (1,), np.int32)
-    flash_triton._kernels.cache_clear()
+    triton_kernels.jitted.cache_clear()
     call = flash_triton.call_config(q.shape, kvh, np_dtype, causal=causal, sm_scale=None, has_segments=segments,
                                   block_sizes={})
     o, lse = flash_triton.run_forward(compile_launch, call, q, k, v, seg)
