@@ -1,5 +1,3 @@
-# mypy: ignore-errors
-# (Triton-language kernels are a DSL mypy cannot read: tl.constexpr parameters, tl.* builtins, @triton.jit.)
 """Kernel bodies of the Triton-language flash kernels, launched by ``jaxtrain.kernels.flash_triton`` (see its
 docstring for the algorithm); their launch planning (grids, constexprs) is ``jaxtrain.kernels.triton_launch``.
 
