@@ -1,7 +1,7 @@
 """Offline compile check of the flash kernels for Hopper (sm_90a), on a machine without a GPU.
 
 ``python tools/compile_check.py [--json] [--subset full|ci] [--impl pallas,triton] [--jobs N]`` (from the repository
-root or anywhere: it imports ``kernels`` and ``jaxtrain.config`` from the checkout it sits in)
+root or anywhere: it imports ``jaxtrain.kernels`` and ``jaxtrain.config`` from the checkout it sits in)
 
 Needs the ``compile-check`` extra on Python 3.12 (``pip install -e '.[compile-check]'``: jax 0.11.2, triton 3.6,
 jax-triton 0.3.1, the GPU machine's versions; the ``gpu`` extras pin the same triton). Two kinds of configuration:
@@ -51,7 +51,7 @@ import types
 import warnings
 
 # Run as a script, Python puts tools/ first on sys.path, not the repository root: put the root there so that
-# `kernels` is this checkout's (the spawned worker processes inherit sys.path), not another installed copy.
+# `jaxtrain` is this checkout's (the spawned worker processes inherit sys.path), not another installed copy.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
