@@ -179,7 +179,7 @@ AXIS_NAMES = {"data", "stage", "fsdp", "context", "tensor", "expert"}
 AXIS_CALLS = {"PartitionSpec", "P", "axis_index", "psum", "pmean", "pmax", "all_gather", "ppermute", "all_to_all",
               "psum_scatter", "axis_size", "size", "crosses_nodes"}
 # Where a string equal to an axis name is no mesh axis: (module, the string).
-NOT_AXES = {("jaxtrain/observe/stragglers.py", "data"), ("jaxtrain/observe/observer.py", "data")}
+NOT_AXES = {("jaxtrain/observe/stragglers.py", "data")}
 
 
 def _axis_strings(path: str) -> list[tuple[int, str]]:
