@@ -149,7 +149,7 @@ def load_experiment(path: str, extra_overrides: Sequence[str] = (), directory: s
 
 def _crossed_axes(path: str, raw: ExperimentFile) -> list[list[tuple[str, str]]]:
     """The ``remat`` and ``microbatches`` lists as [(run name suffix, override)] per axis."""
-    from jaxtrain.planner.auto import REMATS
+    from jaxtrain.planner.space import REMATS
 
     axes = []
     if raw.remat is not None:
