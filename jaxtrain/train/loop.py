@@ -96,8 +96,7 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
         for moved in ckpt.set_aside_damaged(ckpt.checkpoint_dir(cfg), restored[1]):
             log.info(f"moved the damaged checkpoint aside to {moved} (not deleted)")
     effective = layout.effective_config()
-    checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": layout.shape.label,
-                                           "processes": jax.process_count(), "devices": layout.num_devices})
+    checkpointer = ckpt.Checkpointer(cfg, ckpt.describe(to_dict(effective), layout.shape.label, layout.num_devices))
     if jax.process_index() == 0:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(rundir.path(cfg.run.dir, rundir.CONFIG), "w") as f:
