@@ -25,8 +25,8 @@ FLOORS = [
     {"jaxtrain", "errors", "log"},  # the package's __init__ (its version), error types, log lines
     {"kernels"},  # flash attention kernels: nothing of jaxtrain
     {"parallel.dims"},  # axes, sizes, derived parallel facts: no JAX
-    {"config"},  # the typed config tree, loading, validation: no JAX
     {"rundir"},  # run-directory file names, the run lock, metrics.jsonl / summary.json
+    {"config"},  # the typed config tree, loading, validation: no JAX
     {"cluster"},  # processes, nodes and links: jax.distributed, the GPU driver, process-level JAX settings
     {"models"},  # model families, logical axes only
     {"optim"},  # optimizer and train state

@@ -65,7 +65,7 @@ class RestoreSource:
 
 
 def checkpoint_dir(cfg: Config) -> str:
-    return os.path.abspath(cfg.checkpoint.dir or rundir.path(cfg.run.dir, rundir.CHECKPOINTS))
+    return os.path.abspath(rundir.checkpoints(cfg.run.dir, cfg.checkpoint.dir))
 
 
 def describe(config: dict, mesh: str, devices: int) -> dict:
