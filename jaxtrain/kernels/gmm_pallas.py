@@ -1,4 +1,4 @@
-"""The grouped matmul kernels in Pallas (``jaxtrain.kernels.grouped_matmul``, ``impl="pallas"``): ``gmm`` (the forward
+"""The grouped matmul kernels in Pallas (``jaxtrain.kernels.gmm_api``, ``impl="pallas"``): ``gmm`` (the forward
 and d_lhs) and ``tgmm`` (d_rhs), each one ``pl.pallas_call`` over a 1-D grid of output tiles.
 
 ``gmm``: a program owns an output tile of ``tm`` rows x ``tn`` columns. Its rows may belong to several groups (a
@@ -90,7 +90,7 @@ def _gmm_kernel(offsets_ref, tiles_ref, a_ref, w_ref, o_ref, *, geo: GmmGeometry
         first = jnp.maximum(offsets_ref[g], row0)
         end = jnp.minimum(offsets_ref[g + 1], row0 + geo.tm)
         row_ok = (rows >= first) & (rows < end)
-        steps = jnp.where(end > first, tiles_c, 0)  # a group with no row in this tile costs nothing
+        steps = jnp.where(end > first, jnp.int32(tiles_c), jnp.int32(0))  # a group with no row here costs nothing
         return lax.fori_loop(0, steps, functools.partial(contract_step, g=g, row_ok=row_ok), acc)
 
     acc = lax.fori_loop(tiles_ref[mi, 0], tiles_ref[mi, 1], group_step,

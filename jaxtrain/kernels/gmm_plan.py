@@ -1,4 +1,4 @@
-"""Launch planning of the grouped matmul kernels (``jaxtrain.kernels.grouped_matmul``): per-kernel tiles, warps,
+"""Launch planning of the grouped matmul kernels (``jaxtrain.kernels.gmm_api``): per-kernel tiles, warps,
 stages and tile order, the geometry each kernel sees, and the group tables XLA computes for them. No kernel code.
 
 Three kernels per differentiable call, named after the forward's dimensions (lhs [m, k], rhs [groups, k, n]):
@@ -37,22 +37,27 @@ class Tiles:
     band: int
 
 
-# Defaults for an H100/H200 (sm_90a) per kernel and dtype width. Chosen with `python tools/compile_check.py`: the
-# largest tiles that fit Hopper's 227 KiB of shared memory and compile without register spills (no GPU timing yet;
-# see docs/kernels.md). 16-bit kernels run on wgmma; float32 ones are exact float32 FMA loops (no tensor cores),
-# for checking, not speed.
-_DEFAULTS = {
-    ("fwd", True): Tiles(128, 256, 64, 8, 3, 8),
-    ("dlhs", True): Tiles(128, 64, 256, 8, 3, 8),
-    ("drhs", True): Tiles(64, 256, 128, 8, 3, 8),
-    ("fwd", False): Tiles(32, 32, 32, 4, 2, 8),
-    ("dlhs", False): Tiles(32, 32, 32, 4, 2, 8),
-    ("drhs", False): Tiles(32, 32, 32, 4, 2, 8),
+# Defaults for an H100/H200 (sm_90a) per kernel, dtype width and impl. Chosen with `python tools/compile_check.py`:
+# the largest output tiles that fit Hopper's 227 KiB of shared memory and compile without register spills (no GPU
+# timing yet; see docs/kernels.md). The Triton-language kernels take 128 x 256 output tiles (d_lhs with a 32-wide
+# contraction step: with 64 its masked path, on no tile multiple, spilled 204 B); Pallas' lowering of the same loop
+# needs more registers and spills at 128 x 256 (255 registers, 152-580 B), so the Pallas kernels take 128 x 128
+# with one more pipeline stage. 16-bit kernels run on wgmma; float32 ones are exact float32 FMA loops (no tensor
+# cores), for checking, not speed.
+_SIXTEEN_BIT = {
+    "triton": {"fwd": Tiles(128, 256, 64, 8, 3, 8), "dlhs": Tiles(128, 32, 256, 8, 4, 8),
+               "drhs": Tiles(64, 256, 128, 8, 3, 8)},
+    "pallas": {"fwd": Tiles(128, 128, 64, 8, 4, 8), "dlhs": Tiles(128, 64, 128, 8, 4, 8),
+               "drhs": Tiles(64, 128, 128, 8, 4, 8)},
 }
+_FLOAT32 = Tiles(32, 32, 32, 4, 2, 8)
 
 
-def default_tiles(kind: str, dtype) -> Tiles:
-    return _DEFAULTS[(kind, np.dtype(dtype).itemsize == 2)]
+def default_tiles(kind: str, dtype, impl: str = "pallas") -> Tiles:
+    """The default launch of kernel ``kind`` ("fwd", "dlhs", "drhs") for the inputs' dtype and the impl."""
+    if np.dtype(dtype).itemsize == 2:
+        return _SIXTEEN_BIT[impl][kind]
+    return _FLOAT32
 
 
 def clamp_tile(block: int, size: int) -> int:
@@ -214,7 +219,7 @@ def make_plan(m: int, k: int, n: int, groups: int, dtype, *, impl: str, interpre
               tiles: dict | None = None) -> Plan:
     """The static plan of a call: default tiles per kernel and dtype width with the ``tiles`` overrides applied."""
     overrides = parse_overrides(tiles or {})
-    launches = {kind: dataclasses.replace(default_tiles(kind, dtype), **overrides[kind]) for kind in KINDS}
+    launches = {kind: dataclasses.replace(default_tiles(kind, dtype, impl), **overrides[kind]) for kind in KINDS}
     return Plan(impl=impl, interpret=interpret, m=m, k=k, n=n, groups=groups, dtype=np.dtype(dtype).name,
                 **launches)
 
