@@ -642,12 +642,19 @@ def _parse_case(spec: str, parser, blocks):
 
 
 def _with_blocks(case, blocks):
-    """The case with the --blocks overrides that are its kind's keywords: the grouped matmul's tile names
-    (``jaxtrain.kernels.gmm_plan``) go to grouped matmul cases, all others to attention cases."""
+    """The case with the --blocks overrides its kind takes: the grouped matmul's tile names
+    (``jaxtrain.kernels.gmm_plan``) for grouped matmul cases, every other name for attention cases (names both
+    take, such as num_warps, go to both)."""
     from jaxtrain.kernels.gmm_plan import FIELDS, KINDS
+    from jaxtrain.kernels.tiling import BlockSizes
 
-    gmm_names = set(FIELDS) | {f"{f}_{k}" for f in FIELDS for k in KINDS}
-    mine = tuple((k, v) for k, v in blocks if (k in gmm_names) == isinstance(case, GmmCase))
+    if isinstance(case, GmmCase):
+        names = set(FIELDS) | {f"{f}_{k}" for f in FIELDS for k in KINDS}
+        mine = tuple((k, v) for k, v in blocks if k in names)
+    else:
+        flash_names = {f.name for f in dataclasses.fields(BlockSizes)}
+        gmm_only = (set(FIELDS) | {f"{f}_{k}" for f in FIELDS for k in KINDS}) - flash_names
+        mine = tuple((k, v) for k, v in blocks if k not in gmm_only)
     return dataclasses.replace(case, block_sizes=mine)
 
 
