@@ -433,15 +433,9 @@ def _gmm_settings(case: GmmCase) -> dict:
 
     m, k, n, groups = case.dims
     plan = plan_for((m, k), (groups, k, n), case.dtype, impl=case.impl, **dict(case.block_sizes))
-    out = {}
-    for kind in GMM_KINDS:
-        geo = plan.geometry(kind)
-        if kind == "drhs":
-            tiles, even = f"{geo.tp}x{geo.tq}/{geo.tr}", geo.even_p and geo.even_q
-        else:
-            tiles, even = f"{geo.tm}x{geo.tn}/{geo.tc}", geo.even_m and geo.even_n and geo.even_c
-        out[kind] = dict(tiles=tiles, even=even, num_warps=geo.num_warps, num_stages=geo.num_stages)
-    return out
+    geos = {kind: plan.geometry(kind) for kind in GMM_KINDS}
+    return {kind: dict(tiles=g.tiles, even=g.even, num_warps=g.num_warps, num_stages=g.num_stages)
+            for kind, g in geos.items()}
 
 
 def _launch_settings(case) -> dict:

@@ -141,6 +141,14 @@ class GmmGeometry:
     def programs(self) -> int:
         return self.tiles_m * self.tiles_n
 
+    @property
+    def even(self) -> bool:  # no load or store masked by the static shapes (rows still are, by group)
+        return self.even_m and self.even_n and self.even_c
+
+    @property
+    def tiles(self) -> str:  # output rows x columns / contraction step
+        return f"{self.tm}x{self.tn}/{self.tc}"
+
 
 @dataclasses.dataclass(frozen=True)
 class TgmmGeometry:
@@ -178,6 +186,14 @@ class TgmmGeometry:
     @property
     def programs(self) -> int:
         return self.groups * self.tiles_p * self.tiles_q
+
+    @property
+    def even(self) -> bool:
+        return self.even_p and self.even_q
+
+    @property
+    def tiles(self) -> str:  # output rows x columns / contraction step (rows of the group)
+        return f"{self.tp}x{self.tq}/{self.tr}"
 
 
 @dataclasses.dataclass(frozen=True)
