@@ -9,6 +9,7 @@ are not tile multiples (the masked paths) as well as ones that are.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import zlib
@@ -133,6 +134,27 @@ def test_pallas_default_tiles_on_a_larger_call(dtype):
     assert max(errors.values()) <= tolerance(dtype), errors
 
 
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("impl", ["pallas", "triton"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_values_and_grads(impl, dtype):
+    """The compiled kernels with their default tiles: 8 experts (one empty, one over several row tiles), rows past
+    the groups, no dimension a tile multiple."""
+    if impl == "triton" and gmm_api.availability_error():
+        pytest.skip(gmm_api.availability_error())
+    sizes = [130, 0, 402, 77, 1, 160, 95, 100]  # 965 of 1000 rows
+    lhs, rhs, d_out, sizes = make_inputs(f"gpu-{impl}-{dtype}", dtype, 1000, 320, 416, sizes)
+    errors = rel_errors(value_and_grads(lhs, rhs, sizes, d_out, dtype, impl=impl), oracle(lhs, rhs, sizes, d_out))
+    assert max(errors.values()) <= tolerance(dtype), errors
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Triton-language kernels in Triton's CPU interpreter (child process)
 # ----------------------------------------------------------------------------------------------------------------
@@ -249,3 +271,48 @@ def test_band_order_visits_every_output_tile_once():
     for tiles_m, tiles_n, band in ((7, 5, 3), (4, 9, 8), (1, 1, 8), (16, 2, 1)):
         seen = [gmm_plan.band_order(pid, tiles_m, tiles_n, band, min) for pid in range(tiles_m * tiles_n)]
         assert sorted(seen) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Benchmark (python -m jaxtrain.kernels.gmm_bench)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_bench_routing_draws_top_k_distinct_experts_per_token():
+    from jaxtrain.kernels import gmm_bench
+
+    for routing in gmm_bench.ROUTINGS:
+        sizes = gmm_bench.group_sizes(routing, 1000, 8, 2)
+        assert sizes.sum() == 2000 and sizes.max() <= 1000, sizes  # no token picks an expert twice
+    balanced, skewed = (gmm_bench.group_sizes(r, 1000, 8, 2) for r in gmm_bench.ROUTINGS)
+    assert balanced.max() < 1.3 * balanced.min() and skewed[0] > 3 * skewed[-1], (balanced, skewed)
+
+
+def test_bench_refuses_without_a_gpu_and_rejects_bad_arguments(capsys):
+    from jaxtrain.kernels import gmm_bench
+
+    with pytest.raises(SystemExit, match="no GPU visible to JAX"):
+        gmm_bench.main([])
+    for argv, message in ((["--impls", "pallas,cudnn"], "--impls 'pallas,cudnn' must be a comma-separated subset"),
+                          (["--top-k", "9"], "need 1 <= --top-k <= --experts")):
+        with pytest.raises(SystemExit) as e:
+            gmm_bench.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_smoke_runs_every_implementation(capsys):
+    """--smoke on CPU: the Pallas kernels (interpreted), ragged_dot and the dense einsum run and agree with the
+    float32 reference to bfloat16 rounding; triton records why it cannot run; every row is a JSON line."""
+    from jaxtrain.kernels import gmm_bench
+
+    rows = gmm_bench.main(["--smoke", "--routing", "balanced", "--projections", "up"])
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == set(gmm_bench.IMPLS)
+    for impl in ("pallas", "xla", "dense"):
+        r = by_impl[impl]
+        assert r["status"] == "ok" and r["fwdbwd_tflops"] > 0, r
+        assert r["max_err_fwd"] < 1e-2 and r["max_err_grad"] < 1e-2, r
+    assert "GPU" in by_impl["triton"]["status"]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["impl"] for r in printed] == [r["impl"] for r in rows]

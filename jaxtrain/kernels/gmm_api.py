@@ -150,9 +150,14 @@ def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "auto", interpret: bool
     if impl == "xla":
         return ragged_dot_reference(lhs, rhs, group_sizes)
     if impl == "triton":
-        from jaxtrain.kernels.flash_triton import availability_error
-
         reason = availability_error()
         if reason:
             raise RuntimeError(reason)
     return _jitted(lhs, rhs, jnp.asarray(group_sizes, jnp.int32), plan)
+
+
+def availability_error() -> str | None:
+    """Why impl="triton" cannot run here (no CUDA GPU, no triton or jax_triton), or None."""
+    from jaxtrain.kernels import flash_triton
+
+    return flash_triton.availability_error()
