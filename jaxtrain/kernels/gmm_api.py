@@ -61,10 +61,10 @@ def validate(lhs, rhs, group_sizes, *, impl: str = "auto", interpret: bool = Fal
         raise ValueError(f"lhs and rhs must share a dtype, got {lhs.dtype} and {rhs.dtype}")
     if jnp.dtype(lhs.dtype).name not in DTYPES:
         raise ValueError(f"unsupported dtype {lhs.dtype}: expected float32, bfloat16 or float16")
-    if interpret and impl != "pallas":
-        raise ValueError(f"interpret=True is only available for impl='pallas', got impl={impl!r}")
     if not isinstance(interpret, (bool, np.bool_)):
         raise ValueError(f"interpret must be a bool, got {interpret!r}")
+    if interpret and impl != "pallas":
+        raise ValueError(f"interpret=True is only available for impl='pallas', got impl={impl!r}")
 
 
 def resolve_impl(impl: str) -> str:
