@@ -519,40 +519,12 @@ TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in
 
 
 def interpreter_launch():
-    """The ``launch`` callable of ``flash_triton.run_forward`` / ``run_backward`` for Triton's CPU interpreter, on
-    numpy arrays (child-process side: TRITON_INTERPRET=1 must be set before triton is imported, since Triton's own
-    library functions are wrapped at import).
+    """The ``launch`` callable of ``flash_triton.run_forward`` / ``run_backward`` for Triton's CPU interpreter
+    (child-process side; see ``jaxtrain_testing.triton_interpreter_launch``)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))  # the child runs this file through runpy
+    from jaxtrain_testing import triton_interpreter_launch
 
-    Patches two interpreter internals that assume torch tensors (host copies; numpy memory is already host memory)
-    and one numpy >= 2.4 incompatibility (int() of a one-element array as a loop bound).
-    """
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from triton.runtime import interpreter
-
-    interpreter.GridExecutor._init_args_hst = lambda self, args, kwargs: (args, kwargs)
-    interpreter.GridExecutor._restore_args_dev = lambda self, *a: None
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-    class Ptr:
-        def __init__(self, array):
-            self.array, self.dtype = array, _NP_TO_TRITON[array.dtype]
-
-        def data_ptr(self):
-            return self.array.ctypes.data
-
-    def launch(kernel, inputs, out_shapes, grid, meta, num_warps, num_stages):
-        inputs = [np.ascontiguousarray(x) for x in inputs]
-        outs = [np.full(shape, np.nan, dtype) for shape, dtype in out_shapes]  # unwritten -> NaN -> test fails
-        kernel[grid](*map(Ptr, inputs), *map(Ptr, outs), **meta)
-        return outs
-
-    return launch
+    return triton_interpreter_launch()
 
 
 def _triton_interpreter_errors() -> dict:
