@@ -76,12 +76,12 @@ class MeshConfig:
     # true: at start-up the planner picks the mesh sizes, model.remat, train.microbatches and train.pipeline_schedule
     # (of those that fit, the fastest estimate, or measured: auto_trial_steps; docs/auto-layout.md) and
     # run.dir/config.yaml records them, with auto false.
-    auto: bool = False  # let the planner choose the layout (mesh, remat, microbatches, pipeline schedule)
+    auto: bool = False
     auto_memory_margin: float = 0.1  # mesh.auto: fraction of the usable device memory a choice must leave free
     # mesh.auto: each finalist (fits, estimated near the best) runs this many timed steps, in two passes with a
     # warm-up step each, and the fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what
     # a trial costs on GPUs)
-    auto_trial_steps: int = 6  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
+    auto_trial_steps: int = 6
 
     def sizes(self) -> dict[tuple[str, str], int]:
         """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
@@ -92,7 +92,8 @@ class MeshConfig:
 class RopeScalingConfig:
     # Llama 3.1's rotary frequency scaling ("llama3"): wavelengths longer than original_max_len / low_freq_factor
     # are stretched by `factor`, those shorter than original_max_len / high_freq_factor kept, smoothly in between.
-    type: Literal["none", "llama3"] = "none"  # none: plain RoPE; llama3: Llama 3.1's scaling (above)
+    # none: plain RoPE; llama3: that scaling.
+    type: Literal["none", "llama3"] = "none"
     factor: float = 8.0  # how much the longest wavelengths are stretched
     low_freq_factor: float = 1.0  # wavelengths above original_max_len / low_freq_factor are stretched fully
     high_freq_factor: float = 4.0  # wavelengths below original_max_len / high_freq_factor are kept
