@@ -8,6 +8,7 @@ compiled once per module.
 import dataclasses
 import json
 import math
+import os
 
 import jax
 import numpy as np
@@ -237,6 +238,8 @@ def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     (["runtime.cpu_devices=8", "--nodes", "3"], "8 device(s) cannot be split evenly into 3 node(s)"),
     (["--hardware", "h100-8x", "--nodes", "2", "mesh.ici.fsdp=4", "mesh.dcn.data=2"],
      "has 8 devices but 16 are available"),
+    (["--hardware", "h100-8x", "mesh.ici.fsdp=3"], "the mesh (ici.fsdp=3) has 3 devices but 8 are available"),
+    (["runtime.cpu_devices=8", "mesh.ici.fsdp=3"], "the mesh (ici.fsdp=3) has 3 devices but 8 are available"),
     (["--hardware", "h100-8x", "--nodes", "0"], "argument --nodes: '0': node counts must be >= 1"),
     (["--nodes", "4,x", "--tokens", "2e12"], "argument --nodes: '4,x': expected node counts"),
     (["--tokens", "0"], "argument --tokens: '0': expected a finite number > 0"),
@@ -245,7 +248,7 @@ def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     (["--nodes", "4,8"], "--nodes 4,8: several node counts need --tokens"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, expected):
-    proc = run_cli("plan", *args)
+    proc = run_cli("plan", *args, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # the CPU's device count is known
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr
