@@ -104,6 +104,7 @@ FAST = {
     "data source a directory": ([*T, "data.source=dir.bin"],
                                 "data.source 'dir.bin' is a directory without an index.json"),
     "data source wrong suffix": ([*T, "data.source=notes.txt"], "data.source='notes.txt' must be 'embedded'"),
+    "data source missing": ([*T, "data.source=no-such-tokens"], "data.source='no-such-tokens' does not exist"),
     "run.dir a file": (["train", "run.dir=a_file"], "run.dir='a_file' is a file, not a directory"),
     "run.dir under a file": (["train", "run.dir=a_file/run"], "run.dir='a_file/run' cannot be created"),
     "checkpoint.dir under a file": ([*T, "checkpoint.dir=a_file/ckpt"], "checkpoint.dir='a_file/ckpt' cannot be"),

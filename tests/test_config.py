@@ -42,7 +42,9 @@ def test_effective_config_round_trips(tmp_path):
     ("mesh.ici.tensor=3", "model.n_heads=8 is not divisible by the tensor axis size 3"),
     ("train.global_batch=12", None),  # fine alone: 12 % 1 == 0
     ("data.source=/no/such.bin", "does not exist"),
-    ("data.source=notes.txt", "must be 'embedded', 'synthetic' or a .bin/.npy token file"),
+    (f"data.source={os.path.join(REPO, 'README.md')}", "must be 'embedded', 'synthetic' or a .bin/.npy token file"),
+    ("data.source=no-such-tokens", "data.source='no-such-tokens' does not exist (no file or directory of that name"),
+    ("data.mixture=[{source: no/such, weight: 1}]", "source='no/such' does not exist"),
     ("mesh.rules.mlp=model", "unknown mesh axis"),
     ("mesh.ici.data=0", "mesh.ici.data=0 must be >= 1"),
 ])

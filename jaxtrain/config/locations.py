@@ -68,6 +68,3 @@ def check_paths(cfg) -> None:
         _writable_dir(c.dir, "checkpoint.dir")
     else:
         _writable_dir(os.path.join(cfg.run.dir, "checkpoints"), "run.dir")
-    if cfg.runtime.cpu_devices is not None and cfg.runtime.cpu_devices > MAX_CPU_DEVICES:
-        raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} is more emulated devices than this machine "
-                          f"can start in reasonable time; use at most {MAX_CPU_DEVICES}")

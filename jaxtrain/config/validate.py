@@ -88,6 +88,9 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
+        _require(cfg.runtime.cpu_devices <= locations.MAX_CPU_DEVICES,
+                 f"runtime.cpu_devices={cfg.runtime.cpu_devices} is more emulated devices than this machine can start "
+                 f"in reasonable time; use at most {locations.MAX_CPU_DEVICES}")
     _require(cfg.runtime.compile_cache.strip() != "", "runtime.compile_cache is empty: use auto, a directory or none")
     validate_ops(cfg.dist, cfg.check, cfg.observe)  # dist.*, check.*, observe.* (jaxtrain/config/ops.py)
     _validate_mesh(cfg, num_devices)
