@@ -218,6 +218,23 @@ def test_cli_json_two_devices():
 
 
 @pytest.mark.slow
+def test_plan_auto_writes_its_cache_into_no_run_directory(tmp_path):
+    """`plan mesh.auto=true` without run.dir used to leave a plan-cache/ in runs/tiny, the default job's directory:
+    its readings go into the user's cache ($XDG_CACHE_HOME/jaxtrain/plan), nothing into the working directory."""
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    small = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+             "model.vocab_size=64", "data.seq_len=16", "train.global_batch=4", "data.source=synthetic"]
+    proc = run_cli("plan", "runtime.cpu_devices=1", "mesh.auto=true", *small, cwd=work,
+                   env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "auto layout: one-device" in proc.stdout
+    assert os.listdir(work) == []
+    entries = os.listdir(cache / "jaxtrain" / "plan")
+    assert entries and all(e.endswith(".json") for e in entries)
+
+
+@pytest.mark.slow
 def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     """XLA:CPU aborts in AllReducePromotion on the pipeline's bfloat16 psum over the stage axis; the plan skips the
     pass and reads the ring's permutes at 2 bytes an element (one microbatch, 4 sequences over fsdp 4, per device)."""
