@@ -20,7 +20,7 @@ from jaxtrain.errors import EXIT_STATUS, CheckpointError, ConfigError, one_line
 # name -> (module, one-line help)
 COMMANDS = {
     "train": ("jaxtrain.commands.train", "train a model (defaults: the tiny model on the embedded corpus)"),
-    "prepare": ("jaxtrain.commands.prepare", "tokenise text files into a token file for data.source"),
+    "prepare": ("jaxtrain.commands.prepare", "tokenise .txt, .jsonl, .parquet text into token shards for data.source"),
     "check": ("jaxtrain.commands.check", "health check: per-device matmul and collective bandwidth per mesh axis"),
     "plan": ("jaxtrain.commands.plan", "compile the step for candidate meshes; memory, collectives, est. step time"),
     "sweep": ("jaxtrain.commands.sweep", "short real runs over meshes from an experiment file, vs the plan"),

@@ -46,16 +46,23 @@ if ! [[ "$gpus" =~ ^[0-9]+$ ]] || { [ "$gpus" -gt 0 ] && [ $((gpus % n)) -ne 0 ]
   exit 2
 fi
 
-# Each process's output filter: drops gloo's connection lines (also where the C++ library wrote one into the middle
-# of a Python line, both writing to the same pipe) and prefixes the rest with "[i] ". It ignores SIGINT and SIGTERM:
-# Ctrl-C in a terminal signals the whole foreground process group, filters included, and a filter that died would
-# leave its process writing into a closed pipe (a broken-pipe exit instead of the clean stop the signal asks for).
-# A filter ends when its process's output closes.
+# Each process's output filter: drops gloo's connection lines and prefixes the rest with "[i] ". Gloo prints its line
+# from one thread per device, piece by piece (`<<` by `<<`) into the C library's buffer, which is flushed at each
+# thread's end of line: the pieces of several threads interleave, so a line can end in another thread's
+# "[Gloo] Rank " and the next start with its "2 is connected to ...". Dropped: lines made of those pieces only, whole
+# messages anywhere (also inside a Python line written between two flushes), and pieces trailing a line from a
+# "[Gloo] Rank " on. Also dropped: JAX's "preemption_notifier.cc:...] SIGTERM caught at ..." (it says SIGTERM for a
+# Ctrl-C too, which jaxtrain passes on as SIGTERM; each process says itself what it received). It ignores SIGINT and
+# SIGTERM: Ctrl-C in a terminal signals the whole foreground process group, filters included, and a filter that died
+# would leave its process writing into a closed pipe (a broken-pipe exit instead of the clean stop the signal asks
+# for). A filter ends when its process's output closes.
+gloo_piece='(\[Gloo\] Rank ?|[0-9]+| ?is connected to ?| ?peer ranks\. ?| ?Expected number of connected peer ranks is : ?)'
+gloo_line='\[Gloo\] Rank [0-9]+ is connected to [0-9]+ peer ranks\. Expected number of connected peer ranks is : [0-9]+'
 prefix() {
   trap '' INT TERM
-  exec sed -u -e '/\[Gloo\] Rank/{' \
-    -e 's/\[Gloo\] Rank [0-9]* is connected to [0-9]* peer ranks\. Expected number of connected peer ranks is : [0-9]*//g' \
-    -e '/^[[:space:]]*$/d' -e '}' -e "s/^/[$1] /"
+  exec sed -u -E -e "/^$gloo_piece+\$/d" -e '/preemption_notifier\.cc:[0-9]+\] SIGTERM caught at /d' \
+    -e '/\[Gloo\] Rank/{' -e "s/$gloo_line//g" -e "s/\[Gloo\] Rank ?$gloo_piece*\$//" -e '/^[[:space:]]*$/d' -e '}' \
+    -e "s/^/[$1] /"
 }
 
 pids=()

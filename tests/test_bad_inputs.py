@@ -55,6 +55,7 @@ def workspace(tmp_path_factory):
     (ws / "not_a_tokenizer.json").write_text('{"x": 1')
     (ws / "not_a_checkpoint" / "sub").mkdir(parents=True)
     (ws / "binary.txt").write_bytes(b"\xff\xfe\x00caf\xe9")
+    (ws / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')
     return ws
 
 
@@ -104,6 +105,7 @@ FAST = {
     "data source a directory": ([*T, "data.source=dir.bin"],
                                 "data.source 'dir.bin' is a directory without an index.json"),
     "data source wrong suffix": ([*T, "data.source=notes.txt"], "data.source='notes.txt' must be 'embedded'"),
+    "data source missing": ([*T, "data.source=no-such-tokens"], "data.source='no-such-tokens' does not exist"),
     "run.dir a file": (["train", "run.dir=a_file"], "run.dir='a_file' is a file, not a directory"),
     "run.dir under a file": (["train", "run.dir=a_file/run"], "run.dir='a_file/run' cannot be created"),
     "checkpoint.dir under a file": ([*T, "checkpoint.dir=a_file/ckpt"], "checkpoint.dir='a_file/ckpt' cannot be"),
@@ -118,6 +120,10 @@ FAST = {
     "prepare from a directory": (["prepare", "dir.bin", "--out", "tokens.bin"], "input file 'dir.bin' is a directory"),
     "prepare with a broken tokenizer": (["prepare", "notes.txt", "--out", "tokens.bin", "--tokenizer",
                                          "not_a_tokenizer.json"], "is not a Hugging Face tokenizer.json"),
+    "prepare a malformed .jsonl line into shards": (["prepare", "notes.txt", "broken.jsonl", "--out", "shards"],
+                                                    "broken.jsonl:2 is not JSON"),
+    "prepare a malformed .jsonl line into a file": (["prepare", "notes.txt", "broken.jsonl", "--out", "tokens.bin",
+                                                     "--workers", "2"], "broken.jsonl:2 is not JSON"),
     "prepare over an existing file": (["prepare", "notes.txt", "--out", "odd.bin"], "already exists"),
     "hardware file of the wrong shape": (["plan", "--hardware", "list.yaml"], "hardware file 'list.yaml' must hold"),
     "hardware file missing fields": (["plan", "--hardware", "hw_partial.yaml"], "lacks: hbm_bytes"),

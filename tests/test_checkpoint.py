@@ -95,6 +95,8 @@ def test_signal_saves_the_current_step_and_exits_75(tmp_path, sig):
     assert elapsed < 10
     stopped = int(out.split("stopped by a signal after step ")[1].split(";")[0])
     assert f"checkpoint saved to {run_dir / 'checkpoints'}/{stopped}" in out
+    said = "interrupted (SIGINT)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+    assert f"{said}: saving step {stopped}, then stopping" in out, out
     assert sorted(int(p) for p in os.listdir(run_dir / "checkpoints")) == [stopped]
 
     again = run_cli("train", *args[:-2], f"train.steps={stopped + 2}")

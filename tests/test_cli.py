@@ -12,8 +12,10 @@ BAD = {
     "wrong type": (["train.global_batch=many"], "train.global_batch='many' must be an integer"),
     "out of range": (["train.lr=-0.1"], "train.lr=-0.1 must be > 0"),
     "bad choice": (["model.attention=magic"], "model.attention='magic' is not valid"),
-    "heads vs tensor": (["runtime.cpu_devices=8", "mesh.ici.tensor=3"], "not divisible by the tensor axis size 3"),
+    "heads vs tensor": (["runtime.cpu_devices=6", "mesh.ici.tensor=3"], "not divisible by the tensor axis size 3"),
     "mesh vs devices": (["runtime.cpu_devices=4", "mesh.ici.fsdp=8"], "has 8 devices but 4 are available"),
+    "mesh vs devices, before the batch": (["runtime.cpu_devices=8", "mesh.ici.fsdp=3"],
+                                          "the mesh (ici.fsdp=3) has 3 devices but 8 are available"),
     "-1 cannot fill": (["runtime.cpu_devices=6", "mesh.ici.data=4"], "cannot fill 6 devices"),
     "batch vs data parallel": (["mesh.ici.data=3", "train.global_batch=16"],
                                "not divisible by the data-parallel size 3"),
@@ -40,7 +42,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, name):
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     before = {p: p.read_text() for p in run_dir.iterdir()}
 
-    proc = run_cli("train", f"run.dir={run_dir}", *overrides)
+    proc = run_cli("train", f"run.dir={run_dir}", *overrides, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -42,7 +42,9 @@ def test_effective_config_round_trips(tmp_path):
     ("mesh.ici.tensor=3", "model.n_heads=8 is not divisible by the tensor axis size 3"),
     ("train.global_batch=12", None),  # fine alone: 12 % 1 == 0
     ("data.source=/no/such.bin", "does not exist"),
-    ("data.source=notes.txt", "must be 'embedded', 'synthetic' or a .bin/.npy token file"),
+    (f"data.source={os.path.join(REPO, 'README.md')}", "must be 'embedded', 'synthetic' or a .bin/.npy token file"),
+    ("data.source=no-such-tokens", "data.source='no-such-tokens' does not exist (no file or directory of that name"),
+    ("data.mixture=[{source: no/such, weight: 1}]", "source='no/such' does not exist"),
     ("mesh.rules.mlp=model", "unknown mesh axis"),
     ("mesh.ici.data=0", "mesh.ici.data=0 must be >= 1"),
 ])
@@ -59,6 +61,35 @@ def test_batch_must_divide_over_data_parallel_axes():
         load_config(None, ["train.global_batch=12", "mesh.ici.data=2", "mesh.ici.fsdp=4"])
     with pytest.raises(ConfigError, match="two_axes|only one mesh axis may be -1"):
         load_config(None, ["mesh.ici.data=-1"])
+
+
+def test_the_mesh_against_the_devices_is_named_before_the_batch_it_fails_to_divide():
+    """fsdp=3 on 8 devices: the mesh not covering the devices is the mistake, not the batch of 16 over 3 (which the
+    fixed axes alone would name first). The device count is known before JAX starts on the CPU platform."""
+    from jaxtrain.cluster.distributed import cpu_device_count
+
+    overrides = ["runtime.cpu_devices=8", "mesh.ici.fsdp=3"]
+    with pytest.raises(ConfigError, match="data-parallel size 3"):  # no device count: the fixed axes' check
+        load_config(None, overrides)
+    with pytest.raises(ConfigError, match=r"the mesh \(ici.fsdp=3\) has 3 devices but 8 are available"):
+        load_config(None, overrides, num_devices=lambda cfg: cpu_device_count(cfg, {"JAX_PLATFORMS": "cpu"}))
+    # the -1 axis filled from the devices: fsdp 8 over data 2 is 16 rows per step, not divisible into 12
+    with pytest.raises(ConfigError, match="global_batch=12 .* data-parallel size 16"):
+        load_config(None, ["train.global_batch=12", "mesh.ici.data=2", "mesh.ici.fsdp=-1"], num_devices=lambda c: 16)
+    load_config(None, ["runtime.cpu_devices=6", "mesh.ici.fsdp=3", "mesh.ici.data=2", "train.global_batch=12"],
+                num_devices=lambda cfg: cpu_device_count(cfg, {"JAX_PLATFORMS": "cpu"}))
+
+
+def test_cpu_device_count_is_known_only_on_the_cpu_platform():
+    from jaxtrain.cluster.distributed import cpu_device_count
+
+    cfg = load_config(None, ["runtime.cpu_devices=4"])
+    assert cpu_device_count(cfg, {"JAX_PLATFORMS": "cpu"}) == 4
+    two = {"JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "1"}
+    assert cpu_device_count(cfg, two) == 8  # runtime.cpu_devices counts per process
+    assert cpu_device_count(load_config(None, ["mesh.ici.fsdp=2", "mesh.dcn.data=2"]), two) == 4
+    assert cpu_device_count(cfg, {"JAX_PLATFORMS": "cuda"}) is None  # GPUs: counted once JAX is up
 
 
 def test_cpu_devices_default_to_the_fixed_mesh_axes():

@@ -3,9 +3,12 @@
 Fast (no JAX computation): regenerates docs/configuration-reference.md in memory and reads the Markdown files.
 """
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 from jaxtrain import config
 
@@ -69,3 +72,19 @@ def test_every_relative_link_points_at_an_existing_file():
                 broken.append(f"{md.relative_to(ROOT)}: {target}")
     assert not broken, broken
     assert len(_markdown_files()) > 5  # the docs/ folder is there
+
+
+def test_configuration_reference_refuses_two_descriptions_for_one_key(tmp_path, monkeypatch):
+    """A comment above a field and another beside it used to be joined into one garbled description (mesh.auto
+    carried two texts run together): the generator names the field instead of printing that."""
+    (tmp_path / "two_comments.py").write_text(
+        "from dataclasses import dataclass\n\n\n@dataclass\nclass Section:\n"
+        "    # the long description\n    key: int = 1  # a second, shorter one\n"
+        "    # one text only\n    other: int = 2\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    section = importlib.import_module("two_comments").Section
+    generator = _generator()
+    with pytest.raises(ValueError, match=r"two_comments\.py:7: Section\.key has a comment above it and one beside"):
+        generator._fields_in_source(section)

@@ -32,5 +32,9 @@ def test_ctrl_c_on_the_process_group_checkpoints_and_exits_75(tmp_path):
              re.findall(r"^\[(\d)\] .*stopped by a signal after step (\d+); checkpoint saved", out, re.M)}
     assert set(saved) == {0, 1} and len(set(saved.values())) == 1, out[-3000:]
     assert "exited with status" not in out and "Broken pipe" not in out
+    # What happened, in words: not JAX's "SIGTERM caught" (SIGINT is passed on to its preemption service as SIGTERM).
+    said = set(re.findall(r"^\[(\d)\] .*interrupted \(SIGINT\): saving step (\d+), then stopping$", out, re.M))
+    assert said == {("0", str(saved[0])), ("1", str(saved[0]))}, out[-3000:]
+    assert "SIGTERM caught" not in out, out[-3000:]
     assert os.path.isdir(tmp_path / "checkpoints" / str(saved[0]))
 

@@ -185,3 +185,26 @@ def test_local_launcher_binds_loopback_and_passes_on_exit_75(tmp_path):
     # A real failure wins over 75.
     failed = _run_local_sh(tmp_path, 2, [75, 3])
     assert failed.returncode == 3 and "process 1 exited with status 3" in failed.stderr, failed.stderr
+
+
+def test_local_launcher_drops_gloo_lines_split_by_its_threads(tmp_path):
+    """Gloo writes its connection line piece by piece from one thread per device, so the pieces of several threads
+    interleave at each flush (seen: '<line>[Gloo] Rank ' then '2 is connected to 7 ...'); none of it gets through,
+    nor JAX's "SIGTERM caught" (a Ctrl-C reaches JAX as SIGTERM: each process says what it got), and the program's
+    own lines (a blank one included) do, whole."""
+    msg = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : {}"
+    out = [msg.format(1, 7, 7) + "[Gloo] Rank ", "2 is connected to 7 peer ranks. Expected number of connected peer "
+           "ranks is : 7", "step 1/2 | loss 5.3541 | 86,687 tok/s" + msg.format(0, 1, 1), "[Gloo] Rank " +
+           msg.format(3, 3, 3), "0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+           "", "reads rows [0, 8) of each global batch of 16", msg.format(4, 7, 7),
+           "W1204 15:15:05.551945    6584 preemption_notifier.cc:90] SIGTERM caught at 2026-12-04T15:15:05.5519+00:00",
+           "done: 20 steps"]
+    (tmp_path / "lines").write_text("\n".join(out) + "\n")
+    _stub(tmp_path, "python", f'[ "$1" = -c ] && exec python3 "$@"\ncat {tmp_path / "lines"}')
+    env = {**os.environ, "PYTHON": str(tmp_path / "python"), "JAXTRAIN_LOCAL_GPUS": "0"}
+    proc = subprocess.run([os.path.join(LAUNCH, "local.sh"), "1", "train"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.rstrip() for line in proc.stdout.splitlines()] == [
+        "[0] step 1/2 | loss 5.3541 | 86,687 tok/s", "[0]", "[0] reads rows [0, 8) of each global batch of 16",
+        "[0] done: 20 steps"], proc.stdout

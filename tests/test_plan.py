@@ -8,6 +8,7 @@ compiled once per module.
 import dataclasses
 import json
 import math
+import os
 
 import jax
 import numpy as np
@@ -217,6 +218,23 @@ def test_cli_json_two_devices():
 
 
 @pytest.mark.slow
+def test_plan_auto_writes_its_cache_into_no_run_directory(tmp_path):
+    """`plan mesh.auto=true` without run.dir used to leave a plan-cache/ in runs/tiny, the default job's directory:
+    its readings go into the user's cache ($XDG_CACHE_HOME/jaxtrain/plan), nothing into the working directory."""
+    work, cache = tmp_path / "work", tmp_path / "cache"
+    work.mkdir()
+    small = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
+             "model.vocab_size=64", "data.seq_len=16", "train.global_batch=4", "data.source=synthetic"]
+    proc = run_cli("plan", "runtime.cpu_devices=1", "mesh.auto=true", *small, cwd=work,
+                   env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "auto layout: one-device" in proc.stdout
+    assert os.listdir(work) == []
+    entries = os.listdir(cache / "jaxtrain" / "plan")
+    assert entries and all(e.endswith(".json") for e in entries)
+
+
+@pytest.mark.slow
 def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     """XLA:CPU aborts in AllReducePromotion on the pipeline's bfloat16 psum over the stage axis; the plan skips the
     pass and reads the ring's permutes at 2 bytes an element (one microbatch, 4 sequences over fsdp 4, per device)."""
@@ -237,6 +255,8 @@ def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     (["runtime.cpu_devices=8", "--nodes", "3"], "8 device(s) cannot be split evenly into 3 node(s)"),
     (["--hardware", "h100-8x", "--nodes", "2", "mesh.ici.fsdp=4", "mesh.dcn.data=2"],
      "has 8 devices but 16 are available"),
+    (["--hardware", "h100-8x", "mesh.ici.fsdp=3"], "the mesh (ici.fsdp=3) has 3 devices but 8 are available"),
+    (["runtime.cpu_devices=8", "mesh.ici.fsdp=3"], "the mesh (ici.fsdp=3) has 3 devices but 8 are available"),
     (["--hardware", "h100-8x", "--nodes", "0"], "argument --nodes: '0': node counts must be >= 1"),
     (["--nodes", "4,x", "--tokens", "2e12"], "argument --nodes: '4,x': expected node counts"),
     (["--tokens", "0"], "argument --tokens: '0': expected a finite number > 0"),
@@ -245,7 +265,7 @@ def test_cli_plans_a_bfloat16_pipeline_on_the_devices_at_hand():
     (["--nodes", "4,8"], "--nodes 4,8: several node counts need --tokens"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(args, expected):
-    proc = run_cli("plan", *args)
+    proc = run_cli("plan", *args, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # the CPU's device count is known
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr

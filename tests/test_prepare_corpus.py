@@ -91,17 +91,34 @@ def test_tokenizer_output_is_identical_for_1_and_3_workers_and_matches_encode(tm
     assert index["documents"] == len(docs)
 
 
-def test_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("out_name", ["out", "out.bin", "out.npy"])
+def test_a_malformed_line_leaves_nothing_behind(tmp_path, workers, out_name):
+    """The bad line is found after shards were written (a small --shard-tokens, a good file first): the error names
+    it, and neither the output, its .partial directory nor a raw or .tmp file is left; what was there stays."""
     good = tmp_path / "a.jsonl"
     good.write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs(200)))
     bad = tmp_path / "b.jsonl"
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
-    out = tmp_path / "out"
+    (tmp_path / "out.raw").write_text("someone else's file\n")  # beside the output: not prepare's to remove
+    before = sorted(os.listdir(tmp_path))
     with pytest.raises(ConfigError, match="b.jsonl:2 has no string field 'text' \\(--text-field\\)"):
-        data_lib.prepare([str(good), str(bad)], str(out), shard_tokens=5000, workers=2)
-    assert not out.exists()
+        data_lib.prepare([str(good), str(bad)], str(tmp_path / out_name), shard_tokens=5000, workers=workers)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert (tmp_path / "out.raw").read_text() == "someone else's file\n"
+
+
+def test_a_killed_prepare_leaves_nothing_that_looks_complete(tmp_path):
+    """What a killed prepare leaves (shards written, the last one still .tmp, no index: made here by the writer
+    itself, stopped before it finishes) is refused by training and replaced by a rerun."""
+    good = tmp_path / "a.jsonl"
+    good.write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs(200)))
+    out = tmp_path / "out"
     partial = tmp_path / "out.partial"
-    assert partial.exists() and not (partial / "index.json").exists()
+    partial.mkdir()
+    shards = prepare_lib._Shards(str(partial), "uint16", 5000)
+    shards.write(np.arange(12000, dtype=np.uint32) % 256)  # two full shards and a third still open
+    assert sorted(os.listdir(partial)) == ["shard-00000.bin", "shard-00001.bin", "shard-00002.bin.tmp"]
     with pytest.raises(ConfigError):  # no index and an unfinished .tmp shard: refused
         data_lib.load_tokens(load_config(None, [f"data.source={partial}", "data.seq_len=16"]).data, 256)
     meta = data_lib.prepare([str(good)], str(out), shard_tokens=5000, workers=2)  # a rerun replaces the partial

@@ -98,7 +98,7 @@ def test_sweep_runs_isolated_and_records_a_failure(tmp_path):
     assert float(ok["median_step_s"]) == summary["step_seconds"]["median"]
     metrics_loss = [line for line in (out / "runs/fsdp2/metrics.jsonl").read_text().splitlines() if line]
     assert len(metrics_loss) == 4
-    assert bad["status"] == "failed" and "not divisible by the tensor axis size 3" in bad["error"]
+    assert bad["status"] == "failed" and "the mesh (ici.tensor=3) has 3 devices but 2 are available" in bad["error"]
     assert "exit 2" in bad["error"] and bad["predicted_step_s"] == ""
     md = (out / "sweep.md").read_text()
     assert "| fsdp2 | fsdp2 | ok |" in md and "tensor3" in md

@@ -4,8 +4,9 @@
 
 One row per dotted key of ``jaxtrain.config.all_keys()``, plus a row for each nested section (``mesh.ici``,
 ``model.rope_scaling``, ...): the key, its type as written in the source, its default (from ``Config()``, so default
-factories count) and its description: the comment lines directly above the field (no blank line between) followed by
-the comment at the end of the field's line. A field without either gets an empty description; ``--missing`` lists
+factories count) and its description: the comment lines directly above the field (no blank line between) or the
+comment at the end of the field's line, never both (two texts for one key read as one garbled description, so the
+generator refuses them, naming the field). A field without either gets an empty description; ``--missing`` lists
 those keys instead of printing the table. The output depends only on config.py, so tests/test_docs.py can compare it
 with the committed file.
 """
@@ -63,6 +64,11 @@ def _fields_in_source(cls: type) -> dict[str, tuple[str, str]]:
             line -= 1
         end = stmt.end_lineno or stmt.lineno
         trailing = [comments[n] for n in range(stmt.lineno, end + 1) if n in comments and n not in comment_only]
+        if above and trailing:
+            raise ValueError(
+                f"{path}:{stmt.lineno}: {cls.__name__}.{stmt.target.id} has a comment above it and one beside it;"
+                " keep one, it is the key's whole description"
+            )
         annotation = ast.get_source_segment(text, stmt.annotation) or ""
         out[stmt.target.id] = (" ".join(annotation.split()), " ".join(above + trailing))
     return out

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from etils import epath
 
+from jaxtrain import log
 from jaxtrain.config import Config
 
 if TYPE_CHECKING:
@@ -186,20 +187,30 @@ class PreemptionWatch:
 
     def __init__(self, checkpointer: Any):  # a checkpoint.Checkpointer
         self._checkpointer, self._flag, self._old = checkpointer, False, {}
+        self._signal: int | None = None  # the signal this process received, where Python saw it
+        self._said = False
         self._service = jax.distributed.is_initialized()
         handlers = ({signal.SIGINT: self._forward} if self._service
                     else {signal.SIGINT: self._set, signal.SIGTERM: self._set})
         for sig, handler in handlers.items():
             self._old[sig] = signal.signal(sig, handler)
 
-    def _forward(self, *_):
+    def _forward(self, signum, _frame):
+        self._signal = signum
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def _set(self, *_):
-        self._flag = True
+    def _set(self, signum, _frame):
+        self._signal, self._flag = signum, True
 
     def reached(self, step: int) -> bool:
-        return self._checkpointer._manager.reached_preemption(step) if self._service else self._flag
+        stop = self._checkpointer._manager.reached_preemption(step) if self._service else self._flag
+        if stop and not self._said:  # said here, not in the handler: a write there could re-enter one in progress
+            self._said = True
+            # JAX's preemption service logs "SIGTERM caught" for a Ctrl-C too (SIGINT is passed on as SIGTERM); a
+            # SIGTERM it caught itself never reaches Python.
+            what = "interrupted (SIGINT)" if self._signal == signal.SIGINT else "terminated (SIGTERM)"
+            log.info(f"{what}: saving step {step}, then stopping")
+        return stop
 
     def close(self) -> None:
         for sig, handler in self._old.items():

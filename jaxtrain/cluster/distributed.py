@@ -253,6 +253,18 @@ def resolve(dist: DistConfig, environ=os.environ) -> Settings:
     return Settings(coordinator, n, i, ids, platform, bind, sources)
 
 
+def cpu_device_count(cfg, environ=os.environ) -> int | None:
+    """The job's device count where it is known before JAX starts: on the CPU platform (``JAX_PLATFORMS=cpu``, or no
+    GPU plugin installed), ``runtime.cpu_devices`` (unset: what the mesh's fixed axes need) per process x the
+    processes; None where JAX may pick GPUs, whose count is known once its backend is up."""
+    from jaxtrain.parallel.dims import cpu_devices_per_process
+
+    settings = resolve(cfg.dist, environ)
+    if settings.platform != "cpu":
+        return None
+    return cpu_devices_per_process(cfg, settings.num_processes) * settings.num_processes
+
+
 def jax_timeouts(dist: DistConfig) -> tuple[int, int]:
     """(init, heartbeat) timeouts in seconds: the config's, else ``jax.distributed.initialize``'s own defaults."""
     import jax

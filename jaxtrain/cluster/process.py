@@ -33,9 +33,14 @@ def compile_cache_dir(setting: str) -> str | None:
     if setting == "auto":
         if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
             return os.environ["JAX_COMPILATION_CACHE_DIR"]
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return os.path.join(base, "jaxtrain", "compile")
+        return user_cache_dir("compile")
     return os.path.abspath(os.path.expanduser(setting))
+
+
+def user_cache_dir(name: str) -> str:
+    """``$XDG_CACHE_HOME/jaxtrain/NAME``, else ``~/.cache/jaxtrain/NAME``: this user's caches, in no run directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxtrain", name)
 
 
 def use_compile_cache(directory: str | None) -> None:

@@ -15,9 +15,10 @@ def add_config_arguments(p, default: str = "the built-in tiny config, = configs/
 
 def start(args):
     """The validated config of a config-driven command, with JAX configured for it (devices, processes)."""
+    from jaxtrain.cluster.distributed import cpu_device_count  # no JAX: the environment, the installed plugins
     from jaxtrain.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, num_devices=cpu_device_count)
     from jaxtrain.cluster import process as runtime  # JAX starts only once the config is known to be good
 
     runtime.quiet_logs()

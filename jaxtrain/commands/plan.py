@@ -74,12 +74,30 @@ def run(args) -> int:
                           "cost across them); plan one node count at a time otherwise")
     if args.tokens is not None and args.wide:
         raise ConfigError("--wide does not apply with --tokens (the budget table); --json has every figure")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, num_devices=_device_count(args))
     if args.tokens is not None:
         return _budget(cfg, args)
     return planner.main(cfg, args.overrides, hardware_name=args.hardware, nodes=args.nodes[0],
                         efficiency=args.efficiency, mem_fraction=args.mem_fraction, as_json=args.json, wide=args.wide,
                         calibration_path=args.calibration)
+
+
+def _device_count(args):
+    """The devices a planned mesh must cover, where the command line fixes them before JAX starts: --hardware x one
+    --nodes, else the CPU's (``runtime.cpu_devices`` x processes). Only a mesh given on the command line is held to
+    them; without one every mesh of the devices is planned."""
+    from jaxtrain.cluster.distributed import cpu_device_count
+    from jaxtrain.config import hardware
+    from jaxtrain.planner.target import mesh_given
+
+    def count(cfg) -> int | None:
+        if not mesh_given(args.overrides):
+            return None
+        if args.hardware is None:
+            return cpu_device_count(cfg)
+        return hardware.load_hardware(args.hardware).devices_per_node * args.nodes[0] if len(args.nodes) == 1 else None
+
+    return count
 
 
 def _budget(cfg, args) -> int:

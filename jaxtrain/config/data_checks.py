@@ -62,11 +62,16 @@ def _check_source(spec: str, name: str, chat: bool, existing_file) -> None:
         return  # what it holds is checked when it is read (its index, or its token files)
     elif chat:
         existing_file(spec, f"{name} file")
-    else:
-        if not spec.endswith((".bin", ".npy")):
-            raise ConfigError(f"{name}={spec!r} must be 'embedded', 'synthetic' or a .bin/.npy token file (or a "
-                              "directory of shards, a glob)")
+    elif spec.endswith((".bin", ".npy")):
         existing_file(spec, f"{name} file")
+    elif not os.path.exists(spec):
+        where = "" if os.path.isabs(spec) else f" in {os.getcwd()}"
+        raise ConfigError(f"{name}={spec!r} does not exist (no file or directory of that name{where}); it takes "
+                          "'embedded', 'synthetic', a .bin/.npy token file, a directory of shards or a glob")
+    else:
+        raise ConfigError(f"{name}={spec!r} must be 'embedded', 'synthetic' or a .bin/.npy token file (or a "
+                          f"directory of shards, a glob); text, .jsonl or .parquet files become shards with "
+                          f"`python -m jaxtrain prepare {spec} --out DIR`")
 
 
 def check_data_paths(d, existing_file) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 
 import yaml
 
@@ -13,9 +14,10 @@ from jaxtrain.config.validate import validate
 from jaxtrain.errors import ConfigError
 
 
-def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: typing.Sequence[str] = (),
+                num_devices: Callable[[Config], int | None] | None = None) -> Config:
     """Defaults, then the YAML file at ``path`` (if any; a shipped name such as ``7b`` also works), then
-    ``overrides`` (``"a.b=value"``, value in YAML syntax)."""
+    ``overrides`` (``"a.b=value"``, value in YAML syntax). ``num_devices``: see :func:`validate`."""
     tree = load_yaml(find_yaml(path, "", "config"), "config file") if path is not None else {}
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -27,7 +29,7 @@ def load_config(path: str | None = None, overrides: typing.Sequence[str] = ()) -
             value = raw
         set_dotted(tree, key.strip(), value)
     cfg = build(Config(), tree, "", unknown_config_key)
-    validate(cfg)
+    validate(cfg, num_devices)
     return cfg
 
 

@@ -67,6 +67,3 @@ def check_paths(cfg) -> None:
     _writable_dir(cfg.run.dir, "run.dir")
     # Where the checkpoints will go (rundir's one definition), named by the setting that puts them there.
     _writable_dir(rundir.checkpoints(cfg.run.dir, c.dir), "checkpoint.dir" if c.dir else "run.dir")
-    if cfg.runtime.cpu_devices is not None and cfg.runtime.cpu_devices > MAX_CPU_DEVICES:
-        raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} is more emulated devices than this machine "
-                          f"can start in reasonable time; use at most {MAX_CPU_DEVICES}")

@@ -14,9 +14,10 @@ from jaxtrain.errors import ConfigError
 
 @dataclass
 class DistConfig:
-    # Multi-process settings. Unset: taken from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else
-    # from Slurm inside `srun`, else a single process. All three or none.
-    coordinator: str | None = None  # host:port of process 0's coordination service
+    # host:port of process 0's coordination service. Unset: this, num_processes and process_id are taken from
+    # JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, else from Slurm inside `srun`, else a single
+    # process. All three or none.
+    coordinator: str | None = None
     num_processes: int | None = None  # processes in the job (one per node, or one per GPU)
     process_id: int | None = None  # this process's index, 0 .. num_processes - 1
     init_timeout_s: int | None = None  # seconds for every process to join (names the missing); None: JAX's 300
@@ -56,7 +57,8 @@ class ObserveConfig:
     prometheus_port_offset: Literal["process", "local", "none"] = "process"  # added to the port (above)
     # After a run that reached train.steps the endpoint serves this long more, with jaxtrain_up 0, so that the last
     # values (final save, goodput, last warning) are scraped; not after an error or a signal's stop (quick exit).
-    prometheus_linger_s: float = 30.0  # seconds; about two scrape intervals (prometheus.yml: 15 s); 0: none
+    # Seconds; the default is about two scrape intervals (prometheus.yml: 15 s); 0: none.
+    prometheus_linger_s: float = 30.0
     # Every N steps the processes swap their own-time figures (host work outside waits for the devices and peers;
     # through the coordination service, not the devices) and process 0 warns about a process whose own time
     # exceeds straggler_ratio x the median. 0: off.
@@ -64,7 +66,8 @@ class ObserveConfig:
     straggler_ratio: float = 1.5  # a process whose own time per step exceeds this x the median is named
     # Every N steps a small all-reduce per mesh axis measures its bus bandwidth against the link's expected rate
     # (from `hardware`, else the shipped hardware file of these devices); below min_bandwidth_fraction it warns.
-    collective_probe_every: int = 0  # 0: off
+    # 0: off.
+    collective_probe_every: int = 0
     probe_mb: float | None = None  # message per device; None: 1 MiB on CPU, 256 MiB on GPUs
     min_bandwidth_fraction: float = 0.7  # warn below this fraction of the link's expected rate
     hardware: str | None = None  # hardware file (name or path) with the link rates; None: matched by device kind

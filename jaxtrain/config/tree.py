@@ -69,22 +69,22 @@ def default_rules() -> dict[str, Any]:
 @dataclass
 class MeshConfig:
     # Intra-node (NVLink) and inter-node (InfiniBand) parts of each axis; the axis size is ici * dcn.
-    # One of the eight may be -1: it takes whatever the device count leaves.
+    # One of the ten may be -1: it takes whatever the device count leaves.
     ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=default_rules)  # logical axis -> mesh axis, list of axes, or null
     # true: at start-up the planner picks the mesh sizes, model.remat, train.microbatches and train.pipeline_schedule
     # (of those that fit, the fastest estimate, or measured: auto_trial_steps; docs/auto-layout.md) and
     # run.dir/config.yaml records them, with auto false.
-    auto: bool = False  # let the planner choose the layout (mesh, remat, microbatches, pipeline schedule)
+    auto: bool = False
     auto_memory_margin: float = 0.1  # mesh.auto: fraction of the usable device memory a choice must leave free
     # mesh.auto: each finalist (fits, estimated near the best) runs this many timed steps, in two passes with a
     # warm-up step each, and the fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what
     # a trial costs on GPUs)
-    auto_trial_steps: int = 6  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
+    auto_trial_steps: int = 6
 
     def sizes(self) -> dict[tuple[str, str], int]:
-        """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
+        """``{("ici", "data"): 1, ...}``: the ten configured sizes, ``-1`` included."""
         return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
 
 
@@ -92,7 +92,8 @@ class MeshConfig:
 class RopeScalingConfig:
     # Llama 3.1's rotary frequency scaling ("llama3"): wavelengths longer than original_max_len / low_freq_factor
     # are stretched by `factor`, those shorter than original_max_len / high_freq_factor kept, smoothly in between.
-    type: Literal["none", "llama3"] = "none"  # none: plain RoPE; llama3: Llama 3.1's scaling (above)
+    # none: plain RoPE; llama3: that scaling.
+    type: Literal["none", "llama3"] = "none"
     factor: float = 8.0  # how much the longest wavelengths are stretched
     low_freq_factor: float = 1.0  # wavelengths above original_max_len / low_freq_factor are stretched fully
     high_freq_factor: float = 4.0  # wavelengths below original_max_len / high_freq_factor are kept

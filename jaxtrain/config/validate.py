@@ -6,6 +6,8 @@ Checks that need the device count (the mesh against the devices) run again when 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from jaxtrain.config import locations
 from jaxtrain.config.data_checks import check_data_config
 from jaxtrain.config.ops import fraction as _fraction
@@ -17,8 +19,12 @@ from jaxtrain.config.tree import FLASH_HEAD_DIMS, Config, default_rules, unknown
 from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
 
 
-def validate(cfg: Config) -> None:
-    """Check ranges and cross-field constraints; raise :class:`ConfigError` naming the first bad value."""
+def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = None) -> None:
+    """Check ranges and cross-field constraints; raise :class:`ConfigError` naming the first bad value.
+
+    ``num_devices(cfg)``: the device count the command will run on where it is known before JAX starts (on CPU:
+    ``runtime.cpu_devices`` x processes), else None; with it the mesh is checked against the devices before the
+    model and batch are checked against the mesh."""
 
     m, t = cfg.model, cfg.train
     _require(bool(cfg.run.dir), "run.dir must not be empty")
@@ -82,13 +88,16 @@ def validate(cfg: Config) -> None:
 
     if cfg.runtime.cpu_devices is not None:
         _positive("runtime.cpu_devices", cfg.runtime.cpu_devices)
+        _require(cfg.runtime.cpu_devices <= locations.MAX_CPU_DEVICES,
+                 f"runtime.cpu_devices={cfg.runtime.cpu_devices} is more emulated devices than this machine can start "
+                 f"in reasonable time; use at most {locations.MAX_CPU_DEVICES}")
     _require(cfg.runtime.compile_cache.strip() != "", "runtime.compile_cache is empty: use auto, a directory or none")
     validate_ops(cfg.dist, cfg.check, cfg.observe)  # dist.*, check.*, observe.* (jaxtrain/config/ops.py)
-    _validate_mesh(cfg)
+    _validate_mesh(cfg, num_devices)
     locations.check_paths(cfg)  # files and directories last: value mistakes are reported first
 
 
-def _validate_mesh(cfg: Config) -> None:
+def _validate_mesh(cfg: Config, num_devices: Callable[[Config], int | None] | None) -> None:
     sizes = {f"mesh.{part}.{ax}": v for (part, ax), v in cfg.mesh.sizes().items()}
     fills = [k for k, v in sizes.items() if v == -1]
     _require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join(fills)}")
@@ -117,5 +126,8 @@ def _validate_mesh(cfg: Config) -> None:
     _require(cfg.mesh.dcn.tensor == 1, f"mesh.dcn.tensor={cfg.mesh.dcn.tensor} would split tensor parallelism "
              "across nodes; keep it inside a node (mesh.dcn.tensor=1, mesh.ici.tensor up to the GPUs per node) and "
              "use mesh.dcn.stage, mesh.dcn.fsdp or mesh.dcn.data across nodes")
-    # Divisibility by the fixed axis sizes now; the -1 axis is checked again once it is resolved (mesh.py).
-    ParallelDims(cfg, MeshShape.fixed(cfg.mesh)).check()
+    # The mesh against the devices first where their count is known (a mesh that does not cover them is the mistake
+    # to name, not the batch it then fails to divide); mesh.auto replaces the mesh, so its sizes are not held to it.
+    # Otherwise divisibility by the fixed axis sizes now, and again once the -1 axis is resolved (mesh.py).
+    n = None if num_devices is None or cfg.mesh.auto else num_devices(cfg)
+    ParallelDims(cfg, MeshShape.fixed(cfg.mesh) if n is None else MeshShape.resolve(cfg.mesh, n)).check()

@@ -11,7 +11,8 @@ end-of-text token (byte-level: NUL).
 documents, tokenizer and its SHA-256, vocabulary size, dtype, each shard's tokens) that training checks. The shards
 are written into ``DIR.partial`` (each as ``.tmp`` until full) and the directory is renamed to ``DIR`` only once the
 index is in it: an interrupted run leaves no directory that looks complete. ``--out FILE.bin|.npy``: one token file
-and its ``.json`` sidecar, written under a temporary name and renamed.
+and its ``.json`` sidecar, written under a temporary name and renamed. An error or Ctrl-C removes what the run wrote
+(``DIR.partial``, or the raw file); only a killed run leaves it, for the next run of the same ``--out`` to replace.
 """
 
 from __future__ import annotations
@@ -165,8 +166,10 @@ def _encode(job) -> tuple[np.ndarray, int]:
 class _Shards:
     """Token shards of at most ``limit`` tokens, each written as ``NAME.tmp`` and renamed when full or closed."""
 
-    def __init__(self, directory: str, dtype: str, limit: int, single: str | None = None):
+    def __init__(self, directory: str, dtype: str, limit: int, single: str | None = None,
+                 owns_directory: bool = False):
         self.directory, self.dtype, self.limit, self.single = directory, dtype, limit, single
+        self.owns_directory = owns_directory  # created for this output: discard() removes it whole
         self.shards: list[dict] = []
         self.file = None
         self.count = 0
@@ -196,6 +199,20 @@ class _Shards:
             ids = ids[room:]
             if self.count >= self.limit:
                 self._close()
+
+    def discard(self) -> None:
+        """Remove what this writer wrote (its directory, if it made it; else its own files), after an error."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.owns_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            return
+        for shard in self.shards:
+            path = os.path.join(self.directory, shard["file"])
+            for name in (path, path + ".tmp"):
+                if os.path.exists(name):
+                    os.remove(name)
 
     def finish(self) -> list[dict]:
         if self.file is None and not self.shards:
@@ -265,94 +282,124 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, *, text_f
             workers: int = 1, shard_tokens: int = SHARD_TOKENS, progress: bool = False) -> dict:
     """Tokenise ``inputs`` into ``out`` (a shard directory with index.json, or one .bin/.npy file with a .json
     sidecar); returns the index (or sidecar) dict. Byte-level without ``tokenizer`` (a tokenizer.json or its
-    directory). The output does not depend on ``workers``."""
-    from jaxtrain.data.tokens import INDEX
-
+    directory). The output does not depend on ``workers``. On any error (a malformed line, Ctrl-C) what this call
+    wrote is removed again: nothing is left but what was on disk before."""
     files = _expand(inputs)
     single = _check_out(out)
     if workers < 1 or shard_tokens < 1:
         raise ConfigError(f"--workers={workers} and --shard-tokens={shard_tokens} must be >= 1")
     tok_file, vocab, sep, sha = _tokenizer(tokenizer)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
-    if single:
-        work_dir = os.path.dirname(os.path.abspath(out))
-        shards = _Shards(work_dir, dtype, 1 << 62, single=os.path.basename(out) + ".raw")
-    else:
-        work_dir = out.rstrip("/") + ".partial"
-        if os.path.exists(work_dir):  # an interrupted prepare of this same --out: its partial output is void
-            shutil.rmtree(work_dir)
-        os.makedirs(work_dir)
-        shards = _Shards(work_dir, dtype, shard_tokens)
-    bar = _Progress(sum(os.path.getsize(f) for f in files), progress)
-    documents, first = 0, True
-    jobs = ((block, sep, text_field) for block in _blocks(files, text_field))
-    sizes: collections.deque[int] = collections.deque()
-
-    def take(result):
-        nonlocal documents, first
-        ids, n_docs = result
-        if first and len(ids) and sep is not None:
-            ids, first = ids[1:], False  # separators go between documents: none before the first
-        documents += n_docs
-        shards.write(ids)
-        bar.update(sizes.popleft(), len(ids))
-
-    def sized(jobs):
-        for (block, nbytes), sep_, field in jobs:
-            sizes.append(nbytes)  # what the progress bar counts once the block is written
-            yield block, sep_, field
-
-    if workers == 1:
-        old = os.environ.get("TOKENIZERS_PARALLELISM")
-        _init_worker(tok_file)
-        try:
-            for job in sized(jobs):
-                take(_encode(job))
-        finally:
-            if old is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = old
-    else:
-        # fork: cheap, and `python -m jaxtrain` (whose __main__ spawn would rerun) has no threads yet; a process
-        # that already runs JAX's threads (a test, a notebook) spawns instead, since forking it may deadlock.
-        context = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
-        pool = context.Pool(workers, _init_worker, (tok_file,))
-        pending: collections.deque = collections.deque()
-        error = None
-        try:
-            for job in sized(jobs):
-                pending.append(pool.apply_async(_encode, (job,)))
-                if len(pending) >= 2 * workers:  # bounded: never more than two blocks per worker in flight
-                    take(_get(pending.popleft()))
-            while pending:
-                take(_get(pending.popleft()))
-        except ConfigError as e:
-            error = e
-        finally:
-            pool.terminate()
-            pool.join()
-        if error is not None:
-            # Raised once the pool is gone (no frame of the traceback holds it), so that its semaphores are freed
-            # now and the one-line error stays the last line (no resource_tracker warning at exit).
-            pending.clear()
-            del pool
-            raise error.with_traceback(None)
-    bar.update(0, 0, final=True)
-    listed = shards.finish()
+    shards = _open_output(out, single, dtype, shard_tokens)
+    try:
+        sink = _Sink(shards, sep, _Progress(sum(os.path.getsize(f) for f in files), progress))
+        jobs = sink.sized((block, sep, text_field) for block in _blocks(files, text_field))
+        if workers == 1:
+            _encode_here(jobs, tok_file, sink)
+        else:
+            _encode_in_pool(jobs, tok_file, workers, sink)
+        sink.bar.update(0, 0, final=True)
+        listed = shards.finish()
+    except BaseException:
+        shards.discard()
+        raise
     meta = {"format": "jaxtrain-tokens/1", "dtype": dtype, "vocab_size": vocab,
             "tokenizer": tok_file and os.path.abspath(tok_file) or "bytes", "tokenizer_sha256": sha, "eos_id": sep,
-            "tokens": sum(s["tokens"] for s in listed), "documents": documents, "text_field": text_field,
+            "tokens": sum(s["tokens"] for s in listed), "documents": sink.documents, "text_field": text_field,
             "inputs": [os.path.abspath(f) for f in files]}
+    _publish(shards, out, single, meta)
+    return meta
+
+
+def _open_output(out: str, single: bool, dtype: str, shard_tokens: int) -> _Shards:
+    """The shard writer: one raw file beside ``out`` (a .bin/.npy), or shards in a fresh ``out.partial/``."""
     if single:
-        raw = os.path.join(work_dir, listed[0]["file"])
-        _finish_file(raw, out, dtype, meta["tokens"])
+        return _Shards(os.path.dirname(os.path.abspath(out)), dtype, 1 << 62, single=os.path.basename(out) + ".raw")
+    work_dir = out.rstrip("/") + ".partial"
+    if os.path.exists(work_dir):  # an interrupted (killed) prepare of this same --out: its partial output is void
+        shutil.rmtree(work_dir)
+    os.makedirs(work_dir)
+    return _Shards(work_dir, dtype, shard_tokens, owns_directory=True)
+
+
+def _publish(shards: _Shards, out: str, single: bool, meta: dict) -> None:
+    """The finished output under its name: the token file and its sidecar, or the index then the directory's rename
+    (``meta`` gains the shard list)."""
+    from jaxtrain.data.tokens import INDEX
+
+    if single:
+        _finish_file(os.path.join(shards.directory, shards.shards[0]["file"]), out, meta["dtype"], meta["tokens"])
         _write_json(out + ".json", meta)
     else:
-        _write_json(os.path.join(work_dir, INDEX), {**meta, "shards": listed})
-        os.rename(work_dir, out)
-        meta["shards"] = listed
-    return meta
+        _write_json(os.path.join(shards.directory, INDEX), {**meta, "shards": shards.shards})
+        os.rename(shards.directory, out)
+        meta["shards"] = shards.shards
+
+
+class _Sink:
+    """Token blocks, in input order, into the shards: a separator between documents (none before the first), the
+    documents counted, the progress bar told each block's input bytes once it is written."""
+
+    def __init__(self, shards: _Shards, sep: int | None, bar: _Progress):
+        self.shards, self.sep, self.bar = shards, sep, bar
+        self.documents, self.first = 0, True
+        self.sizes: collections.deque[int] = collections.deque()
+
+    def sized(self, jobs):
+        """The jobs of ``((block, bytes read), sep, field)``, each block's byte count kept for the progress bar."""
+        for (block, nbytes), sep, field in jobs:
+            self.sizes.append(nbytes)
+            yield block, sep, field
+
+    def take(self, result: tuple[np.ndarray, int]) -> None:
+        ids, n_docs = result
+        if self.first and len(ids) and self.sep is not None:
+            ids, self.first = ids[1:], False
+        self.documents += n_docs
+        self.shards.write(ids)
+        self.bar.update(self.sizes.popleft(), len(ids))
+
+
+def _encode_here(jobs, tok_file: str | None, sink: _Sink) -> None:
+    """One process: this one tokenises, its TOKENIZERS_PARALLELISM restored afterwards."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    _init_worker(tok_file)
+    try:
+        for job in jobs:
+            sink.take(_encode(job))
+    finally:
+        if old is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def _encode_in_pool(jobs, tok_file: str | None, workers: int, sink: _Sink) -> None:
+    """``workers`` processes tokenise, at most two blocks each in flight; results are taken in input order."""
+    # fork: cheap, and `python -m jaxtrain` (whose __main__ spawn would rerun) has no threads yet; a process
+    # that already runs JAX's threads (a test, a notebook) spawns instead, since forking it may deadlock.
+    context = multiprocessing.get_context("spawn" if "jax" in sys.modules else "fork")
+    pool = context.Pool(workers, _init_worker, (tok_file,))
+    pending: collections.deque = collections.deque()
+    error = None
+    try:
+        for job in jobs:
+            pending.append(pool.apply_async(_encode, (job,)))
+            if len(pending) >= 2 * workers:  # bounded: never more than two blocks per worker in flight
+                sink.take(_get(pending.popleft()))
+        while pending:
+            sink.take(_get(pending.popleft()))
+    except ConfigError as e:
+        error = e
+    finally:
+        pool.terminate()
+        pool.join()
+    if error is not None:
+        # Raised once the pool is gone (no frame of the traceback holds it), so that its semaphores are freed
+        # now and the one-line error stays the last line (no resource_tracker warning at exit).
+        pending.clear()
+        del pool
+        raise error.with_traceback(None)
 
 
 def _get(result):

@@ -24,7 +24,6 @@ May import: errors, config, cluster, models, parallel and train (the step it com
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from jaxtrain.config import Config
@@ -44,7 +43,7 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
                                 mem_fraction=mem_fraction)
     from jaxtrain.cluster import process as runtime
-    from jaxtrain.planner import auto, auto_report, calibration, compile_cache, report, search
+    from jaxtrain.planner import auto, auto_report, calibration, report, search
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
@@ -56,8 +55,10 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))
     if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
+        # plan writes into no run directory (run.dir is the default job's unless given): its readings go into
+        # this user's cache, keyed by everything they depend on, so every later plan finds them.
         res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=os.path.join(target.cfg.run.dir, compile_cache.CACHE_DIR))
+                                 cache_dir=runtime.user_cache_dir("plan"))
         print(json.dumps({"notes": target.notes, **auto_report.to_json(res)}, indent=1) if as_json else
               "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res)]))
         return 0

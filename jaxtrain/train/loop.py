@@ -131,8 +131,9 @@ class PendingMetrics:
 
     ``add`` records a step just dispatched and reports every older one (their values are ready or nearly so,
     while the new step keeps the device busy); a step that must be evaluated, and ``drain``, report everything.
-    Each reported step gets its wall time: from the previous step's completion, or from its own dispatch when the
-    device was idle before it (the first step, the step after an evaluation).
+    Each reported step gets its wall time: from the previous step's completion, or from when the host began it (its
+    batch, its dispatch: on CPUs the dispatch itself may run the step) when the device was idle before it (the first
+    step, the step after an evaluation).
     """
 
     def __init__(self, report: Callable[[int, dict, float, Any], None], waited: Callable[[float, float], None]):
@@ -140,8 +141,9 @@ class PendingMetrics:
         self._queue: list[tuple[int, Any, Any, float]] = []  # (step, metrics on device, state to evaluate, t dispatch)
         self._last_done: float | None = None
 
-    def add(self, step: int, metrics, eval_state=None) -> None:
-        self._queue.append((step, metrics, eval_state, time.perf_counter()))
+    def add(self, step: int, metrics, eval_state=None, started: float | None = None) -> None:
+        """``started``: the perf_counter time the host began the step (default: now, after its dispatch)."""
+        self._queue.append((step, metrics, eval_state, time.perf_counter() if started is None else started))
         self._flush(keep_newest=eval_state is None)
 
     def drain(self) -> None:
@@ -253,7 +255,7 @@ class _Loop:
             checkpointer.raise_if_failed()
             preempted = watch.reached(step)
             wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
-            pending.add(step, metrics, state if wants_eval else None)
+            pending.add(step, metrics, state if wants_eval else None, started=t_begin)
             if preempted or checkpointer.should_save(step):
                 result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
                 obs.saved(checkpointer, result.save_block_seconds[-1])
