@@ -83,5 +83,6 @@ def test_env_reads_libcuda_and_nvidia_smi(tmp_path):
     assert any(line.split()[:4] == ["driver", "CUDA", "version", "12.4"] for line in lines), proc.stdout
     assert "(libcuda + nvidia-smi)" in proc.stdout
     # This machine has no JAX CUDA plugin: the verdict says what to install for a CUDA 12 driver.
-    assert lines[-1] == ("GPU MISMATCH: this node has an NVIDIA driver 550 (CUDA 12.4) but no JAX CUDA plugin: "
-                         "JAX runs on CPU; install .[gpu]")
+    verdicts = [line for line in lines if line.startswith(("GPU: ", "GPU MISMATCH: "))]
+    assert verdicts == ["GPU MISMATCH: this node has an NVIDIA driver 550 (CUDA 12.4) but no JAX CUDA plugin: "
+                        "JAX runs on CPU; install .[gpu]"]
