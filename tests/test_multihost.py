@@ -108,11 +108,12 @@ def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_p
     assert "process 1 of 2 could not reach the coordinator 127.0.0.1:1 within dist.init_timeout_s=3 s" in last
     # A 3-process job whose process 2 is never started: at the deadline the coordinator and the worker that did
     # join both end with one line naming process 2 (JAX alone aborts every process, exit 134, naming no one).
+    # A batch that 3 processes can split: the config is checked before anyone waits for the job to form.
     # 6 s: both start together, and process 1 must find process 0 listening within its own timeout.
     job = launcher_env() | {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "3"}
     start = time.time()
     procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'b'}",
-                               "dist.init_timeout_s=6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               "train.global_batch=12", "dist.init_timeout_s=6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=REPO, env=job | {"JAX_PROCESS_ID": str(i)}) for i in (0, 1)]
     outs = [p.communicate(timeout=120)[1] for p in procs]
     assert time.time() - start < 60
