@@ -49,7 +49,8 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
     if target.cfg.mesh.auto and hardware_name is None and target.devices[0].platform == "cpu":
-        cal = auto.hardware_for(target.cfg, target.devices, calibration_path)  # train's figures: the same choice
+        # train's figures: the same choice
+        cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log)
     else:
         cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
     target.hw = cal.hw

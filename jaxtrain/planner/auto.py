@@ -33,7 +33,7 @@ import numpy as np
 from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.planner import search
+from jaxtrain.planner import cost, search
 from jaxtrain.planner.auto_report import format_result, gb, ms, nothing_fits, why
 from jaxtrain.planner.compile_cache import CACHE_DIR, compile_cached
 from jaxtrain.planner.space import MAX_COMPILES, REMATS, AutoResult, Candidate, Row, candidates, closed_form
@@ -72,6 +72,9 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     viable.sort(key=lambda r: (best[layout(r)], r.cand.microbatches, REMATS.index(r.cand.remat), r.cand.label))
     compiles = hits = bounded = capped = 0
     fitting: list[Row] = []
+    progress(f"mesh.auto: {len(rows)} candidates, {len(rows) - len(viable)} over {gb(budget)} a device by their "
+             f"state alone; compiling at most {max_compiles} of the rest, expected fits and fastest first, each "
+             "skipped where it cannot beat the runner-up")
     for r in viable:
         # More recompute usually adds compute, and without a pipeline more microbatches cut the same matmuls
         # smaller: where a lighter setting of the same layout fits at no more compute, a heavier one is not tried;
@@ -88,14 +91,15 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
         compiles += not r.cached
         r.result = search.candidate_result(c, r.cand.shape, hw, comp)
         r.result["fits"] = comp.memory_bytes <= budget
-        progress(f"[{compiles + hits}] {r.cand.label}: {gb(comp.memory_bytes)}, est. {ms(r.est)}"
-                 f"{' (cached)' if r.cached else f', compiled in {comp.compile_s:.1f} s'}")
+        progress(f"mesh.auto: {f'[{compiles}/{max_compiles}]' if not r.cached else '[cached]'} {r.cand.label}: "
+                 f"{gb(comp.memory_bytes)}{'' if r.result['fits'] else ' (over the budget)'}, est. {ms(r.est)}"
+                 f"{'' if r.cached else f', compiled in {comp.compile_s:.1f} s'}")
         if r.result["fits"]:
             fitting = sorted([f for f in fitting if not _dominates(r, f)] + [r], key=_rank_key)
     compiled = sorted((r for r in rows if r.result is not None), key=_rank_key)
     pruned = len(rows) - len(viable)
     if not fitting:
-        raise ConfigError(nothing_fits(cfg, rows, compiled, budget, len(devices), hw))
+        raise ConfigError(nothing_fits(cfg, rows, compiled, budget, len(devices), hw.usable_bytes))
     choice, runner = fitting[0], (fitting[1] if len(fitting) > 1 else None)
     return AutoResult(choice, runner, why(choice, runner, compiled, budget),
                       compiled + [r for r in rows if r.result is None], budget, time.perf_counter() - t0, compiles,
@@ -141,26 +145,86 @@ def apply_trial(res: AutoResult, seconds: dict[Candidate, float]) -> None:
     res.why = why(res.choice, res.runner_up, res.compiled, res.budget)
 
 
-def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None):
+def affordable(cfg: Config, devices: list, nodes: int = 1, progress: Callable[[str], None] = lambda msg: None) -> None:
+    """Before anything is measured or compiled: ConfigError (one line, exit 2) when no candidate's parameters,
+    optimizer state and layer inputs (``space.closed_form``'s lower bound, at the dtypes the run will use) fit the
+    devices' memory less ``mesh.auto_memory_margin``; else one progress line with the candidates' count."""
+    from jaxtrain.parallel.layout import resolve_auto
+    from jaxtrain.planner.measure import usable_at_hand
+
+    usable = usable_at_hand(devices)
+    budget = usable * (1 - cfg.mesh.auto_memory_margin)
+    resolved = resolve_auto(cfg, devices[0].platform, len(devices))
+    rows = []
+    for c in candidates(cfg, len(devices), nodes):
+        applied = c.apply(resolved)
+        need = cost.state_bytes_lower(applied, c.shape) + cost.activation_bytes(applied, c.shape)[0]
+        rows.append(Row(c, need, need, 0.0, 0.0))
+    over = sum(r.state_lower > budget for r in rows)
+    if over == len(rows):
+        raise ConfigError(nothing_fits(cfg, rows, [], budget, len(devices), usable))
+    progress(f"mesh.auto: {len(rows)} candidate layouts over {len(devices)} {devices[0].device_kind} device(s)"
+             f"{f' on {nodes} nodes' if nodes > 1 else ''}; {over} cannot fit {gb(budget)} a device by their "
+             "parameters, optimizer state and layer inputs alone")
+
+
+def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None, nodes: int = 1,
+                 progress: Callable[[str], None] = lambda msg: None):
     """The devices' hardware figures (``measure.hardware_at_hand``) with the calibration in (``calibration_path``,
-    else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``."""
+    else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``. First :func:`affordable`: a model no
+    layout can hold stops here, before anything is measured.
+
+    On CPU devices the figures no file carries are measured here, after the file's figures are in: the model's
+    efficiency is a fraction of ``peak_flops``, so it must be measured against the peak the estimate will use (one
+    measured at hand, then multiplied by a file's other peak, had put the tiny model's calibrated estimate at 1.8x
+    its measured step)."""
     from jaxtrain.parallel.layout import resolve_auto
     from jaxtrain.planner import calibration
-    from jaxtrain.planner.measure import hardware_at_hand, measure_model, measure_sized, model_points
+    from jaxtrain.planner.measure import hardware_at_hand
 
+    affordable(cfg, devices, nodes, progress)
     resolved = resolve_auto(cfg, devices[0].platform, len(devices))
-    dtype = resolved.model.dtype
-    hw = hardware_at_hand(devices, None)
-    if devices[0].platform == "cpu":  # measured at hand like the rest of the CPU's figures (a file may replace them)
-        # On this process's devices only: they share its cores, and a timing loop of collectives across processes
-        # could run a different number of times on each.
-        import jax
+    if devices[0].platform == "cpu":
+        progress(f"mesh.auto: measuring the {len(devices)} CPU devices: matmul, copy and all-reduce rates")
+    cal = calibration.for_plan(hardware_at_hand(devices, None), calibration_path, cfg.run.dir, resolved.model.dtype)
+    if devices[0].platform != "cpu":
+        return cal
+    # On this process's devices only: they share its cores, and a timing loop of collectives across processes
+    # could run a different number of times on each.
+    import jax
 
-        local = [d for d in devices if d.process_index == jax.process_index()] or devices
-        hw = calibration.sized(hw, *measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
-        hw = dataclasses.replace(hw, model_efficiency=measure_model(resolved, local, hw,
-                                                                    model_points(cfg, len(local), REMATS)))
-    return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
+    local = [d for d in devices if d.process_index == jax.process_index()] or devices
+    return dataclasses.replace(cal, hw=_cpu_figures(resolved, local, cal.hw, progress))
+
+
+def _cpu_figures(cfg: Config, devices: list, hw: Hardware, progress: Callable[[str], None]) -> Hardware:
+    """``hw`` with the matmul rate by rows (unless a calibration file gave it) and the model's efficiency measured
+    on ``devices`` (``cfg`` resolved), each only where its own allocation fits the host's available memory less the
+    margin (a model no CPU can time stays on ``compute_efficiency``; the progress line says so)."""
+    from jaxtrain.planner import calibration, measure
+    from jaxtrain.train.guards import available_memory
+
+    share, where = available_memory()
+    room = share * (1 - cfg.mesh.auto_memory_margin) if share else float("inf")
+    m, dtype = cfg.model, cfg.model.dtype
+    if not hw.matmul_rows:  # a file's table, where it has one, is the measurement of record
+        need = measure.sized_bytes(m.d_model, m.d_ff, dtype)
+        if need <= room:
+            hw = calibration.sized(hw, *measure.measure_sized(devices, m.d_model, m.d_ff, dtype))
+        else:
+            progress(f"mesh.auto: the matmul rate by rows is not measured: {gb(need)} a device, more than {gb(room)} "
+                     f"({where}, less the margin)")
+    points = measure.model_points(cfg, len(devices), REMATS)
+    need = measure.model_bytes(cfg, len(devices), points)
+    if need > room:
+        progress(f"mesh.auto: the model's own step is not timed: it would hold {gb(need)} a device, more than "
+                 f"{gb(room)} ({where}, less the margin); the estimate takes compute_efficiency "
+                 f"{hw.compute_efficiency:g} of the matmul rate")
+        return hw
+    progress(f"mesh.auto: timing the model's step (forward and backward, every device on its own copy) at "
+             f"{len(points)} points ({', '.join(f'remat {r} x{t}' for r, t in points)}), {measure.MODEL_ROUNDS} "
+             "rounds")
+    return dataclasses.replace(hw, model_efficiency=measure.measure_model(cfg, devices, hw, points, progress))
 
 
 def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
@@ -168,14 +232,14 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
     import jax
 
     devices = jax.devices()
-    cal = hardware_for(cfg, devices)
+    nodes = max(1, jax.process_count())
+    cal = hardware_for(cfg, devices, nodes=nodes, progress=log)
     rows = cal.hw.matmul_rows
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name)
         + (f"; matmul rate by rows per device {', '.join(f'{r:g}: {f:.2f}' for r, f in rows)}, a layer "
            f"iteration {ms(cal.hw.layer_overhead_s)}, the model's efficiency by remat and tensor "
            f"{', '.join(f'{r} x{t} {e:.3g}' for r, t, e in cal.hw.model_efficiency)} (measured)" if rows else ""))
-    nodes = max(1, jax.process_count())
     keep: dict = {}
     res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,
                         keep=keep)
