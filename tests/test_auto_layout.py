@@ -189,7 +189,7 @@ def test_the_model_is_not_timed_where_its_copy_per_device_would_not_fit_the_host
     def must_not_run(*a, **k):
         raise AssertionError("the model was timed")
 
-    monkeypatch.setattr(measure, "measure_model", must_not_run)
+    monkeypatch.setattr(measure, "model_seconds", must_not_run)
     said: list[str] = []
     hw = auto.hardware_for(cfg, devices, progress=said.append).hw
     assert hw.model_efficiency == () and hw.matmul_rows
@@ -365,6 +365,34 @@ def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small,
     auto.apply_trial(res, seconds)
     assert res.choice.cand == min(seconds, key=lambda c: (seconds[c], c.label))
     assert res.choice.measured_s == seconds[res.choice.cand]
+
+
+@pytest.mark.slow
+def test_a_second_search_in_another_run_directory_compiles_and_times_nothing(tmp_path):
+    """train mesh.auto=true twice, each in its own run directory, one user cache: the first says what it does as it
+    goes (the candidates, the timings, each compile, the trial) and trains with the search's own compile of its
+    choice; the second takes the first's CPU timings, so its search visits the same candidates and finds every
+    reading in the cache, compiling none."""
+    import os
+    import re
+
+    from jaxtrain_testing import run_cli
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    runs = [run_cli("train", f"run.dir={tmp_path / name}", "runtime.cpu_devices=1", "mesh.auto=true", *SMALL,
+                    "train.steps=1", "train.eval_every=0", env=env, timeout=900) for name in ("a", "b")]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = (p.stderr for p in runs)
+    said = [re.search(pattern, first, re.M) for pattern in (
+        r"mesh\.auto: \d+ candidate layouts over 1 cpu device", r"mesh\.auto: timing the 1 CPU devices",
+        r"mesh\.auto: timing the model's step", r"mesh\.auto: \[1/\d\] .*compiled in", r"auto layout: ",
+        r"mesh\.auto: [\d.]+ s in all", r"the train step \(compiled by mesh\.auto's search: reused\)")]
+    assert all(said) and [m.start() for m in said] == sorted(m.start() for m in said), first[-3000:]
+    compiled = int(re.search(r"the search [\d.]+ s \((\d+) compiled, 0 from the cache\)", first).group(1))
+    assert compiled >= 1
+    assert "the CPU timings of an earlier search of this model on these devices" in second
+    assert re.search(rf"the search [\d.]+ s \(0 compiled, {compiled} from the cache\)", second), second[-3000:]
 
 
 @pytest.mark.slow

@@ -14,9 +14,10 @@ Modules, in the order a plan uses them: ``target`` (what the plan is for: hardwa
 it runs there, the meshes), ``search`` (candidate meshes, pruning, compiling), ``hlo`` (HLO text -> instructions,
 loops, replica groups, collectives), ``passes`` (the GPU collective passes), ``cost`` (bytes per link, time per
 part), ``measure`` (the devices at hand), ``report`` (table and JSON); ``auto`` and ``trial`` choose a layout
-for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``compile_cache`` (each
-compile's reading on disk) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the health check
-measured.
+for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``auto_figures`` (the
+memory pre-check and the hardware figures, CPU timings kept in the user's cache), ``compile_cache`` (each compile's
+reading on disk, in the user's cache) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the
+health check measured.
 
 May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O.
 """
@@ -24,7 +25,6 @@ May import: errors, config, cluster, models, parallel and train (the step it com
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from jaxtrain.config import Config
@@ -50,7 +50,8 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
     if target.cfg.mesh.auto and hardware_name is None and target.devices[0].platform == "cpu":
         # train's figures: the same choice
-        cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log)
+        cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log,
+                                cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
     else:
         cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
     target.hw = cal.hw
@@ -58,7 +59,7 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
                                  "the devices at hand (measured by plan)"))
     if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
         res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=os.path.join(target.cfg.run.dir, compile_cache.CACHE_DIR))
+                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
         print(json.dumps({"notes": target.notes, **auto_report.to_json(res)}, indent=1) if as_json else
               "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res)]))
         return 0

@@ -79,7 +79,7 @@ def format_result(res: AutoResult, top: int = 8) -> str:
                              for r in res.trial)
         alone = "" if est is None or est.cand == c.cand else f"; the estimate alone picked {est.cand.label}"
         lines.append("  trial (fastest step, after a warm-up): " + measured + alone)
-    capped = f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiles)" if res.capped else ""
+    capped = f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiled or cached)" if res.capped else ""
     lines += [f"  searched {len(res.rows)} candidates in {res.seconds:.1f} s: {res.pruned} pruned (state alone "
               f"over the budget), {res.compiles} compiled, {res.cache_hits} from the cache, {res.bounded} not "
               f"compiled (a lighter remat of the layout fits, or no faster than the runner-up without any "
