@@ -115,6 +115,25 @@ def test_model_is_measured_in_rounds_back_and_forth_keeping_each_points_fastest(
         assert e == pytest.approx(cost.measured_efficiency(ref[r], shape, hw(1e9), fastest[r]))
 
 
+def test_a_calibration_files_peak_leaves_the_measured_model_time_as_measured(make_config, monkeypatch, tmp_path):
+    """The model's efficiency is a fraction of peak_flops, so it is measured against the peak the estimate uses: a
+    calibration file whose matmul rate is a third of the one measured at hand leaves the compute estimate of the
+    measured layout at the model's measured time (measured against the other peak, it had tripled). The clock is
+    fixed (every timing 50 ms), so both searches measure the same."""
+    from jaxtrain.planner import measure
+    cfg = make_config(*SMALL, "runtime.cpu_devices=1", "mesh.ici.fsdp=1")
+    devices = jax.devices()[:1]
+    monkeypatch.setattr(measure, "_best_time", lambda fn, seconds, times=None, at_least=1, warm_up=True: 0.05)
+    plain = auto.hardware_for(cfg, devices).hw
+    path = calibration.write(str(tmp_path / calibration.FILE), device_kind=devices[0].device_kind, platform="cpu",
+                             devices=1, hosts=1, matmul_gflops={"float32": plain.peak_flops / 3e9}, axes={})
+    cal = auto.hardware_for(cfg, devices, path)
+    assert cal.measured == ("peak_flops",) and cal.hw.peak_flops == pytest.approx(plain.peak_flops / 3)
+    ref = next(c for c in space.candidates(cfg, 1, 1, microbatches=[1]) if c.remat == "none")
+    for figures in (plain, cal.hw):
+        assert cost.compute_seconds(ref.apply(cfg), ref.shape, figures) == pytest.approx(0.05)
+
+
 def test_a_lighter_remat_dominates_only_at_no_more_compute(make_config):
     """Where the measured efficiencies make recompute cheaper (as on this project's CPUs), the layout with remat
     full is compiled and can be chosen although remat none fits; otherwise the lighter setting dominates."""
@@ -135,6 +154,46 @@ def test_nothing_fits_is_one_line_saying_what_would(make_config):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("mesh.auto: no layout fits")
     assert "remat none to full and microbatches 1 to 4 searched" in msg and "or more devices" in msg
+
+
+@pytest.mark.parametrize("args", [["model.d_model=65536", "model.n_layers=64"], ["--config", "7b"]],
+                         ids=["d_model_65536", "7b"])
+def test_a_model_no_layout_holds_is_refused_in_one_line_before_anything_is_measured(tmp_path, args):
+    """The issue's first tries: a model no layout of 8 CPU devices can hold (its state alone is 10 GB a device for
+    the 7B, over a TB for the other) exits 2 with the search's one line, having measured and allocated nothing
+    (before the pre-check: a MemoryError traceback from the calibration's host copy of the weights, and an OOM kill
+    with no output)."""
+    from jaxtrain_testing import run_cli
+
+    proc = run_cli("train", *args, "mesh.auto=true", "runtime.cpu_devices=8", f"run.dir={tmp_path / 'run'}",
+                   timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: mesh.auto: no layout fits") and "parameters, optimizer state" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_model_is_not_timed_where_its_copy_per_device_would_not_fit_the_host(make_config, monkeypatch):
+    """The model's timing holds a whole copy of the weights on every CPU device (no sharding): with a vocabulary
+    making that copy twice the host's available memory a device (the training state, sharded 8 ways, fits), the
+    search takes compute_efficiency instead and says so; the matmul table, small, is still measured."""
+    from jaxtrain.planner import measure
+    from jaxtrain.train.guards import available_memory
+
+    share = available_memory()[0]
+    vocab = int(2 * share / (2 * 4 * 32))  # float32 weights and their gradient, d_model 32: the embedding dominates
+    cfg = make_config(*SMALL, f"model.vocab_size={vocab}", "runtime.cpu_devices=8", "mesh.auto=true")
+    devices = jax.devices()[:8]
+    assert measure.model_bytes(cfg, 8, measure.model_points(cfg, 8, auto.REMATS)) > share
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the model was timed")
+
+    monkeypatch.setattr(measure, "model_seconds", must_not_run)
+    said: list[str] = []
+    hw = auto.hardware_for(cfg, devices, progress=said.append).hw
+    assert hw.model_efficiency == () and hw.matmul_rows
+    assert any("the model's own step is not timed" in line for line in said), said
 
 
 def test_margin_is_validated_once(make_config):
@@ -306,6 +365,34 @@ def test_trial_runs_the_finalists_and_takes_the_fastest_measured(compiled_small,
     auto.apply_trial(res, seconds)
     assert res.choice.cand == min(seconds, key=lambda c: (seconds[c], c.label))
     assert res.choice.measured_s == seconds[res.choice.cand]
+
+
+@pytest.mark.slow
+def test_a_second_search_in_another_run_directory_compiles_and_times_nothing(tmp_path):
+    """train mesh.auto=true twice, each in its own run directory, one user cache: the first says what it does as it
+    goes (the candidates, the timings, each compile, the trial) and trains with the search's own compile of its
+    choice; the second takes the first's CPU timings, so its search visits the same candidates and finds every
+    reading in the cache, compiling none."""
+    import os
+    import re
+
+    from jaxtrain_testing import run_cli
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    runs = [run_cli("train", f"run.dir={tmp_path / name}", "runtime.cpu_devices=1", "mesh.auto=true", *SMALL,
+                    "train.steps=1", "train.eval_every=0", env=env, timeout=900) for name in ("a", "b")]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = (p.stderr for p in runs)
+    said = [re.search(pattern, first, re.M) for pattern in (
+        r"mesh\.auto: \d+ candidate layouts over 1 cpu device", r"mesh\.auto: timing the 1 CPU devices",
+        r"mesh\.auto: timing the model's step", r"mesh\.auto: \[1/\d\] .*compiled in", r"auto layout: ",
+        r"mesh\.auto: [\d.]+ s in all", r"the train step \(compiled by mesh\.auto's search: reused\)")]
+    assert all(said) and [m.start() for m in said] == sorted(m.start() for m in said), first[-3000:]
+    compiled = int(re.search(r"the search [\d.]+ s \((\d+) compiled, 0 from the cache\)", first).group(1))
+    assert compiled >= 1
+    assert "the CPU timings of an earlier search of this model on these devices" in second
+    assert re.search(rf"the search [\d.]+ s \(0 compiled, {compiled} from the cache\)", second), second[-3000:]
 
 
 @pytest.mark.slow

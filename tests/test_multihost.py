@@ -113,7 +113,8 @@ def test_a_missing_coordinator_or_peer_ends_the_process_instead_of_hanging(tmp_p
     job = launcher_env() | {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "3"}
     start = time.time()
     procs = [subprocess.Popen([sys.executable, "-m", "jaxtrain", "train", f"run.dir={tmp_path / 'b'}",
-                               "train.global_batch=12", "dist.init_timeout_s=6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               "train.global_batch=12", "dist.init_timeout_s=6"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=REPO, env=job | {"JAX_PROCESS_ID": str(i)}) for i in (0, 1)]
     outs = [p.communicate(timeout=120)[1] for p in procs]
     assert time.time() - start < 60

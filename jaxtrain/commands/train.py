@@ -24,12 +24,13 @@ def run(args) -> int:
         gc.freeze()  # and later collections skip them
         if collecting:
             gc.enable()
+    compiled = None
     if cfg.mesh.auto:  # the planner picks the layout where it is first needed (docs/auto-layout.md)
         from jaxtrain import log
         from jaxtrain.planner import auto
 
-        cfg = auto.resolve(cfg, log.info)
-    result = loop.train(cfg)
+        cfg, compiled = auto.resolve(cfg, log.info)  # and its search's compile of the choice, reused
+    result = loop.train(cfg, compiled=compiled)
     # EX_TEMPFAIL, not 0: a scheduler must tell "finished" from "saved and stopped early" to restart the latter
     # (a JobSet counts a pod that exits 0 as completed and never restarts it).
     # A signal at the last step changes nothing: that run finished.

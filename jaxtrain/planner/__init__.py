@@ -14,9 +14,10 @@ Modules, in the order a plan uses them: ``target`` (what the plan is for: hardwa
 it runs there, the meshes), ``search`` (candidate meshes, pruning, compiling), ``hlo`` (HLO text -> instructions,
 loops, replica groups, collectives), ``passes`` (the GPU collective passes), ``cost`` (bytes per link, time per
 part), ``measure`` (the devices at hand), ``report`` (table and JSON); ``auto`` and ``trial`` choose a layout
-for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``compile_cache`` (each
-compile's reading on disk) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the health check
-measured.
+for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``auto_figures`` (the
+memory pre-check and the hardware figures, CPU timings kept in the user's cache), ``compile_cache`` (each compile's
+reading on disk, in the user's cache) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the
+health check measured.
 
 May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O.
 """
@@ -43,12 +44,14 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
                                 mem_fraction=mem_fraction)
     from jaxtrain.cluster import process as runtime
-    from jaxtrain.planner import auto, auto_report, calibration, report, search
+    from jaxtrain.planner import auto, auto_report, calibration, compile_cache, report, search
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
     if target.cfg.mesh.auto and hardware_name is None and target.devices[0].platform == "cpu":
-        cal = auto.hardware_for(target.cfg, target.devices, calibration_path)  # train's figures: the same choice
+        # train's figures: the same choice
+        cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log,
+                                cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
     else:
         cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
     target.hw = cal.hw
@@ -58,7 +61,7 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
         # plan writes into no run directory (run.dir is the default job's unless given): its readings go into
         # this user's cache, keyed by everything they depend on, so every later plan finds them.
         res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=runtime.user_cache_dir("plan"))
+                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
         print(json.dumps({"notes": target.notes, **auto_report.to_json(res)}, indent=1) if as_json else
               "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res)]))
         return 0

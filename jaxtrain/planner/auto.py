@@ -8,7 +8,8 @@ memory fits ``usable x (1 - mesh.auto_memory_margin)`` per device. To stay quick
    ``cost.compute_seconds``, ``cost.comm_seconds``); those whose state alone exceeds the budget are pruned;
 2. the rest are compiled in order of the closed-form estimate (expected fits first), and one is skipped once its
    lower bound (its compute time, exact before compiling) is no faster than the runner-up compiled so far: the
-   choice and the runner-up are then the best two under the cost model, at most ``MAX_COMPILES`` compiles;
+   choice and the runner-up are then the best two under the cost model, at most ``MAX_COMPILES`` readings
+   (compiled, or from the cache: a second search with the same figures visits the same candidates, compiling none);
 3. each compile's reading (memory, collectives) is cached by a hash of the config, the devices and JAX's version
    (``cache_dir/<hash>.json``, :mod:`.compile_cache`), so a second plan of the same config compiles nothing.
 
@@ -23,8 +24,6 @@ candidates, their rows and the result are :mod:`.space`'s; the text and JSON a s
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 from collections.abc import Callable
 
@@ -34,8 +33,9 @@ from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.planner import search
+from jaxtrain.planner.auto_figures import affordable, hardware_for  # noqa: F401  (auto's API)
 from jaxtrain.planner.auto_report import format_result, gb, ms, nothing_fits, why
-from jaxtrain.planner.compile_cache import CACHE_DIR, compile_cached
+from jaxtrain.planner.compile_cache import compile_cached, plan_cache_dir
 from jaxtrain.planner.space import MAX_COMPILES, REMATS, AutoResult, Candidate, Row, candidates, closed_form
 from jaxtrain.planner.trial import measure
 
@@ -72,6 +72,9 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     viable.sort(key=lambda r: (best[layout(r)], r.cand.microbatches, REMATS.index(r.cand.remat), r.cand.label))
     compiles = hits = bounded = capped = 0
     fitting: list[Row] = []
+    progress(f"mesh.auto: {len(rows)} candidates, {len(rows) - len(viable)} over {gb(budget)} a device by their "
+             f"state alone; compiling at most {max_compiles} of the rest (cached readings count), expected fits and "
+             "fastest first, each skipped where it cannot beat the runner-up")
     for r in viable:
         # More recompute usually adds compute, and without a pipeline more microbatches cut the same matmuls
         # smaller: where a lighter setting of the same layout fits at no more compute, a heavier one is not tried;
@@ -79,7 +82,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
         if any(_dominates(f, r) for f in fitting) or (len(fitting) >= 2 and r.lower_s >= fitting[1].est):
             bounded += 1
             continue
-        if compiles >= max_compiles:
+        if compiles + hits >= max_compiles:  # cached readings count: a warm cache visits the same candidates
             capped += 1
             continue
         c = r.cand.apply(cfg)
@@ -88,14 +91,15 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
         compiles += not r.cached
         r.result = search.candidate_result(c, r.cand.shape, hw, comp)
         r.result["fits"] = comp.memory_bytes <= budget
-        progress(f"[{compiles + hits}] {r.cand.label}: {gb(comp.memory_bytes)}, est. {ms(r.est)}"
-                 f"{' (cached)' if r.cached else f', compiled in {comp.compile_s:.1f} s'}")
+        progress(f"mesh.auto: [{compiles + hits}/{max_compiles}] {r.cand.label}: {gb(comp.memory_bytes)}"
+                 f"{'' if r.result['fits'] else ' (over the budget)'}, est. {ms(r.est)}"
+                 f"{', from the cache' if r.cached else f', compiled in {comp.compile_s:.1f} s'}")
         if r.result["fits"]:
             fitting = sorted([f for f in fitting if not _dominates(r, f)] + [r], key=_rank_key)
     compiled = sorted((r for r in rows if r.result is not None), key=_rank_key)
     pruned = len(rows) - len(viable)
     if not fitting:
-        raise ConfigError(nothing_fits(cfg, rows, compiled, budget, len(devices), hw))
+        raise ConfigError(nothing_fits(cfg, rows, compiled, budget, len(devices), hw.usable_bytes))
     choice, runner = fitting[0], (fitting[1] if len(fitting) > 1 else None)
     return AutoResult(choice, runner, why(choice, runner, compiled, budget),
                       compiled + [r for r in rows if r.result is None], budget, time.perf_counter() - t0, compiles,
@@ -141,44 +145,26 @@ def apply_trial(res: AutoResult, seconds: dict[Candidate, float]) -> None:
     res.why = why(res.choice, res.runner_up, res.compiled, res.budget)
 
 
-def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None):
-    """The devices' hardware figures (``measure.hardware_at_hand``) with the calibration in (``calibration_path``,
-    else ``run.dir/calibration.json`` if there): a ``calibration.Calibrated``."""
-    from jaxtrain.parallel.layout import resolve_auto
-    from jaxtrain.planner import calibration
-    from jaxtrain.planner.measure import hardware_at_hand, measure_model, measure_sized, model_points
-
-    resolved = resolve_auto(cfg, devices[0].platform, len(devices))
-    dtype = resolved.model.dtype
-    hw = hardware_at_hand(devices, None)
-    if devices[0].platform == "cpu":  # measured at hand like the rest of the CPU's figures (a file may replace them)
-        # On this process's devices only: they share its cores, and a timing loop of collectives across processes
-        # could run a different number of times on each.
-        import jax
-
-        local = [d for d in devices if d.process_index == jax.process_index()] or devices
-        hw = calibration.sized(hw, *measure_sized(local, cfg.model.d_model, cfg.model.d_ff, dtype))
-        hw = dataclasses.replace(hw, model_efficiency=measure_model(resolved, local, hw,
-                                                                    model_points(cfg, len(local), REMATS)))
-    return calibration.for_plan(hw, calibration_path, cfg.run.dir, dtype)
-
-
-def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
-    """``train``'s hook: ``cfg`` (``mesh.auto`` true) with the chosen layout as concrete values, on all devices."""
+def resolve(cfg: Config, log: Callable[[str], None]) -> tuple[Config, tuple | None]:
+    """``train``'s hook: ``cfg`` (``mesh.auto`` true) with the chosen layout as concrete values, on all devices, and
+    the chosen layout's (Step, compiled train step) where this search compiled it (for ``loop.train``: the run
+    then starts without compiling it again), else None."""
     import jax
 
+    t0 = time.perf_counter()
     devices = jax.devices()
-    cal = hardware_for(cfg, devices)
+    nodes = max(1, jax.process_count())
+    cache = plan_cache_dir(cfg.runtime.compile_cache)
+    cal = hardware_for(cfg, devices, nodes=nodes, progress=log, cache_dir=cache)
+    figures_s = time.perf_counter() - t0
     rows = cal.hw.matmul_rows
     log(f"mesh.auto: choosing the layout over {len(devices)} {devices[0].device_kind} device(s); "
         + cal.note("the devices at hand" if devices[0].platform == "cpu" else cal.hw.name)
         + (f"; matmul rate by rows per device {', '.join(f'{r:g}: {f:.2f}' for r, f in rows)}, a layer "
            f"iteration {ms(cal.hw.layer_overhead_s)}, the model's efficiency by remat and tensor "
            f"{', '.join(f'{r} x{t} {e:.3g}' for r, t, e in cal.hw.model_efficiency)} (measured)" if rows else ""))
-    nodes = max(1, jax.process_count())
     keep: dict = {}
-    res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=os.path.join(cfg.run.dir, CACHE_DIR), progress=log,
-                        keep=keep)
+    res = search_layout(cfg, devices, cal.hw, nodes, cache_dir=cache, progress=log, keep=keep)
     order = candidates(cfg, len(devices), nodes)
     steps = cfg.mesh.auto_trial_steps
     trial = [r.cand for r in finalists(res)] if steps > 0 else []
@@ -189,10 +175,13 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
         index = np.full(TRIAL_MAX, -1, np.int32)
         index[:len(trial)] = [order.index(c) for c in trial]
         trial = [order[int(i)] for i in multihost_utils.broadcast_one_to_all(index) if i >= 0]
+    t1 = time.perf_counter()
     if trial:
         apply_trial(res, measure(cfg, trial, devices, steps, keep, log))
-    keep.clear()
     log(format_result(res, top=3))
+    log(f"mesh.auto: {time.perf_counter() - t0:.1f} s in all: the figures {figures_s:.1f} s, the search "
+        f"{res.seconds:.1f} s ({res.compiles} compiled, {res.cache_hits} from the cache), the trial "
+        f"{time.perf_counter() - t1:.1f} s")
     choice = res.choice.cand
     if jax.process_count() > 1:
         # Every process searches, but rates measured on CPUs (and near-ties) can differ between them: process 0's
@@ -203,4 +192,6 @@ def resolve(cfg: Config, log: Callable[[str], None]) -> Config:
         if order[int(index)] != choice:
             log(f"mesh.auto: process 0 chose {order[int(index)].label}; every process takes its choice")
         choice = order[int(index)]
-    return choice.apply(cfg)
+    executable = keep.pop(choice, None)
+    keep.clear()  # the other candidates' executables (and their device buffers) go before the run's state comes
+    return choice.apply(cfg), executable

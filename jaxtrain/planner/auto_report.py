@@ -7,12 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from jaxtrain.config import Config
-from jaxtrain.config.hardware import Hardware
 from jaxtrain.planner.space import MAX_COMPILES, AutoResult, Row
 
 
 def gb(x: float) -> str:
-    """Bytes as ``1.23 GB`` (or MB below 0.1 GB)."""
+    """Bytes as ``1.23 GB`` (MB below 0.1 GB, TB from 1000 GB)."""
+    if x >= 1e12:
+        return f"{x / 1e12:,.3g} TB" if x < 1e15 else f"{x / 1e12:,.0f} TB"
     return f"{x / 1e9:.3g} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
 
 
@@ -47,20 +48,21 @@ def why(choice: Row, runner: Row | None, compiled: list[Row], budget: float) -> 
 
 
 def nothing_fits(cfg: Config, rows: list[Row], compiled: list[Row], budget: float, n_devices: int,
-                 hw: Hardware) -> str:
-    """The one-line error when no layout fits: the smallest need found, and what would make room."""
+                 usable: float) -> str:
+    """The one-line error when no layout fits ``budget`` (``usable`` bytes a device less the margin): the smallest
+    need found (compiled, else the closed form's state of ``rows``), and what would make room."""
     if compiled:
         best = min(compiled, key=lambda r: (r.result["memory_bytes_per_device"], r.cand.label))  # type: ignore
         need, what = best.result["memory_bytes_per_device"], best.cand.label  # type: ignore[index]
     else:
         best = min(rows, key=lambda r: (r.state_lower, r.cand.label))
-        need, what = best.state_lower, f"{best.cand.label}, parameters + optimizer state alone"
+        need, what = best.state_lower, f"{best.cand.label}, its parameters, optimizer state and layer inputs alone"
     more = int(np.ceil(n_devices * need / max(budget, 1.0)))
-    return (f"mesh.auto: no layout fits {gb(budget)} per device ({gb(hw.usable_bytes)} usable x (1 - "
+    return (f"mesh.auto: no layout fits {gb(budget)} per device ({gb(usable)} usable x (1 - "
             f"mesh.auto_memory_margin={cfg.mesh.auto_memory_margin:g})) on {n_devices} device(s), remat none to "
             f"full and microbatches 1 to {cfg.train.global_batch} searched; the smallest needs {gb(need)} "
-            f"({what}): use about {more} or more devices, a smaller train.global_batch or data.seq_len, or a lower "
-            "mesh.auto_memory_margin")
+            f"({what}): use about {more:,} or more devices, a smaller model, train.global_batch or data.seq_len, or a "
+            "lower mesh.auto_memory_margin")
 
 
 def format_result(res: AutoResult, top: int = 8) -> str:
@@ -77,7 +79,7 @@ def format_result(res: AutoResult, top: int = 8) -> str:
                              for r in res.trial)
         alone = "" if est is None or est.cand == c.cand else f"; the estimate alone picked {est.cand.label}"
         lines.append("  trial (fastest step, after a warm-up): " + measured + alone)
-    capped = f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiles)" if res.capped else ""
+    capped = f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiled or cached)" if res.capped else ""
     lines += [f"  searched {len(res.rows)} candidates in {res.seconds:.1f} s: {res.pruned} pruned (state alone "
               f"over the budget), {res.compiles} compiled, {res.cache_hits} from the cache, {res.bounded} not "
               f"compiled (a lighter remat of the layout fits, or no faster than the runner-up without any "

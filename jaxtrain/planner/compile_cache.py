@@ -1,7 +1,8 @@
 """The auto search's compile cache on disk: each compile's reading (memory, collectives, loops the planner could
-not count) stored as ``<cache_dir>/<hash>.json``, keyed by a hash of the config sections that change the compiled
-step, the devices and JAX's version, so that a second plan of the same config compiles nothing. Process 0 writes;
-an entry is never half-written, and a damaged one is compiled again and rewritten.
+not count) stored as ``<cache_dir>/<hash>.json``, keyed by a hash of the config's settings that change the compiled
+step, the devices and the versions of JAX and jaxlib, so that a second search of the same config compiles nothing,
+in any run directory. The directory is the user's, beside JAX's own compile cache (:func:`plan_cache_dir`). Process
+0 writes; an entry is never half-written, and a damaged one is compiled again and rewritten.
 """
 
 from __future__ import annotations
@@ -18,20 +19,49 @@ from jaxtrain.planner import search
 from jaxtrain.planner.collectives import Collective
 from jaxtrain.planner.hlo import UnknownLoop
 
-CACHE_DIR = "plan-cache"  # under run.dir
-CACHE_VERSION = 1
-# Sections that do not change the compiled step (a cached reading serves any of their values).
-_NOT_COMPILED = ("run", "checkpoint", "observe", "check")
+CACHE_VERSION = 2
+# Sections, and settings of the others, that do not change the compiled step (a cached reading serves any of their
+# values): where the run writes, how it is observed and checked, how long it trains, where its data comes from, and
+# mesh.auto's own settings (a new margin re-ranks the same readings).
+_NOT_COMPILED = ("run", "runtime", "checkpoint", "observe", "check")
+_NOT_COMPILED_KEYS = {"mesh": ("auto", "auto_memory_margin", "auto_trial_steps"),
+                      "train": ("steps", "seed", "eval_every", "eval_batches", "log_every", "max_nonfinite_steps"),
+                      "data": ("source", "mixture", "tokenizer", "token_dtype", "eval_fraction", "threads",
+                               "prefetch")}
+
+
+def plan_cache_dir(setting: str) -> str | None:
+    """``runtime.compile_cache`` -> where the search keeps its readings, beside JAX's compiled programs
+    (``cluster.process.compile_cache_dir``): None for ``none``; for ``auto``, ``$XDG_CACHE_HOME/jaxtrain/plan``
+    (else ``~/.cache/jaxtrain/plan``), or ``JAX_COMPILATION_CACHE_DIR/jaxtrain-plan`` where that is set (the
+    launchers set it in the run directory, on storage every node sees); a directory D: ``D/jaxtrain-plan``."""
+    from jaxtrain.cluster.process import compile_cache_dir
+
+    jax_dir = compile_cache_dir(setting)
+    if jax_dir is None:
+        return None
+    if setting == "auto" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.path.join(os.path.dirname(jax_dir), "plan")
+    return os.path.join(jax_dir, "jaxtrain-plan")
+
+
+def fingerprint(cfg: Config, devices: list) -> dict:
+    """What a compiled step of ``cfg`` on ``devices`` depends on: the config's compiled settings, the devices
+    (count, kind, platform, processes), the versions of JAX and jaxlib, and XLA_FLAGS."""
+    import jax
+    import jaxlib
+
+    tree = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_COMPILED}
+    for section, keys in _NOT_COMPILED_KEYS.items():
+        tree[section] = {k: v for k, v in tree[section].items() if k not in keys}
+    return {"version": CACHE_VERSION, "config": tree, "devices": len(devices), "kind": devices[0].device_kind,
+            "platform": devices[0].platform, "processes": len({d.process_index for d in devices}),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
 def cache_key(cfg: Config, devices: list) -> str:
-    """The hash naming ``cfg``'s entry on ``devices``: the compiled sections, the devices, JAX and XLA_FLAGS."""
-    import jax
-
-    tree = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_COMPILED}
-    body = {"version": CACHE_VERSION, "config": tree, "devices": len(devices), "kind": devices[0].device_kind,
-            "platform": devices[0].platform, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    """The hash naming ``cfg``'s entry on ``devices``: of its :func:`fingerprint`."""
+    return hashlib.sha256(json.dumps(fingerprint(cfg, devices), sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _to_json(comp: search.Compiled) -> dict:

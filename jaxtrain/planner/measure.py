@@ -39,6 +39,18 @@ def hardware_at_hand(devices: list, mem_fraction: float | None) -> Hardware:
     return dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
 
 
+def host_ram() -> float:
+    """The host's physical memory in bytes: what emulated CPU devices share (``Hardware.hbm_bytes`` x devices)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def usable_at_hand(devices: list) -> float:
+    """``hardware_at_hand(devices, None).usable_bytes`` without timing anything (CPU: the RAM's share a device)."""
+    if devices[0].platform == "cpu":
+        return host_ram() / len(devices)
+    return hardware_at_hand(devices, None).usable_bytes
+
+
 def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
     """The CPU at hand as "hardware": a measured f32 matmul rate, copy bandwidth and all-reduce link (rate, latency).
 
@@ -61,18 +73,28 @@ def measure_cpu(devices: list, *, seconds: float = 0.5) -> Hardware:
                          NamedSharding(Mesh(np.array(devices), ("x",)), PartitionSpec("x")))
     scale = jax.jit(lambda x: x * 1.0001)
     bandwidth = 2 * big.nbytes / _best_time(lambda: scale(big).block_until_ready(), seconds)  # read + write
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     # The links measured with the collective itself, as `check` measures GPUs' (an all-reduce's bus rate and fixed
     # cost): on this project's CPUs an all-reduce moved its bytes 4-6x faster than the elementwise copy above. Within
     # a process over its own devices; across processes (gloo) over all of them.
     local = [d for d in devices if d.process_index == jax.process_index()]
     latency, intra = _all_reduce_link(local, seconds) if len(local) > 1 else (0.0, bandwidth / n)
     latency, inter = _all_reduce_link(devices, seconds) if len(local) < n else (latency, intra)
-    return Hardware(name="cpu (measured)", device=f"emulated {dev.device_kind} devices sharing one host",
-                    peak_flops=flops / n, hbm_bytes=ram / n, hbm_bandwidth=bandwidth / n, devices_per_node=n,
-                    intra_node_bandwidth=intra, inter_node_bandwidth=inter,
-                    compute_efficiency=CPU_COMPUTE_EFFICIENCY, device_kind=dev.device_kind,
-                    collective_latency=latency)
+    return cpu_hardware(devices, peak_flops=flops / n, hbm_bandwidth=bandwidth / n, intra_node_bandwidth=intra,
+                        inter_node_bandwidth=inter, collective_latency=latency)
+
+
+CPU_TIMED = ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "collective_latency")
+
+
+def cpu_hardware(devices: list, *, peak_flops: float, hbm_bandwidth: float, intra_node_bandwidth: float,
+                 inter_node_bandwidth: float, collective_latency: float) -> Hardware:
+    """The description of the CPU ``devices`` with the figures :func:`measure_cpu` timed (``CPU_TIMED``, per
+    device), each device's share of the host's RAM and ``CPU_COMPUTE_EFFICIENCY``."""
+    n, kind = len(devices), devices[0].device_kind
+    return Hardware(name="cpu (measured)", device=f"emulated {kind} devices sharing one host", peak_flops=peak_flops,
+                    hbm_bytes=host_ram() / n, hbm_bandwidth=hbm_bandwidth, devices_per_node=n,
+                    intra_node_bandwidth=intra_node_bandwidth, inter_node_bandwidth=inter_node_bandwidth,
+                    compute_efficiency=CPU_COMPUTE_EFFICIENCY, device_kind=kind, collective_latency=collective_latency)
 
 
 LINK_SIZES = (16, 4 * 1024 * 1024)  # bytes a device at which _all_reduce_link times the all-reduce
@@ -181,9 +203,29 @@ def measure_sized(devices: list, k: int, n: int, dtype: str = "float32", *, rows
     return tuple((m, r / top) for m, r in rates), max(0.0, (t[33] - t[1]) / 32)
 
 
-def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, int, float], ...]:
+def measure_model(cfg, devices: list, hw: Hardware, points,
+                  progress: Callable[[str], None] = lambda msg: None) -> tuple[tuple[str, int, float], ...]:
     """The model's own step measured, for ``Hardware.model_efficiency``: (remat policy, tensor, efficiency) for each
-    (remat policy, tensor) of ``points``, against ``hw``'s peak, matmul rate by rows and layer overhead.
+    (remat policy, tensor) of ``points``, against ``hw``'s peak, matmul rate by rows and layer overhead
+    (:func:`model_seconds`, then :func:`model_efficiency`)."""
+    return model_efficiency(cfg, len(devices), hw, points, model_seconds(cfg, devices, points, progress))
+
+
+def model_efficiency(cfg, n: int, hw: Hardware, points, seconds) -> tuple[tuple[str, int, float], ...]:
+    """(remat policy, tensor, efficiency) of each of ``points`` whose step :func:`model_seconds` timed at
+    ``seconds`` on ``n`` devices: the efficiency at which ``cost.compute_seconds`` gives that time back for the
+    layout the point stands for, against ``hw``'s peak, matmul rate by rows and layer overhead."""
+    from jaxtrain.planner import cost
+
+    out = []
+    for (remat, t), best in zip(points, seconds, strict=True):
+        _, _, ref, shape = _point(cfg, n, remat, t)
+        out.append((remat, t, cost.measured_efficiency(ref, shape, hw, best)))
+    return tuple(out)
+
+
+def model_seconds(cfg, devices: list, points, progress: Callable[[str], None] = lambda msg: None) -> tuple[float, ...]:
+    """The fastest run of the model's step at each (remat policy, tensor) of ``points`` on ``devices``.
 
     The model of ``cfg`` (resolved: ``layout.resolve_auto``) runs its forward, loss and backward on every device of
     ``devices`` at once, each on its own ``ceil(global_batch x tensor / devices)`` sequences with its own copy of a
@@ -192,27 +234,20 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
     apart). The best of a few runs, in rounds back and forth over the points, becomes an efficiency
     (``cost.measured_efficiency`` on that layout), so that attention, the elementwise work, the embedding and a
     tensor split's narrower matmuls at this model's shapes are measured where a constant efficiency would guess them
-    (on this project's CPUs the efficiency of the tiny and an 18M config differed by 2x)."""
+    (on this project's CPUs the efficiency of the tiny and an 18M config differed by 2x). ``progress``: a line
+    after each round."""
     import jax
     import optax
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from jaxtrain.models.llama import Transformer
-    from jaxtrain.planner import cost
 
-    n, m = len(devices), cfg.model
+    n = len(devices)
     mesh = Mesh(np.array(devices), ("x",))
-    runs = []  # per point: (remat, t, the layout it stands for, its shape, a run of its step that frees its inputs)
+    runs = []  # per point: a run of its step that frees its inputs
     for remat, t in points:
-        rows = -(-cfg.train.global_batch * t // n)
-        local = dataclasses.replace(m, remat=remat, n_heads=m.n_heads // t, n_kv_heads=m.n_kv_heads // t,
-                                    d_ff=m.d_ff // t, head_dim=m.resolved_head_dim,
-                                    vocab_size=m.vocab_size // t if m.vocab_size % t == 0 else m.vocab_size)
-        # The layout this timing stands for: the batch over devices / tensor, one microbatch.
-        ref = dataclasses.replace(cfg, model=dataclasses.replace(m, remat=remat), train=dataclasses.replace(
-            cfg.train, global_batch=rows * n // t, microbatches=1))
-        shape = MeshShape.of({Axis.FSDP: n // t, Axis.TENSOR: t})
+        rows, local, _, _ = _point(cfg, n, remat, t)
         # Every logical axis replicated: each device holds the whole local model.
         with jax.set_mesh(Mesh(np.array(devices[:1]), ("x",))), nnx.logical_axis_rules(
                 [(k, None) for k in cfg.mesh.rules]):
@@ -237,12 +272,54 @@ def measure_model(cfg, devices: list, hw: Hardware, points) -> tuple[tuple[str, 
                                     NamedSharding(mesh, PartitionSpec("x")))
             return _best_time(lambda: step(params, tokens).block_until_ready(), seconds, at_least=2, warm_up=warm_up)
 
-        runs.append((remat, t, ref, shape, run))
+        runs.append(run)
     best = [float("inf")] * len(runs)  # each point's fastest run over the rounds
-    for r, i in back_and_forth(range(len(runs)), MODEL_ROUNDS):
-        best[i] = min(best[i], runs[i][4](MODEL_SECONDS / MODEL_ROUNDS, warm_up=r == 0))
-    return tuple((remat, t, cost.measured_efficiency(ref, shape, hw, b))
-                 for (remat, t, ref, shape, _), b in zip(runs, best, strict=True))
+    t0 = time.perf_counter()
+    for k, (r, i) in enumerate(back_and_forth(range(len(runs)), MODEL_ROUNDS), 1):
+        best[i] = min(best[i], runs[i](MODEL_SECONDS / MODEL_ROUNDS, warm_up=r == 0))
+        if k % len(runs) == 0:
+            progress(f"mesh.auto: the model's step, round {r + 1}/{MODEL_ROUNDS} ({time.perf_counter() - t0:.1f} s)")
+    return tuple(best)
+
+
+def _point(cfg, n: int, remat: str, t: int):
+    """(sequences per device, the model one device runs, the config of the layout it stands for, that layout's
+    mesh) of :func:`measure_model`'s point (``remat``, tensor ``t``) on ``n`` devices: each device runs a tensor-th
+    of the model (heads, kv heads, MLP width and vocabulary) on its share of the batch over devices / tensor, one
+    microbatch."""
+    m = cfg.model
+    rows = -(-cfg.train.global_batch * t // n)
+    local = dataclasses.replace(m, remat=remat, n_heads=m.n_heads // t, n_kv_heads=m.n_kv_heads // t,
+                                d_ff=m.d_ff // t, head_dim=m.resolved_head_dim,
+                                vocab_size=m.vocab_size // t if m.vocab_size % t == 0 else m.vocab_size)
+    ref = dataclasses.replace(cfg, model=dataclasses.replace(m, remat=remat), train=dataclasses.replace(
+        cfg.train, global_batch=rows * n // t, microbatches=1))
+    return rows, local, ref, MeshShape.of({Axis.FSDP: n // t, Axis.TENSOR: t})
+
+
+def model_bytes(cfg, n: int, points) -> float:
+    """The most bytes one of ``n`` devices holds while :func:`measure_model` times one of ``points`` (one at a time):
+    its copy of the point's model and the gradient, the activations the backward keeps (``cost.activation_bytes``'
+    estimate for the layout the point stands for) and its share of the host's copy of the weights."""
+    import jax.numpy as jnp
+
+    from jaxtrain.models.flops import count_params
+    from jaxtrain.planner import cost
+
+    need = 0.0
+    for remat, t in points:
+        _, local, ref, shape = _point(cfg, n, remat, t)
+        weights = count_params(local)["total"] * jnp.dtype(local.param_dtype).itemsize
+        need = max(need, weights * (2 + 1 / n) + cost.activation_bytes(ref, shape)[1])
+    return need
+
+
+def sized_bytes(k: int, n: int, dtype: str, rows=SIZED_ROWS) -> float:
+    """The bytes one device holds while :func:`measure_sized` times its largest matmul: the (k, n) weight, the
+    (rows, k) input and the (rows, n) output."""
+    import jax.numpy as jnp
+
+    return float((k * n + max(rows) * (k + n)) * jnp.dtype(dtype).itemsize)
 
 
 MODEL_SECONDS = 0.3  # measure_model's timing per point, beyond its at least 2 runs a round (and a first warm-up)

@@ -116,7 +116,7 @@ class AutoResult:
     cache_hits: int
     pruned: int  # state alone over the budget
     bounded: int  # not compiled: no faster than the runner-up even with no communication
-    capped: int  # not compiled: MAX_COMPILES reached
+    capped: int  # not compiled: MAX_COMPILES readings (compiled or cached) reached
     fitting: list[Row] = field(default_factory=list)  # compiled, fit, not dominated: ranked by estimate
     estimated: Row | None = None  # the estimate's choice, where a trial then chose (maybe another)
     trial: list[Row] = field(default_factory=list)  # the finalists the trial measured, fastest first

@@ -63,6 +63,8 @@ def measure(cfg: Config, cands: Sequence[Candidate], devices: list, steps: int, 
     there (and compiled once here where not, kept for the later passes)."""
     executables = {} if executables is None else executables
     times: dict = {c: [] for c in cands}
+    log(f"mesh.auto trial: {len(cands)} finalists, {steps} timed steps each after a warm-up, in {passes} passes "
+        "back and forth")
     for p, cand in back_and_forth(cands, passes):
         share = steps // passes + (p < steps % passes)
         if share:

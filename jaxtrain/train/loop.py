@@ -49,17 +49,20 @@ class RunResult:
     preempted_at: int | None = None
 
 
-def train(cfg: Config, devices: list | None = None) -> RunResult:
+def train(cfg: Config, devices: list | None = None, compiled: tuple | None = None) -> RunResult:
     """Train as configured. Everything that can fail on user input fails before ``run.dir`` is touched, and a run
-    with nothing left to train writes nothing."""
+    with nothing left to train writes nothing. ``compiled``: a (Step, compiled train step) already built for this
+    config (mesh.auto's choice, compiled by its search), taken instead of compiling where its layout is this run's."""
     # First of all, so that a second job on this run.dir stops at once (process 0, flock).
     with rundir.RunLock(cfg.run.dir):
-        return _start(cfg, devices)
+        return _start(cfg, devices, compiled)
 
 
-def _start(cfg: Config, devices: list | None) -> RunResult:
+def _start(cfg: Config, devices: list | None, prebuilt: tuple | None = None) -> RunResult:
     layout = Layout.build(cfg, devices)
     cfg, step = layout.cfg, Step(layout)
+    if prebuilt is not None and (prebuilt[0].layout.cfg != cfg or prebuilt[0].layout.mesh != layout.mesh):
+        prebuilt = None  # built for another layout: compiled here as usual
     run_dir = os.path.abspath(cfg.run.dir)
     guards.check_state_fits(layout)  # before reading data or compiling: a model that cannot fit at all stops at once
     if cfg.data.format == "chat" and layout.stages > 1:
@@ -77,16 +80,21 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
     # Compiled from the abstract state, before any array exists: a step that cannot fit stops here (exit 2).
     m = cfg.model
     # The eval step is compiled at the first evaluation (off the path to the first step).
-    log.info(f"compiling the train step: mesh {layout.shape.label} on {layout.num_devices} "
+    what = "the train step (compiled by mesh.auto's search: reused)" if prebuilt else "compiling the train step"
+    log.info(f"{what}: mesh {layout.shape.label} on {layout.num_devices} "
              f"{jax.devices()[0].device_kind} device(s); model {count_params(m)['total'] / 1e6:.2f}M parameters, "
              f"compute {m.dtype}, params {m.param_dtype}, attention {m.attention}; global batch "
-             f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens ...")
+             f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens{'' if prebuilt else ' ...'}")
     # XLA compiles on one core without holding the GIL: the loop's own imports meanwhile take another.
     imports = threading.Thread(target=_import_loop_modules, name="jaxtrain-imports", daemon=True)
     imports.start()
-    compiled = step.compile(with_eval=False)
+    if prebuilt is not None:  # its compile was the search's (goodput's startup)
+        step, compiled = prebuilt[0], (prebuilt[1], None, 0.0)
+    else:
+        compiled = step.compile(with_eval=False)
     imports.join()
-    log.info(f"compiled in {compiled[2]:.2f} s")
+    if prebuilt is None:
+        log.info(f"compiled in {compiled[2]:.2f} s")
     guards.check_memory_fit(layout, compiled[0], functools.partial(compiled_with_microbatches, layout))
     # Restored (or initialised) before anything in run.dir is written: a damaged checkpoint found now leaves
     # config.yaml and metrics.jsonl as they were.
