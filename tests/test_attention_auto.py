@@ -28,6 +28,12 @@ FLASH = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
     ("gpu", ["model.dtype=float32"], 8, "xla"),
     ("gpu", ["model.dtype=float32", "data.document_mask=true"], 8, "xla"),
     ("gpu", ["data.document_mask=true"], 8, FLASH),  # cuDNN takes no segment ids
+    # cuDNN takes head dims of multiples of 8 up to 128 on every GPU (256 from Hopper on): others go to the flash
+    # kernel where it takes them, else to XLA.
+    ("gpu", ["model.head_dim=256"], 8, FLASH),
+    ("gpu", ["model.head_dim=160"], 8, "xla"),
+    ("gpu", ["model.head_dim=12"], 8, "xla"),
+    ("gpu", ["model.head_dim=8"], 8, "cudnn"),
     # act_seq on an axis of size 1 is not sharded: cuDNN stays.
     ("gpu", ["mesh.rules.act_seq=tensor"], 8, "cudnn"),
     ("gpu", ["mesh.rules.act_seq=fsdp", "mesh.ici.fsdp=1", "mesh.ici.data=-1"], 8, "cudnn"),
