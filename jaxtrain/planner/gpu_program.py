@@ -74,11 +74,17 @@ def score_dots(module: HloModule, seqs: set[int], head_dim: int) -> list[str]:
     """Attention scores computed as matrices: batched ``dot`` instructions (fused or not) that contract over the
     head dim alone and give two non-batch dimensions that are multiples of a sequence length in ``seqs`` (Q K^T,
     [batch..., queries, keys], the query groups of GQA possibly folded in). Weight matmuls have no batch
-    dimensions; a flash kernel's are inside its custom call. ``"%name = dtype[dims]"`` each."""
+    dimensions (but for split-K's, below); a flash kernel's are inside its custom call. ``"%name = dtype[dims]"``
+    each."""
     found = []
     for ins in module.by_name.values():
         batch = _dot_dims(ins.attrs, "lhs_batch_dims")
-        if ins.opcode != "dot" or not batch or not ins.operands or ins.operands[0] not in module.by_name:
+        leading = list(range(len(batch)))
+        # XLA canonicalises batched dots to leading batch dimensions on both operands; a batch dimension elsewhere
+        # is one XLA:GPU's split-K rewrite inserted into a weight matmul (its contracting tokens cut in chunks,
+        # which may happen to be head_dim long): not attention.
+        if ins.opcode != "dot" or not batch or batch != leading or _dot_dims(ins.attrs, "rhs_batch_dims") != leading \
+                or not ins.operands or ins.operands[0] not in module.by_name:
             continue
         lhs = _dims(module.by_name[ins.operands[0]].shape)
         contracting = [lhs[i] for i in _dot_dims(ins.attrs, "lhs_contracting_dims") if i < len(lhs)]
