@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.planner import auto, search, trial  # noqa: E402
+from jaxtrain.planner import auto, auto_report, compile_cache, search, space, trial  # noqa: E402
 from jaxtrain.planner.measure import back_and_forth  # noqa: E402
 
 CONFIGS = {
@@ -53,15 +53,15 @@ MESHES = ["fsdp8", "data8", "data2 fsdp4", "fsdp4 tensor2", "data4 fsdp2", "data
 ORDER = [("none", 1), ("full", 1), ("none", 2), ("full", 2)]  # every mesh at one setting before the next
 
 
-def hand_choices(cfg, devices) -> list[auto.Candidate]:
+def hand_choices(cfg, devices) -> list[space.Candidate]:
     cands = {(c.shape.label, c.remat, c.microbatches): c
-             for c in auto.candidates(cfg, len(devices), 1, remats=("none", "full"), microbatches=[1, 2])}
+             for c in space.candidates(cfg, len(devices), 1, remats=("none", "full"), microbatches=[1, 2])}
     return [cands[m, r, k] for r, k in ORDER for m in MESHES if (m, r, k) in cands]
 
 
 @dataclasses.dataclass
 class Measured:
-    cand: auto.Candidate
+    cand: space.Candidate
     step_s: float
     memory: int
     est_s: float
@@ -70,7 +70,7 @@ class Measured:
         return cfg.train.global_batch * cfg.data.seq_len / self.step_s
 
 
-def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int, exes: dict) -> Measured:
+def measure(cfg, cand: space.Candidate, devices, hw, cache_dir: str, steps: int, exes: dict) -> Measured:
     """Compile ``cand``'s train step once: the planner's reading (cached for the search), the executable (kept in
     ``exes`` for the trial, as the search keeps its own) and the measured steps."""
     c = cand.apply(cfg)
@@ -82,13 +82,13 @@ def measure(cfg, cand: auto.Candidate, devices, hw, cache_dir: str, steps: int, 
         train, seconds = search.compile_train_step(step)
         comp = search.reading(step, train, seconds)
         exes[cand] = (step, train)
-    auto.store(auto.cache_path(cache_dir, c, cand.shape, devices), comp)
+    compile_cache.store(compile_cache.cache_path(cache_dir, c, cand.shape, devices), comp)
     times = trial.step_times(cfg, cand, devices, steps, exes[cand])
     est = search.candidate_result(c, cand.shape, hw, comp)["est_step_seconds"]
     return Measured(cand, min(times), comp.memory_bytes, est)
 
 
-def duel(cfg, a: auto.Candidate, b: auto.Candidate, devices, rounds: int, exes: dict) -> list[float]:
+def duel(cfg, a: space.Candidate, b: space.Candidate, devices, rounds: int, exes: dict) -> list[float]:
     """``a``'s step over ``b``'s, one ratio a round: each runs a warm-up and 2 steps (fastest kept), in the order
     a, b then b, a: the two steps of a ratio are seconds apart, so the machine's slower minutes cancel out of it
     (the referee's ranking compares layouts measured minutes apart)."""
@@ -103,7 +103,7 @@ def standing(fits: list[Measured], pick: Measured) -> tuple[int, float, float]:
 
 
 def table(cfg, name: str, measured: list[Measured], pick: Measured, budget: float, label: str,
-          res: auto.AutoResult, estimated: Measured) -> tuple[str, dict]:
+          res: space.AutoResult, estimated: Measured) -> tuple[str, dict]:
     fits = sorted((m for m in measured if m.memory <= budget), key=lambda m: m.step_s)
     rank, gap, err = standing(fits, pick)
     best = fits[0]
@@ -164,7 +164,7 @@ def main() -> int:
                   f"collective {hw.collective_latency * 1e3:.2f} ms", flush=True)
             cache = os.path.join(tmp, "cache")
             exes: dict = {}
-            measured: dict[auto.Candidate, Measured] = {}
+            measured: dict[space.Candidate, Measured] = {}
             t0 = time.perf_counter()
             for cand in hand_choices(cfg, devices):
                 if time.perf_counter() - t0 > args.budget_s and len(measured) >= 2:
@@ -181,7 +181,7 @@ def main() -> int:
                 auto.apply_trial(res, trial.measure(cfg, [r.cand for r in auto.finalists(res)], devices,
                                                     cfg.mesh.auto_trial_steps, exes))
                 trial_s = time.perf_counter() - t0
-                print(auto.format_result(res, top=3), flush=True)
+                print(auto_report.format_result(res, top=3), flush=True)
                 pick, estimated = res.choice.cand, (res.estimated or res.choice).cand
                 for cand in dict.fromkeys([pick, estimated]):
                     if cand not in measured:

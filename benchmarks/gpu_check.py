@@ -38,6 +38,7 @@ OVERHEAD_S = 5  # this script's own work between sections (reports), outside eve
 
 # What the sections run, in one place.
 KERNEL_BENCH = "jaxtrain.kernels.bench"
+GMM_BENCH = "jaxtrain.kernels.gmm_bench"
 KERNEL_TESTS = "tests/test_flash_attention.py"
 QUICK_TESTS = "test_gpu_values_and_grads and bfloat16"
 MORE_TESTS = "(test_gpu_values_and_grads and float32) or test_document_mask_skips or test_remat_policy"
@@ -118,6 +119,15 @@ def _bench(*sweeps: dict, smoke: dict) -> Commands:
     return commands
 
 
+def _gmm_bench(ctx: Ctx, name: str) -> list[list[str]]:
+    """The grouped GEMM benchmark (Mixtral-sized, balanced then skewed routing), rows not started past the cap
+    skipped; --smoke: one tiny shape, interpreted."""
+    if ctx.smoke:
+        return [[ctx.py, "-m", GMM_BENCH, "--smoke", "--routing", "balanced", "--projections", "up"]]
+    budget = max(10, SECTIONS_BY_NAME[name].cap(ctx.smoke) - 45)  # a row: compiles + timing, ~20-40 s
+    return [[ctx.py, "-m", GMM_BENCH, "--iters", "5", "--time-budget", str(budget)]]
+
+
 def _step(impl: str, steps: int, checkpoint: bool = False, smoke_skip: str = "") -> Commands:
     def commands(ctx: Ctx, name: str) -> list[list[str]] | str:
         if ctx.smoke and smoke_skip:
@@ -195,6 +205,21 @@ def _attention(sec: Section, rows: list[dict]) -> list[dict]:
     return out
 
 
+def _grouped_gemm(sec: Section, rows: list[dict]) -> list[dict]:
+    shapes: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("kind") == "gmm":
+            shapes.setdefault((r["projection"], r["routing"], r["m"], r["k"], r["n"], r["experts"]), []).append(r)
+    out = []
+    for (proj, routing, m, k, n, experts), mine in shapes.items():
+        parts = [f"{r['impl']} {r['fwdbwd_tflops']:.3g}" + (f" ({r['fwdbwd_vs_xla']:.2f}x xla)" if r.get(
+            "fwdbwd_vs_xla") and r["impl"] != "xla" else "") if r["status"] == "ok" else
+            f"{r['impl']} {str(r['status'])[:60]}" for r in mine]
+        out.append(dict(what=f"grouped GEMM {proj} [{m}, {k}] x [{experts}, {k}, {n}] {routing}, fwd+bwd TFLOP/s",
+                        result="; ".join(parts), figures={r["impl"]: r for r in mine}))
+    return out
+
+
 def _step_and_save(sec: Section, rows: list[dict]) -> list[dict]:
     out = []
     for r in (r for r in rows if r.get("kind") == "step"):
@@ -260,6 +285,8 @@ SECTIONS = [
             _bench(dict(head_dims="128", groups="1,8", masks="causal,doc"),
                    dict(head_dims="64", groups="4", masks="doc"), smoke=dict(masks="doc", groups=2)),
             rows=run.bench_rows, headline=_attention),
+    Section("bench-gmm", "rest", 150, 600, "grouped GEMM (MoE experts) TFLOP/s vs ragged_dot and a dense one-hot "
+            "einsum: Mixtral-sized, bfloat16", _gmm_bench, headline=_grouped_gemm),
     _train_section("auto", 60, smoke_skip="auto is xla on CPU; train-xla runs it"),
     Section("step-xla", "rest", 70, 60, "1B train step with XLA's attention", _step(
         "xla", 10, smoke_skip="step-auto is XLA on CPU"), headline=_step_and_save),

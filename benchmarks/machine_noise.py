@@ -43,11 +43,11 @@ def trial_probe(repeats: int) -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     from jaxtrain.config import load_config
-    from jaxtrain.planner import auto, trial
+    from jaxtrain.planner import space, trial
 
     cfg = load_config(None, ["runtime.cpu_devices=8", "mesh.auto=true"])
     devices = jax.devices()[:8]
-    by_key = {(c.shape.label, c.remat): c for c in auto.candidates(cfg, 8, 1, microbatches=[1])}
+    by_key = {(c.shape.label, c.remat): c for c in space.candidates(cfg, 8, 1, microbatches=[1])}
     cands = [by_key[m, "save_matmuls"] for m in LAYOUTS]
     exes: dict = {}
     trial.measure(cfg, cands, devices, 2, exes)  # compile and warm up

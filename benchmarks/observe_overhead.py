@@ -116,7 +116,7 @@ def stall_clock_share(seconds: float = 5.0) -> float:
     """CPU the straggler watch's StallClock thread (on with several processes; it wakes every 10 ms) takes, as a
     share of one core: this process's CPU time while the main thread sleeps and the clock runs (CPU time, not wall
     time: a loaded machine does not blur it)."""
-    from jaxtrain.observe.observer import StallClock
+    from jaxtrain.observe.stragglers import StallClock
 
     clock = StallClock()
     c0, t0 = time.process_time(), time.perf_counter()
@@ -129,14 +129,14 @@ def stall_clock_share(seconds: float = 5.0) -> float:
 EXCHANGE = """
 import json, socket, sys, time
 import jax
-from jaxtrain.observe.observer import KV_PREFIX, _kv_client
+from jaxtrain.observe.hosts import KV_PREFIX, kv_client
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0,
                            coordinator_bind_address=f"127.0.0.1:{port}")
-client = _kv_client()
+client = kv_client()
 payload = json.dumps({"own": 0.0123, "data": 0.001, "wait": 0.02, "cycle": 0.0323, "stalled": 0.0, "first": 1,
                       "last": 100})
 n = int(sys.argv[1])

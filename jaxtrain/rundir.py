@@ -50,6 +50,12 @@ def path(run_dir: str, *parts: str) -> str:
     return os.path.join(run_dir, *parts)
 
 
+def checkpoints(run_dir: str, checkpoint_dir: str | None = None) -> str:
+    """Where a run's checkpoints go: ``checkpoint.dir`` (``checkpoint_dir``) where it is set, else
+    ``run_dir/checkpoints``."""
+    return checkpoint_dir or path(run_dir, CHECKPOINTS)
+
+
 def process_log_path(run_dir: str, process: int) -> str:
     """``logs/process_<i>.log``: a process's own output."""
     return os.path.join(run_dir, LOGS, f"process_{process}.log")

@@ -195,3 +195,45 @@ def triton_interpreter_results(test_file, function):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def triton_interpreter_launch():
+    """A ``launch(kernel, inputs, out_shapes, grid, constexprs, num_warps, num_stages) -> outputs`` for Triton's CPU
+    interpreter on numpy arrays, as the kernels' launch sequences take it (``flash_triton.run_forward``,
+    ``gmm_triton.run_gmm``). Child-process side: TRITON_INTERPRET=1 must be set before triton is imported, since
+    Triton's own library functions are wrapped at import. Outputs start as NaN, so an unwritten element fails a test.
+
+    Patches two interpreter internals that assume torch tensors (host copies; numpy memory is already host memory)
+    and one numpy >= 2.4 incompatibility (int() of a one-element array as a loop bound).
+    """
+    import ml_dtypes
+    import numpy as np
+    from triton.runtime import interpreter
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    to_triton = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(np.int32): "i32",
+                 np.dtype(ml_dtypes.bfloat16): "bf16"}
+    interpreter.GridExecutor._init_args_hst = lambda self, args, kwargs: (args, kwargs)
+    interpreter.GridExecutor._restore_args_dev = lambda self, *a: None
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+    class Ptr:
+        def __init__(self, array):
+            self.array, self.dtype = array, to_triton[array.dtype]
+
+        def data_ptr(self):
+            return self.array.ctypes.data
+
+    def launch(kernel, inputs, out_shapes, grid, meta, num_warps, num_stages):
+        inputs = [np.ascontiguousarray(x) for x in inputs]
+        outs = [np.full(shape, np.nan, dtype) for shape, dtype in out_shapes]  # unwritten -> NaN -> test fails
+        kernel[grid](*map(Ptr, inputs), *map(Ptr, outs), **meta)
+        return outs
+
+    return launch

@@ -11,7 +11,7 @@ from jaxtrain.config import load_config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MESH_AXES
-from jaxtrain.planner import auto, calibration, cost, trial
+from jaxtrain.planner import auto, auto_report, calibration, compile_cache, cost, space, trial
 
 # One device: the candidates differ in remat only (one microbatch), so the slow test compiles two small steps.
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
@@ -27,10 +27,10 @@ def hw(usable: float, **kw) -> Hardware:
 
 def test_candidates_cover_every_axis_remat_microbatches_and_schedules(make_config):
     cfg = make_config("model.n_layers=4", "train.global_batch=16")
-    cands = auto.candidates(cfg, 8, 1)
+    cands = space.candidates(cfg, 8, 1)
     used = {ax for c in cands for ax, n in c.shape.axis_sizes.items() if n > 1}
     assert used == set(MESH_AXES)  # context joins when config.MESH_AXES has it
-    assert {c.remat for c in cands} == set(auto.REMATS)
+    assert {c.remat for c in cands} == set(space.REMATS)
     assert {c.microbatches for c in cands} == {1, 2, 4, 8, 16}
     assert {c.schedule for c in cands if c.stages > 1} == {"gpipe", "1f1b"}
     assert all(c.microbatches % c.stages == 0 for c in cands)  # a pipeline needs a microbatch per stage
@@ -42,7 +42,7 @@ def test_candidates_cover_every_axis_remat_microbatches_and_schedules(make_confi
 
 def test_closed_forms_are_lower_bounds_where_they_claim(make_config):
     cfg = make_config()
-    c = next(c for c in auto.candidates(cfg, 8, 1) if c.shape.axis_sizes["fsdp"] == 8 and c.remat == "none")
+    c = next(c for c in space.candidates(cfg, 8, 1) if c.shape.axis_sizes["fsdp"] == 8 and c.remat == "none")
     # Parameters + two AdamW moments in float32, sharded 8 ways: the closed form, not a bound, for a pure fsdp mesh.
     from jaxtrain.models.flops import count_params
     assert cost.state_bytes_lower(cfg, c.shape) == 3 * 4 * count_params(cfg.model)["total"] / 8
@@ -57,7 +57,7 @@ def test_measured_efficiency_inverts_the_compute_estimate_per_remat(make_config)
     """measure.measure_model's timing becomes an efficiency that gives that timing back for its layout, and the
     estimate of another layout scales from it by FLOPs and the matmul rate by rows (no constant efficiency)."""
     cfg = make_config()
-    cands = {(c.shape.label, c.remat, c.microbatches): c for c in auto.candidates(cfg, 8, 1, microbatches=[1, 2])}
+    cands = {(c.shape.label, c.remat, c.microbatches): c for c in space.candidates(cfg, 8, 1, microbatches=[1, 2])}
     ref, other = cands["fsdp8", "full", 1], cands["fsdp8", "full", 2]
     sized = dataclasses.replace(hw(1e9), matmul_rows=((64.0, 0.5), (512.0, 1.0)), layer_overhead_s=1e-3)
     eff = cost.measured_efficiency(ref.apply(cfg), ref.shape, sized, 0.25)
@@ -75,7 +75,7 @@ def test_measured_efficiency_inverts_the_compute_estimate_per_remat(make_config)
 
 def test_efficiency_carries_a_tensor_ratio_measured_without_remat_to_the_other_policies(make_config):
     cfg = make_config()
-    cands = {(c.shape.label, c.remat): c for c in auto.candidates(cfg, 8, 1, microbatches=[1])}
+    cands = {(c.shape.label, c.remat): c for c in space.candidates(cfg, 8, 1, microbatches=[1])}
     table = dataclasses.replace(hw(1e9), model_efficiency=(("none", 1, 0.4), ("full", 1, 0.3), ("none", 2, 0.2)))
 
     def eff(label, remat):
@@ -109,7 +109,7 @@ def test_model_is_measured_in_rounds_back_and_forth_keeping_each_points_fastest(
     assert seen == [True, True, False, False, False, False]
     fastest = {"none": 0.3, "full": 0.1}  # none: 0.5, 0.4, 0.3; full: 0.2, 0.1, 0.6
     ref = {r: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=r)) for r in fastest}
-    shape = auto.candidates(cfg, 1, 1)[0].shape
+    shape = space.candidates(cfg, 1, 1)[0].shape
     assert [(r, t) for r, t, _ in effs] == points
     for r, _, e in effs:
         assert e == pytest.approx(cost.measured_efficiency(ref[r], shape, hw(1e9), fastest[r]))
@@ -119,12 +119,12 @@ def test_a_lighter_remat_dominates_only_at_no_more_compute(make_config):
     """Where the measured efficiencies make recompute cheaper (as on this project's CPUs), the layout with remat
     full is compiled and can be chosen although remat none fits; otherwise the lighter setting dominates."""
     cfg = make_config()
-    cands = {(c.shape.label, c.remat): c for c in auto.candidates(cfg, 8, 1, microbatches=[1])}
+    cands = {(c.shape.label, c.remat): c for c in space.candidates(cfg, 8, 1, microbatches=[1])}
     fixed = hw(1e12)
-    rows = {r: auto.closed_form(cfg, cands["fsdp8", r], fixed) for r in ("none", "full")}
+    rows = {r: space.closed_form(cfg, cands["fsdp8", r], fixed) for r in ("none", "full")}
     assert auto._dominates(rows["none"], rows["full"]) and not auto._dominates(rows["full"], rows["none"])
     fast_full = dataclasses.replace(fixed, model_efficiency=(("none", 1, 0.2), ("full", 1, 0.5)))
-    rows = {r: auto.closed_form(cfg, cands["fsdp8", r], fast_full) for r in ("none", "full")}
+    rows = {r: space.closed_form(cfg, cands["fsdp8", r], fast_full) for r in ("none", "full")}
     assert rows["full"].lower_s < rows["none"].lower_s and not auto._dominates(rows["none"], rows["full"])
 
 
@@ -184,8 +184,8 @@ def compiled_small(tmp_path_factory):
     cache = str(tmp / "cache")
     kw = dict(remats=("none", "full"), microbatches=[1])
     memory = {}
-    for c in auto.candidates(cfg, 1, 1, **kw):
-        comp, _ = auto.compile_cached(c.apply(cfg), c.shape, jax.devices()[:1], cache)
+    for c in space.candidates(cfg, 1, 1, **kw):
+        comp, _ = compile_cache.compile_cached(c.apply(cfg), c.shape, jax.devices()[:1], cache)
         memory[c.label] = comp.memory_bytes
     return cfg, cache, kw, memory
 
@@ -212,7 +212,7 @@ def test_choice_is_deterministic_cached_and_respects_the_margin(compiled_small):
     # The margin is kept: the smallest fits the usable memory, but not usable x (1 - margin).
     with pytest.raises(ConfigError, match="no layout fits"):
         auto.search_layout(cfg, dev, hw(memory[smallest] * (1 + margin / 2)), cache_dir=cache, **kw)
-    text = auto.format_result(tight)
+    text = auto_report.format_result(tight)
     assert f"auto layout: {smallest}" in text and "from the cache" in text
 
 
@@ -221,7 +221,7 @@ def test_sized_matmul_rates_and_layer_overhead_change_the_estimate_as_computed_b
     log-log interpolation of (16: 0.25, 256: 1.0) gives 0.5: the FLOPs take twice as long; the fixed cost is
     1 ms x (2 layers + 1) per microbatch."""
     cfg = make_config(*SMALL)
-    shape = auto.candidates(cfg, 1, 1, remats=("none",), microbatches=[1])[0].shape
+    shape = space.candidates(cfg, 1, 1, remats=("none",), microbatches=[1])[0].shape
     plain = hw(1e9)
     sized = calibration.sized(plain, ((256.0, 1.0), (16.0, 0.25)), 1e-3)
     assert sized.matmul_rows == ((16.0, 0.25), (256.0, 1.0)) and sized.peak_flops == plain.peak_flops
@@ -234,7 +234,7 @@ def test_sized_matmul_rates_and_layer_overhead_change_the_estimate_as_computed_b
     two = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=2))
     assert cost.compute_seconds(two, shape, sized) == pytest.approx(one / 0.25 ** 0.75 + 2 * 1e-3 * 3)
     # Tensor parallelism: each device multiplies all 64 rows by half the weight, the work of 32 rows.
-    tensor2 = next(c.shape for c in auto.candidates(cfg, 2, 1, remats=("none",), microbatches=[1])
+    tensor2 = next(c.shape for c in space.candidates(cfg, 2, 1, remats=("none",), microbatches=[1])
                    if c.shape.axis_sizes["tensor"] == 2)
     assert cost.compute_seconds(cfg, tensor2, sized) == pytest.approx(
         cost.compute_seconds(cfg, tensor2, plain) / 0.25 ** 0.75 + 1e-3 * 3)
@@ -246,30 +246,30 @@ def test_sized_matmul_rates_and_layer_overhead_change_the_estimate_as_computed_b
     assert got.matmul_rows == sized.matmul_rows and got.layer_overhead_s == 1e-3 and got.peak_flops == 5e9
 
 
-def _row(label: str, est: float) -> auto.Row:
+def _row(label: str, est: float) -> space.Row:
     """A compiled, fitting row with estimate ``est`` (what the trial's choice reads)."""
-    shape = auto.candidates(load_config(None, SMALL), 1, 1, remats=("none",), microbatches=[1])[0].shape
-    cand = auto.Candidate(shape, label, 1, "gpipe")  # the remat field carries the label: rows must differ
+    shape = space.candidates(load_config(None, SMALL), 1, 1, remats=("none",), microbatches=[1])[0].shape
+    cand = space.Candidate(shape, label, 1, "gpipe")  # the remat field carries the label: rows must differ
     parts = {"compute": est, "intra_node": 0.0, "inter_node": 0.0, "optimizer": 0.0}
-    return auto.Row(cand, 0, 0, est, est, result={"est_step_seconds": est, "fits": True, "time": parts,
+    return space.Row(cand, 0, 0, est, est, result={"est_step_seconds": est, "fits": True, "time": parts,
                                                   "memory_bytes_per_device": 1e6})
 
 
 def test_trial_chooses_the_measured_fastest_finalist():
     rows = [_row("a", 1.0), _row("b", 1.2), _row("c", 1.4), _row("d", 1.0 * auto.TRIAL_WITHIN + 0.1)]
-    res = auto.AutoResult(rows[0], rows[1], [], rows, 1e9, 1.0, 4, 0, 0, 0, 0, fitting=list(rows))
+    res = space.AutoResult(rows[0], rows[1], [], rows, 1e9, 1.0, 4, 0, 0, 0, 0, fitting=list(rows))
     fin = auto.finalists(res)
     assert [r.cand.remat for r in fin] == ["a", "b", "c"]  # d: estimated too far behind
     assert auto.finalists(res, most=2) == fin[:2] and auto.finalists(res, within=1.1) == []  # one alone: no trial
     auto.apply_trial(res, {rows[0].cand: 0.3, rows[1].cand: 0.1, rows[2].cand: 0.2})
     assert res.choice is rows[1] and res.runner_up is rows[2] and res.estimated is rows[0]
     assert [r.measured_s for r in res.trial] == [0.1, 0.2, 0.3]
-    text = auto.format_result(res)
+    text = auto_report.format_result(res)
     assert text.startswith("auto layout: one-device, remat b, microbatches 1: est. step 1200.0 ms, measured "
                            "100.0 ms in the trial")
-    assert "the estimate alone picked" in text and auto.to_json(res)["choice"]["measured_step_seconds"] == 0.1
+    assert "the estimate alone picked" in text and auto_report.to_json(res)["choice"]["measured_step_seconds"] == 0.1
     # Ties on the measurement break on the label: the same times give the same choice.
-    tie = auto.AutoResult(rows[0], None, [], rows, 1e9, 1.0, 4, 0, 0, 0, 0, fitting=list(rows))
+    tie = space.AutoResult(rows[0], None, [], rows, 1e9, 1.0, 4, 0, 0, 0, 0, fitting=list(rows))
     auto.apply_trial(tie, {rows[2].cand: 0.1, rows[1].cand: 0.1})
     assert tie.choice is rows[1]
 

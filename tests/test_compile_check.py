@@ -35,6 +35,8 @@ def run_check(python, *args, timeout=900):
     (["--impl", "cuda"], "--impl 'cuda' is not valid"),
     (["--cases", "triton:bfloat16:96:causal:seg"], "case 'triton:bfloat16:96:causal:seg' is not valid"),
     (["--cases", "pallas:bfloat16:64:causal:seg:rings"], "case 'pallas:bfloat16:64:causal:seg:rings' is not valid"),
+    (["--cases", "pallas:gmm:huge"], "case 'pallas:gmm:huge' is not valid"),
+    (["--cases", "triton:gmm:uneven:int8"], "case 'triton:gmm:uneven:int8' is not valid"),
     (["--blocks", "block_q=big"], "--blocks 'block_q=big' is not valid"),
     (["--jobs", "0"], "--jobs 0 is not valid"),
 ])
@@ -136,6 +138,26 @@ def test_list_prints_the_cases_without_a_toolchain(capsys):
     assert lines[2] == "triton float16 d64 causal seg b1 s4093/2045 h16/4 (ring)"
 
 
+def test_grouped_matmul_cases_are_mixtral_sized_in_the_ci_subset(capsys):
+    """CI compiles the grouped matmul of a Mixtral-sized MoE layer (8 experts, top 2, 4 x 4096 tokens per device,
+    d_model 4096, d_ff 14336, bfloat16): gate/up [m, 4096] x [8, 4096, 14336] and down [m, 14336] x [8, 14336,
+    4096], both impls, and the uneven shape's masked paths in bfloat16 and float32; the full set adds float16."""
+    tool = _load_tool()
+    ci = tool.gmm_cases(subset="ci")
+    mixtral = {(c.impl, c.dims) for c in ci if c.source.startswith("mixtral")}
+    m = 4 * 4096 * 2
+    assert mixtral == {(i, d) for i in ("pallas", "triton") for d in ((m, 4096, 14336, 8), (m, 14336, 4096, 8))}
+    assert all(c.dtype == "bfloat16" for c in ci if c.source.startswith("mixtral"))
+    uneven = [c for c in ci if c.source == "uneven"]
+    assert {(c.impl, c.dtype) for c in uneven} == {(i, d) for i in tool.IMPLS for d in ("bfloat16", "float32")}
+    assert all(x % 16 for x in uneven[0].dims[:3])  # no dimension a tile multiple
+    assert {c.dtype for c in tool.gmm_cases()} == set(tool.DTYPES)
+    assert tool.main(["--list", "--subset", "ci"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert sum("grouped matmul" in line for line in listed) == len(ci)
+    assert "pallas bfloat16 grouped matmul m32768 k4096 n14336 experts 8 (gmm mixtral-up)" in listed
+
+
 def _three_kernels_of_each_impl(cases: str) -> list[dict]:
     """The compile check's rows for ``cases`` (one Pallas and one Triton case), after checking that it passed and
     compiled the forward, dq and dk/dv kernels of each."""
@@ -182,3 +204,19 @@ def test_shared_memory_over_the_limit_fails_the_check():
     fwd = [r for r in rows if r["kernel"] == "fwd"][0]
     assert fwd["smem"] > 227 * 1024
     assert any("shared memory" in p for p in fwd["problems"]), fwd
+
+
+@needs_toolchain
+def test_grouped_matmul_kernels_pass_with_wgmma_and_exact_float32():
+    """The Mixtral gate/up call's forward, d_lhs and d_rhs kernels of both impls compile without spills and with
+    wgmma; the uneven float32 call's (every masked path) without a TF32 dot."""
+    proc = run_check(TOOLCHAIN, "--json", "--jobs", "2", "--cases",
+                     "pallas:gmm:mixtral-up,triton:gmm:mixtral-up,triton:gmm:uneven:float32")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert sorted((r["impl"], r["dtype"], r["kernel"]) for r in rows) == sorted(
+        (impl, dtype, kind) for impl, dtype in (("pallas", "bfloat16"), ("triton", "bfloat16"), ("triton", "float32"))
+        for kind in ("fwd", "dlhs", "drhs"))
+    for r in rows:
+        assert not r["problems"] and r["spill_bytes"] == 0 and r["smem"] <= 227 * 1024, r
+        assert (r["wgmma"] > 0) == (r["dtype"] == "bfloat16") and not (r["dtype"] == "float32" and r["tf32"]), r

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxtrain.kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling
+from jaxtrain.kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling, triton_kernels
 
 
 def _has_gpu() -> bool:
@@ -469,7 +469,7 @@ def test_bad_input_raises_value_error_before_any_launch(bad, message, monkeypatc
         raise AssertionError("a kernel was launched before the input was rejected")
 
     monkeypatch.setattr(flash_pallas, "_flash_attention", launched)
-    monkeypatch.setattr(flash_triton, "_kernels", launched)
+    monkeypatch.setattr(triton_kernels, "jitted", launched)
     monkeypatch.setattr(flash_triton, "availability_error", launched)
     args, kwargs = bad
     with pytest.raises(ValueError, match=message):
@@ -519,40 +519,12 @@ TRITON_CASE_IDS = ["{}-b{}-s{}-h{}-kv{}-d{}-causal{}-{}".format(*c[:8]) for c in
 
 
 def interpreter_launch():
-    """The ``launch`` callable of ``flash_triton.run_forward`` / ``run_backward`` for Triton's CPU interpreter, on
-    numpy arrays (child-process side: TRITON_INTERPRET=1 must be set before triton is imported, since Triton's own
-    library functions are wrapped at import).
+    """The ``launch`` callable of ``flash_triton.run_forward`` / ``run_backward`` for Triton's CPU interpreter
+    (child-process side; see ``jaxtrain_testing.triton_interpreter_launch``)."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))  # the child runs this file through runpy
+    from jaxtrain_testing import triton_interpreter_launch
 
-    Patches two interpreter internals that assume torch tensors (host copies; numpy memory is already host memory)
-    and one numpy >= 2.4 incompatibility (int() of a one-element array as a loop bound).
-    """
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    from triton.runtime import interpreter
-
-    interpreter.GridExecutor._init_args_hst = lambda self, args, kwargs: (args, kwargs)
-    interpreter.GridExecutor._restore_args_dev = lambda self, *a: None
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-    class Ptr:
-        def __init__(self, array):
-            self.array, self.dtype = array, _NP_TO_TRITON[array.dtype]
-
-        def data_ptr(self):
-            return self.array.ctypes.data
-
-    def launch(kernel, inputs, out_shapes, grid, meta, num_warps, num_stages):
-        inputs = [np.ascontiguousarray(x) for x in inputs]
-        outs = [np.full(shape, np.nan, dtype) for shape, dtype in out_shapes]  # unwritten -> NaN -> test fails
-        kernel[grid](*map(Ptr, inputs), *map(Ptr, outs), **meta)
-        return outs
-
-    return launch
+    return triton_interpreter_launch()
 
 
 def _triton_interpreter_errors() -> dict:
@@ -650,7 +622,7 @@ def test_triton_kernels_compile_for_sm90(dtype, d, causal, segments):
     q, do = (np.zeros((b, s, h, d), np_dtype) for _ in range(2))
     k = v = np.zeros((b, s, kvh, d), np_dtype)
     seg = np.zeros((b, s) if segments else (1,), np.int32)
-    flash_triton._kernels.cache_clear()
+    triton_kernels.jitted.cache_clear()
     call = flash_triton.call_config(q.shape, kvh, np_dtype, causal=causal, sm_scale=None, has_segments=segments,
                                   block_sizes={})
     o, lse = flash_triton.run_forward(compile_launch, call, q, k, v, seg)

@@ -252,7 +252,7 @@ def _triton_block_errors() -> dict:
     from test_flash_attention import interpreter_launch
 
     from jaxtrain.kernels import flash_triton
-    from jaxtrain.kernels.flash_pallas import LN2, LOG2E, may_have_empty_rows
+    from jaxtrain.kernels.common import LN2, LOG2E, may_have_empty_rows
 
     launch = interpreter_launch()
 

@@ -71,6 +71,34 @@ def test_import_logits_match_transformers_and_round_trip(tmp_path, case):
     assert saved["eos_token_id"] == 2 and saved["bos_token_id"] == 1
 
 
+def test_an_import_is_written_like_trains_checkpoints_and_damage_to_it_is_caught(tmp_path):
+    """convert from-hf writes through training's writer: the same meta (plus "hf"), with a fingerprint that is the
+    wrapping uint32 sum of each stored parameter's bits (numpy, over the arrays read back); a parameter whose values
+    differ from its recorded sum makes checkpoint.init_from of the import a one-line ConfigError."""
+    from jaxtrain.parallel.layout import Layout
+
+    make_hf_model(tmp_path / "hf")
+    cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
+    directory, step = ckpt.resolve(str(tmp_path / "jt"))
+    meta = ckpt.read_meta(directory, step)
+    assert set(meta) == {"config", "mesh", "processes", "devices", "jaxtrain_version", "jax_version", "step",
+                         "data_iterator", "time", "fingerprint", "hf"}
+    assert meta["step"] == 0 and meta["data_iterator"] is None and meta["devices"] == 8
+    layout = Layout.build(cfg)
+    params = ckpt.restore_params(directory, step, layout.abstract_params)
+    leaves = jax.tree_util.tree_flatten_with_path({"model": params})[0]
+    sums = {ckpt.leaf_name(path): int(np.asarray(x).view(np.uint32).sum(dtype=np.uint32)) for path, x in leaves}
+    assert len(sums) > 5 and meta["fingerprint"] == sums
+
+    path = os.path.join(directory, str(step), "meta", "metadata")
+    name = sorted(sums)[0]
+    meta["fingerprint"][name] = (sums[name] + 1) % 2**32
+    json.dump(meta, open(path, "w"))
+    source = ckpt.RestoreSource("params", directory, step)
+    with pytest.raises(ConfigError, match=r"checkpoint.init_from .* is damaged: .*checksum mismatch"):
+        ckpt.restore(source, layout.abstract_state, layout.init_state)
+
+
 def test_no_rotary_permutation_needed(tmp_path):
     """The q/k layout question decided by transformers, not assumed: applying the Meta -> HF permutation (or its
     inverse) to q/k breaks the logits, so the mapping without permutation is the one that matches."""

@@ -16,7 +16,7 @@ def test_verdict_names_the_slow_process_not_the_one_waiting_for_it():
     """Figures as the old rule saw them: process 1 was stopped for 60 ms per step in its own work; process 0 spent
     those 60 ms blocked in its dispatch (the collective waits for process 1), which the old rule counted as host
     work. By own time (dispatch blocking is a wait) only process 1 is named, with one or several per host."""
-    from jaxtrain.observe.observer import StragglerWatch, stragglers
+    from jaxtrain.observe.stragglers import StragglerWatch, stragglers
 
     # Old figures: host = wall time until the dispatch returned. Process 0: 2 ms own + 60 ms blocked dispatch.
     old_host = {0: 0.062, 1: 0.063}
@@ -41,7 +41,7 @@ def test_verdict_names_the_slow_process_not_the_one_waiting_for_it():
 def test_stall_clock_counts_stalls_only_inside_the_waits():
     """A stall overlapping a wait counts for its overlap only (one in the process's own work is own time already);
     stalls that ended before the cycle are forgotten."""
-    from jaxtrain.observe.observer import StallClock
+    from jaxtrain.observe.stragglers import StallClock
 
     clock = StallClock()
     clock.close()

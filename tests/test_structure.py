@@ -25,8 +25,8 @@ FLOORS = [
     {"jaxtrain", "errors", "log"},  # the package's __init__ (its version), error types, log lines
     {"kernels"},  # flash attention kernels: nothing of jaxtrain
     {"parallel.dims"},  # axes, sizes, derived parallel facts: no JAX
-    {"config"},  # the typed config tree, loading, validation: no JAX
     {"rundir"},  # run-directory file names, the run lock, metrics.jsonl / summary.json
+    {"config"},  # the typed config tree, loading, validation: no JAX
     {"cluster"},  # processes, nodes and links: jax.distributed, the GPU driver, process-level JAX settings
     {"models"},  # model families, logical axes only
     {"optim"},  # optimizer and train state
@@ -179,7 +179,7 @@ AXIS_NAMES = {"data", "stage", "fsdp", "context", "tensor", "expert"}
 AXIS_CALLS = {"PartitionSpec", "P", "axis_index", "psum", "pmean", "pmax", "all_gather", "ppermute", "all_to_all",
               "psum_scatter", "axis_size", "size", "crosses_nodes"}
 # Where a string equal to an axis name is no mesh axis: (module, the string).
-NOT_AXES = {("jaxtrain/observe/stragglers.py", "data"), ("jaxtrain/observe/observer.py", "data")}
+NOT_AXES = {("jaxtrain/observe/stragglers.py", "data")}
 
 
 def _axis_strings(path: str) -> list[tuple[int, str]]:

@@ -11,7 +11,8 @@ import yaml
 from jaxtrain import rundir
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel.dims import MESH_AXES
-from jaxtrain.sweep import experiment as sweep
+from jaxtrain.sweep import run as sweep_run
+from jaxtrain.sweep import spec
 from jaxtrain_testing import REPO, run_cli
 
 
@@ -32,12 +33,12 @@ def write(tmp_path, body, name="exp.yaml"):
 ])
 def test_bad_experiment_files(tmp_path, body, expected):
     with pytest.raises(ConfigError, match=expected):
-        sweep.load_experiment(write(tmp_path, body))
+        spec.load_experiment(write(tmp_path, body))
 
 
 def test_shipped_example_is_valid_for_8_devices():
-    exp = sweep.load_experiment(os.path.join(REPO, "configs/experiments/cpu8-tiny.yaml"))
-    runs = sweep.expand_runs(exp)
+    exp = spec.load_experiment(os.path.join(REPO, "configs/experiments/cpu8-tiny.yaml"))
+    runs = spec.expand_runs(exp)
     assert len(runs) >= 4
     for run in runs:
         cfg = load_config(exp.config, run.overrides)
@@ -45,8 +46,8 @@ def test_shipped_example_is_valid_for_8_devices():
 
 
 def test_all_expands_to_the_planners_meshes(tmp_path):
-    exp = sweep.load_experiment(write(tmp_path, {"overrides": ["runtime.cpu_devices=2"], "runs": "all"}))
-    names = sorted(r.name for r in sweep.expand_runs(exp))
+    exp = spec.load_experiment(write(tmp_path, {"overrides": ["runtime.cpu_devices=2"], "runs": "all"}))
+    names = sorted(r.name for r in spec.expand_runs(exp))
     # a pipeline needs 2 microbatches; context waits until each group holds one sequence (16 here)
     assert names == sorted(f"{ax}2" for ax in MESH_AXES if ax not in ("stage", "context"))
 
@@ -61,12 +62,13 @@ def test_measurements_from_summary(tmp_path):
                    device_peak_bytes=None, host_peak_rss_bytes=123456789, preempted_at=None, goodput={},
                    goodput_wall_seconds=1.0, recomputed_steps=0).write(str(tmp_path))
     assert json.loads((tmp_path / "summary.json").read_text())["tokens_per_second"] == 5000.0
-    s = sweep.measurements(rundir.read_summary(str(tmp_path)))
+    s = sweep_run.measurements(rundir.read_summary(str(tmp_path)))
     assert s == {"compile_s": 2.51, "median_step_s": 0.2, "tokens_per_s": 5000.0, "final_loss": 3.0,
                  "steps_measured": 4, "peak_rss_bytes": 123456789}
-    assert sweep.last_error_line("noise\nerror: model.n_heads=8 is not divisible\n") == \
+    assert sweep_run.last_error_line("noise\nerror: model.n_heads=8 is not divisible\n") == \
         "error: model.n_heads=8 is not divisible"
-    assert sweep.last_error_line("Traceback (most recent call last):\n  x\nValueError: boom\n") == "ValueError: boom"
+    traceback = "Traceback (most recent call last):\n  x\nValueError: boom\n"
+    assert sweep_run.last_error_line(traceback) == "ValueError: boom"
 
 
 @pytest.mark.slow
@@ -110,10 +112,10 @@ def test_sweep_cli_bad_input():
 
 
 def test_remat_and_microbatch_axes_cross_every_run(tmp_path):
-    exp = sweep.load_experiment(write(tmp_path, {
+    exp = spec.load_experiment(write(tmp_path, {
         "overrides": ["runtime.cpu_devices=2"], "remat": ["none", "full"], "microbatches": [1, 2],
         "runs": [{"name": "fsdp2", "overrides": ["mesh.ici.fsdp=2"]}]}))
-    runs = sweep.expand_runs(exp)
+    runs = spec.expand_runs(exp)
     assert [r.name for r in runs] == ["fsdp2-remat_none-mb1", "fsdp2-remat_none-mb2", "fsdp2-remat_full-mb1",
                                       "fsdp2-remat_full-mb2"]
     cfg = load_config(exp.config, runs[3].overrides)
@@ -127,4 +129,4 @@ def test_remat_and_microbatch_axes_cross_every_run(tmp_path):
 ])
 def test_bad_crossed_axes(tmp_path, body, expected):
     with pytest.raises(ConfigError, match=expected):
-        sweep.load_experiment(write(tmp_path, body))
+        spec.load_experiment(write(tmp_path, body))

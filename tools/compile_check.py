@@ -1,7 +1,7 @@
 """Offline compile check of the flash kernels for Hopper (sm_90a), on a machine without a GPU.
 
 ``python tools/compile_check.py [--json] [--subset full|ci] [--impl pallas,triton] [--jobs N]`` (from the repository
-root or anywhere: it imports ``kernels`` and ``jaxtrain.config`` from the checkout it sits in)
+root or anywhere: it imports ``jaxtrain.kernels`` and ``jaxtrain.config`` from the checkout it sits in)
 
 Needs the ``compile-check`` extra on Python 3.12 (``pip install -e '.[compile-check]'``: jax 0.11.2, triton 3.6,
 jax-triton 0.3.1, the GPU machine's versions; the ``gpu`` extras pin the same triton). Two kinds of configuration:
@@ -51,7 +51,7 @@ import types
 import warnings
 
 # Run as a script, Python puts tools/ first on sys.path, not the repository root: put the root there so that
-# `kernels` is this checkout's (the spawned worker processes inherit sys.path), not another installed copy.
+# `jaxtrain` is this checkout's (the spawned worker processes inherit sys.path), not another installed copy.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -126,6 +126,49 @@ def config_cases(impls=IMPLS, names=SHIPPED_CONFIGS, odd_seq: bool = True) -> li
 def ring_case(impl, dtype, head_dim, causal=True, segments=True, seq=RING_SEQ, kv_seq=RING_KV_SEQ) -> Case:
     """A ring-attention block call: fwd + bwd entries, traced q/kv offsets, separate key segment ids."""
     return Case(impl, dtype, head_dim, causal, segments, batch=RING_BATCH, seq=seq, kv_seq=kv_seq, source="ring")
+
+
+# Grouped matmul (mixture-of-experts) calls: lhs [m, k] x rhs [groups, k, n], forward and both gradients. The
+# Mixtral-sized pair: 8 experts, top 2, 4 x 4096 tokens per device (m = 32768 rows), d_model 4096, d_ff 14336.
+GMM_SHAPES = {
+    "mixtral-up": (32768, 4096, 14336, 8),  # the gate / up projection [m, 4096] x [8, 4096, 14336]
+    "mixtral-down": (32768, 14336, 4096, 8),  # the down projection [m, 14336] x [8, 14336, 4096]
+    "uneven": (4093, 1000, 1500, 8),  # no dimension a tile multiple: every masked path
+}
+GMM_CI = ("mixtral-up", "mixtral-down")
+GMM_KINDS = ("fwd", "dlhs", "drhs")  # the kernels of a call, in launch order
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmCase:
+    """A differentiable grouped matmul call (``jaxtrain.kernels.grouped_matmul``) of shape ``GMM_SHAPES[source]``."""
+
+    impl: str
+    dtype: str
+    source: str  # a GMM_SHAPES name
+    block_sizes: tuple = ()  # ((name, value), ...) tile overrides passed to grouped_matmul
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        return GMM_SHAPES[self.source]
+
+    @property
+    def shape(self) -> str:
+        m, k, n, groups = self.dims
+        return f"m{m} k{k} n{n} experts {groups}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl} {self.dtype} grouped matmul {self.shape} (gmm {self.source})"
+
+
+def gmm_cases(impls=IMPLS, subset: str = "full") -> list[GmmCase]:
+    """CI: the Mixtral-sized pair in bfloat16, and the uneven shape (every masked path) in bfloat16 and float32 (no
+    TF32). Full: also float16 in both shapes."""
+    uneven = ("bfloat16", "float32") if subset == "ci" else DTYPES
+    mixtral = ("bfloat16",) if subset == "ci" else ("bfloat16", "float16")
+    return ([GmmCase(i, d, name) for i in impls for name in GMM_CI for d in mixtral]
+            + [GmmCase(i, d, "uneven") for i in impls for d in uneven])
 
 
 def full_matrix(impls=IMPLS) -> list[Case]:
@@ -230,9 +273,36 @@ def _abstract_h200_mesh():
     return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
 
 
-def _lower_grad(case: Case) -> str:
+def _lower_gmm(case: GmmCase) -> str:
+    """StableHLO text lowered for CUDA of a grouped matmul's value and its vjp (d_lhs, d_rhs): all three kernels
+    (``jax.grad`` alone would leave the forward's output dead and its kernel unlowered)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtrain.kernels import grouped_matmul
+
+    m, k, n, groups = case.dims
+    dtype = jnp.dtype(case.dtype)
+    args = (jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((groups, k, n), dtype),
+            jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((m, n), dtype))
+
+    def value_and_vjp(lhs, rhs, group_sizes, d_out):
+        out, pull = jax.vjp(lambda a, b: grouped_matmul(a, b, group_sizes, impl=case.impl, **dict(case.block_sizes)),
+                            lhs, rhs)
+        return out, pull(d_out)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jax 0.11 deprecation warning of the Pallas Triton backend
+        with jax.sharding.use_abstract_mesh(_abstract_h200_mesh()):
+            return jax.jit(value_and_vjp).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _lower_grad(case) -> str:
     """StableHLO text lowered for CUDA of grad(sum(flash_attention)), or for a ring block call (``kv_seq``) of
-    flash_attention_fwd then flash_attention_bwd with traced offsets and separate key segment ids."""
+    flash_attention_fwd then flash_attention_bwd with traced offsets and separate key segment ids (a grouped matmul
+    case: ``_lower_gmm``)."""
+    if isinstance(case, GmmCase):
+        return _lower_gmm(case)
     import jax
     import jax.numpy as jnp
 
@@ -272,7 +342,7 @@ def _lower_grad(case: Case) -> str:
 _START_CACHE_DIR = os.environ.get("TRITON_CACHE_DIR")
 
 
-def _pallas_kernels(case: Case, workdir: str) -> list[dict]:
+def _pallas_kernels(case, workdir: str) -> list[dict]:
     import triton
 
     if os.environ.get("TRITON_CACHE_DIR") == "":
@@ -313,7 +383,7 @@ def _pallas_kernels(case: Case, workdir: str) -> list[dict]:
     return kernels
 
 
-def _triton_kernels(case: Case) -> list[dict]:
+def _triton_kernels(case) -> list[dict]:
     from jaxtrain.kernels import flash_triton
 
     _Recorder.kernels.clear()
@@ -330,27 +400,49 @@ def _triton_kernels(case: Case) -> list[dict]:
     stages = _launch_settings(case)
     kernels = []
     dkdv_calls = [c for c in _Recorder.calls if _kind(c.kernel.name) == "dkdv"]
+    # A grouped matmul's forward and d_lhs are one Triton kernel with other constexprs: name them by launch order.
+    gmm_kinds = iter(GMM_KINDS) if isinstance(case, GmmCase) and len(_Recorder.calls) == len(GMM_KINDS) else None
     for call in _Recorder.calls:
         k = call.kernel
         name = k.name
         if len(dkdv_calls) == 2 and call in dkdv_calls:  # two passes, dv then dk (flash_triton.run_backward)
             name = f"{name}:{'dv' if call is dkdv_calls[0] else 'dk'}"
+        kind = _kind(k.name)
+        if gmm_kinds is not None:
+            kind = next(gmm_kinds)
+            name = f"{name}:grouped_matmul_{kind}"
         kernels.append(dict(name=name, ttir=k.ttir, ptx=k.ptx, shared=k.shared, warps=k.num_warps,
-                            stages=stages.get(_kind(k.name), {}).get("num_stages", "?"), seconds=seconds,
+                            stages=stages.get(kind, {}).get("num_stages", "?"), seconds=seconds,
                             grid=call.grid))
     return kernels
 
 
 def _kind(name: str) -> str:
-    """Kernel role from its name: fwd, dq, dkdv (or dk / dv for the passes of a two-pass dk/dv)."""
-    for kind in ("dkdv", "dq", "fwd", "dk", "dv"):
+    """Kernel role from its name: fwd, dq, dkdv (or dk / dv for the passes of a two-pass dk/dv); a grouped matmul's
+    fwd, dlhs, drhs."""
+    for kind in ("dlhs", "drhs", "dkdv", "dq", "fwd", "dk", "dv"):
         if kind in name.split(":")[-1]:
             return kind
     return name
 
 
-def _launch_settings(case: Case) -> dict:
-    """{kind: {block_q, block_k, num_warps, num_stages}} as the kernels set them, or {} where not available."""
+def _gmm_settings(case: GmmCase) -> dict:
+    """{kind: {tiles, even, num_warps, num_stages}} of a grouped matmul's kernels as its plan sets them; tiles:
+    output rows x output columns / contraction step."""
+    from jaxtrain.kernels.gmm_api import plan_for
+
+    m, k, n, groups = case.dims
+    plan = plan_for((m, k), (groups, k, n), case.dtype, impl=case.impl, **dict(case.block_sizes))
+    geos = {kind: plan.geometry(kind) for kind in GMM_KINDS}
+    return {kind: dict(tiles=g.tiles, even=g.even, num_warps=g.num_warps, num_stages=g.num_stages)
+            for kind, g in geos.items()}
+
+
+def _launch_settings(case) -> dict:
+    """{kind: {block_q, block_k, num_warps, num_stages}} as the kernels set them, or {} where not available (a
+    grouped matmul case: ``_gmm_settings``)."""
+    if isinstance(case, GmmCase):
+        return _gmm_settings(case)
     try:
         from jaxtrain.kernels import api
 
@@ -388,13 +480,15 @@ def run_ptxas(ptx: str, workdir: str, name: str) -> dict:
     )
 
 
-def analyse(case: Case, kernel: dict, workdir: str, settings: dict) -> dict:
+def analyse(case, kernel: dict, workdir: str, settings: dict) -> dict:
     ptx, ttir = kernel["ptx"], kernel["ttir"]
     kind = _kind(kernel["name"])
     row = _case_fields(case) | dict(kernel=kind, name=kernel["name"])
     tiles = settings.get("dkdv" if kind in ("dk", "dv") else kind, {})
-    row["tiles"] = f"{tiles['block_q']}x{tiles['block_k']}" if "block_q" in tiles else "?"
-    if "block_q" in tiles:
+    row["tiles"] = f"{tiles['block_q']}x{tiles['block_k']}" if "block_q" in tiles else tiles.get("tiles", "?")
+    if "even" in tiles:  # a grouped matmul's kernel
+        row["even"] = tiles["even"]
+    elif "block_q" in tiles:
         row["even"] = case.seq % tiles["block_q"] == 0 and (case.kv_seq or case.seq) % tiles["block_k"] == 0
         if kind in ("dkdv", "dk", "dv"):
             row["splits"] = _dkdv_splits(case, tiles["block_k"])
@@ -425,7 +519,10 @@ def analyse(case: Case, kernel: dict, workdir: str, settings: dict) -> dict:
     return row
 
 
-def _case_fields(case: Case) -> dict:
+def _case_fields(case) -> dict:
+    if isinstance(case, GmmCase):
+        return dict(case=f"gmm {case.source}", impl=case.impl, dtype=case.dtype, head_dim=None, group=None,
+                    shape=case.shape, causal=None, segments=None)
     return dict(case=case.source, impl=case.impl, dtype=case.dtype, head_dim=case.head_dim,
                 group=case.heads // case.kv_heads, shape=case.shape, causal=case.causal, segments=case.segments)
 
@@ -439,7 +536,7 @@ def _dkdv_splits(case: Case, block_k: int) -> int:
     return forced or tiling.choose_splits(case.batch, case.kv_seq or case.seq, case.kv_heads, group, block_k)
 
 
-def check_case(case: Case) -> list[dict]:
+def check_case(case) -> list[dict]:
     """Lower and compile one configuration; one row per kernel (a compile error gives one failing row)."""
     with tempfile.TemporaryDirectory(prefix="compile_check_") as workdir:
         try:
@@ -517,8 +614,11 @@ def _parse_args(argv):
     return args, impls
 
 
-def _parse_case(spec: str, parser, blocks) -> Case:
+def _parse_case(spec: str, parser, blocks):
     parts = spec.split(":")
+    if (len(parts) in (3, 4) and parts[0] in IMPLS and parts[1] == "gmm" and parts[2] in GMM_SHAPES
+            and (len(parts) == 3 or parts[3] in DTYPES)):
+        return _with_blocks(GmmCase(parts[0], parts[3] if len(parts) == 4 else "bfloat16", parts[2]), blocks)
     if len(parts) == 2 and parts[0] in IMPLS and parts[1] in SHIPPED_CONFIGS:
         return dataclasses.replace(config_cases((parts[0],), (parts[1],), odd_seq=False)[0], block_sizes=blocks)
     ring = len(parts) == 6 and parts[5] == "ring"
@@ -528,11 +628,28 @@ def _parse_case(spec: str, parser, blocks) -> Case:
         parser.exit(2, f"compile_check: case {spec!r} is not valid; use IMPL:DTYPE:HEAD_DIM:causal|full:seg|noseg"
                        "[:ring] "
                        f"with IMPL in {IMPLS}, DTYPE in {DTYPES}, HEAD_DIM in {HEAD_DIMS}, or IMPL:CONFIG with "
-                       f"CONFIG in {SHIPPED_CONFIGS}\n")
+                       f"CONFIG in {SHIPPED_CONFIGS}, or IMPL:gmm:SHAPE[:DTYPE] with SHAPE in {tuple(GMM_SHAPES)}\n")
     if ring:
-        return dataclasses.replace(ring_case(parts[0], parts[1], int(parts[2]), parts[3] == "causal",
-                                             parts[4] == "seg"), block_sizes=blocks)
-    return Case(parts[0], parts[1], int(parts[2]), parts[3] == "causal", parts[4] == "seg", blocks)
+        return _with_blocks(ring_case(parts[0], parts[1], int(parts[2]), parts[3] == "causal", parts[4] == "seg"),
+                            blocks)
+    return _with_blocks(Case(parts[0], parts[1], int(parts[2]), parts[3] == "causal", parts[4] == "seg"), blocks)
+
+
+def _with_blocks(case, blocks):
+    """The case with the --blocks overrides its kind takes: the grouped matmul's tile names
+    (``jaxtrain.kernels.gmm_plan``) for grouped matmul cases, every other name for attention cases (names both
+    take, such as num_warps, go to both)."""
+    from jaxtrain.kernels.gmm_plan import FIELDS, KINDS
+    from jaxtrain.kernels.tiling import BlockSizes
+
+    if isinstance(case, GmmCase):
+        names = set(FIELDS) | {f"{f}_{k}" for f in FIELDS for k in KINDS}
+        mine = tuple((k, v) for k, v in blocks if k in names)
+    else:
+        flash_names = {f.name for f in dataclasses.fields(BlockSizes)}
+        gmm_only = (set(FIELDS) | {f"{f}_{k}" for f in FIELDS for k in KINDS}) - flash_names
+        mine = tuple((k, v) for k, v in blocks if k not in gmm_only)
+    return dataclasses.replace(case, block_sizes=mine)
 
 
 def main(argv=None) -> int:
@@ -541,7 +658,7 @@ def main(argv=None) -> int:
         cases = args.case_list
     else:
         cases = full_matrix(impls) if args.subset == "full" else ci_subset(impls)
-        cases = [dataclasses.replace(c, block_sizes=args.blocks) for c in cases]
+        cases = [_with_blocks(c, args.blocks) for c in cases + gmm_cases(impls, args.subset)]
     if args.list:
         if args.json:
             print(json.dumps([dataclasses.asdict(c) | dict(label=c.label) for c in cases], indent=1))
@@ -583,6 +700,9 @@ def main(argv=None) -> int:
               f"smem limit {SMEM_LIMIT} B; shape: q [batch, seq, heads, d] / kv heads (matrix cases: "
               f"b{BATCH} s{SEQ} h{HEADS}/{KV_HEADS}; config cases: one device of an 8-GPU node; ring cases: "
               "q seq / kv seq, fwd + bwd entries with traced offsets)")
+        if any(isinstance(c, GmmCase) for c in cases):
+            print("grouped matmul (gmm) cases: lhs [m, k] x rhs [experts, k, n] and both gradients; tiles: output "
+                  "rows x columns / contraction step (fwd: m x n / k, dlhs: m x k / n, drhs: k x n / m)")
         print(markdown_table(rows))
         print(f"{len(rows)} kernels in {len(cases)} configurations, {len(failed)} failing, {elapsed:.0f} s")
     return 1 if failed else 0

@@ -9,7 +9,9 @@ that was interrupted is never seen as a step. Restoring reads each array straigh
 This module owns the on-disk format: finding steps (:func:`existing_steps`, :func:`resolve`), reading a step's
 ``meta`` (:func:`read_meta`, :func:`saved_config`), naming leaves (:func:`leaf_name`), reading parameters alone
 (:func:`restore_params`) and writing a step outside training (:func:`write`); ``convert`` and ``generate`` use these.
-The Orbax and JAX mechanics beneath it (manager, handlers, checksums) are in ``checkpoint_io``.
+Every step is written by :meth:`Checkpointer.save`, training's and :func:`write`'s alike: the same ``meta`` (the
+writer's facts from :func:`describe`, versions, step, data iterator state, time) and the same fingerprint.
+The Orbax and JAX mechanics beneath it (manager, handlers, checksums) are in :mod:`.orbax_io`.
 """
 
 from __future__ import annotations
@@ -63,7 +65,13 @@ class RestoreSource:
 
 
 def checkpoint_dir(cfg: Config) -> str:
-    return os.path.abspath(cfg.checkpoint.dir or rundir.path(cfg.run.dir, rundir.CHECKPOINTS))
+    return os.path.abspath(rundir.checkpoints(cfg.run.dir, cfg.checkpoint.dir))
+
+
+def describe(config: dict, mesh: str, devices: int) -> dict:
+    """The writer's facts stored in every step's ``meta``: its effective config (``to_dict``), mesh (its label),
+    devices and processes."""
+    return {"config": config, "mesh": mesh, "processes": jax.process_count(), "devices": devices}
 
 
 def existing_steps(directory: str) -> list[int]:
@@ -351,17 +359,14 @@ def restore_params(directory: str, step: int, abstract_params: Any, only: tuple[
 
 
 def write(directory: str, step: int, state: Any, meta: dict) -> None:
-    """Save ``state`` (e.g. ``{"model": params}``) and ``meta`` (with the versions, step and time added) as step
-    ``directory/step`` in the format ``train`` writes, synchronously: a checkpoint made outside training (``convert
-    from-hf``)."""
-    manager = make_manager(os.path.abspath(directory))
+    """Save ``state`` (e.g. ``{"model": params}``) as step ``directory/step``, synchronously, by training's writer
+    (:meth:`Checkpointer.save`: ``meta``, e.g. :func:`describe`'s facts, then the versions, step, time and
+    fingerprint; no data iterator state): a checkpoint made outside training (``convert from-hf``)."""
+    writer = Checkpointer(None, meta, directory=directory)
     try:
-        manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            meta=ocp.args.JsonSave({**_versions(), "step": step, "time": time.time(), **meta})), force=True)
-        manager.wait_until_finished()
+        writer.save(step, state, None)
     finally:
-        manager.close()
+        writer.close()
 
 
 def _versions() -> dict:
@@ -370,7 +375,7 @@ def _versions() -> dict:
 
 def _verify(state: Any, meta: dict) -> None:
     """ValueError when restored values differ from the fingerprint saved with them (checkpoints written before
-    fingerprints existed, or by ``convert``, have none to compare)."""
+    fingerprints existed have none to compare)."""
     saved = (meta or {}).get("fingerprint")
     if not saved:
         return
@@ -402,11 +407,17 @@ def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
 
 
 class Checkpointer:
-    """Saves into ``checkpoint_dir(cfg)``; wraps Orbax errors as CheckpointError."""
+    """Writes every checkpoint step: training's into ``checkpoint_dir(cfg)``, asynchronously where configured, and
+    :func:`write`'s (``cfg`` None) into ``directory``, synchronously; wraps Orbax errors as CheckpointError."""
 
-    def __init__(self, cfg: Config, metadata: dict):
-        """``metadata``: JSON-able facts stored with every step (effective config, mesh, ...)."""
-        self.cfg, self.directory = cfg, checkpoint_dir(cfg)
+    def __init__(self, cfg: Config | None, metadata: dict, *, directory: str | None = None):
+        """``metadata``: JSON-able facts stored with every step (:func:`describe`'s, and any more)."""
+        self.cfg = cfg
+        if cfg is None:
+            assert directory is not None, "a writer without a config writes into the directory it is given"
+            self.directory = os.path.abspath(directory)
+        else:
+            self.directory = checkpoint_dir(cfg)
         try:
             os.makedirs(self.directory, exist_ok=True)
             probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
@@ -425,19 +436,21 @@ class Checkpointer:
         return self._made
 
     def should_save(self, step: int) -> bool:
+        assert self.cfg is not None  # training's writer
         every = self.cfg.checkpoint.every
         return step == self.cfg.train.steps or (every > 0 and step % every == 0)
 
-    def save(self, step: int, state: Any, data_iterator_state: dict) -> float:
-        """Start saving ``step``; returns the seconds the save held the caller once the state was computed."""
+    def save(self, step: int, state: Any, data_iterator_state: dict | None) -> float:
+        """Start saving ``step`` (with the data iterator's state, None outside training); returns the seconds the
+        save held the caller once the state was computed."""
         jax.block_until_ready(state)  # a save needs the values anyway; don't count the step's compute as save cost
         t0 = time.perf_counter()
         # Skipped non-finite steps leave the state finite; should anything else ever make it non-finite, the run
         # stops here rather than write a checkpoint that every resume would restore.
         finite, sums = fingerprint(state)
         if not finite:
-            raise CheckpointError(f"refusing to save step {step} in {self.directory}: the train state holds "
-                                  "non-finite values (the previous checkpoints are intact)")
+            raise CheckpointError(f"refusing to save step {step} in {self.directory}: the state holds non-finite "
+                                  "values (the previous checkpoints are intact)")
         meta = {**self._meta, "step": step, "data_iterator": data_iterator_state, "time": time.time(),
                 "fingerprint": sums}
         while save_in_flight(self._manager):  # see save_in_flight: a failed write must not wait on its peers

@@ -1,7 +1,7 @@
-"""The mechanics beneath the checkpoint format (``checkpoint.py``): Orbax's manager and item handlers, a step's
+"""The mechanics beneath the checkpoint format (:mod:`.format`): Orbax's manager and item handlers, a step's
 array metadata read without any array, a failed background write spotted at once, the names of a state's leaves and
 their checksums, Orbax's errors in one line, and the stop at a preemption (:class:`PreemptionWatch`).
-``checkpoint.py`` decides what is saved, when and from where it is restored; this module only drives Orbax and JAX
+``format.py`` decides what is saved, when and from where it is restored; this module only drives Orbax and JAX
 for it. Orbax itself is imported at its first use (a fresh run's first save), not with this module.
 """
 

@@ -14,13 +14,14 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from jaxtrain.sweep import experiment as sweep
+    from jaxtrain.sweep.spec import load_experiment
 
-    exp = sweep.load_experiment(args.config, args.overrides, args.dir)
+    exp = load_experiment(args.config, args.overrides, args.dir)
     from jaxtrain.cluster import process as runtime
+    from jaxtrain.sweep.run import sweep
 
     runtime.quiet_logs()
-    records, paths = sweep.sweep(exp, predict=not args.no_predict)
+    records, paths = sweep(exp, predict=not args.no_predict)
     failed = [r.name for r in records if r.status != "ok"]
     print(f"sweep {exp.name}: {len(records) - len(failed)} of {len(records)} run(s) ok"
           + (f", failed: {', '.join(failed)}" if failed else ""))

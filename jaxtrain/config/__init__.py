@@ -4,7 +4,8 @@
 Also here: the operations sections (:mod:`.ops`: dist, check, observe), the data section's checks
 (:mod:`.data_checks`), typed YAML reading (:mod:`.schema`), checks of given paths and addresses (:mod:`.locations`)
 and the hardware files (:mod:`.hardware`). Nothing in this package imports JAX: it must be usable before the runtime
-is configured. It imports only ``jaxtrain.errors`` and the device-free ``jaxtrain.parallel.dims``.
+is configured. It imports only ``jaxtrain.errors``, ``jaxtrain.rundir`` (the run directory's file names) and the
+device-free ``jaxtrain.parallel.dims``.
 """
 
 from jaxtrain.config.load import dump_yaml, load_config, to_dict

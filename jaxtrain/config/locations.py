@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from jaxtrain import rundir
 from jaxtrain.config.schema import existing_file
 from jaxtrain.errors import ConfigError
 
@@ -64,10 +65,8 @@ def check_paths(cfg) -> None:
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is {kind}; give a checkpoint directory or one step "
                           "in it")
     _writable_dir(cfg.run.dir, "run.dir")
-    if c.dir is not None:
-        _writable_dir(c.dir, "checkpoint.dir")
-    else:
-        _writable_dir(os.path.join(cfg.run.dir, "checkpoints"), "run.dir")
+    # Where the checkpoints will go (rundir's one definition), named by the setting that puts them there.
+    _writable_dir(rundir.checkpoints(cfg.run.dir, c.dir), "checkpoint.dir" if c.dir else "run.dir")
     if cfg.runtime.cpu_devices is not None and cfg.runtime.cpu_devices > MAX_CPU_DEVICES:
         raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} is more emulated devices than this machine "
                           f"can start in reasonable time; use at most {MAX_CPU_DEVICES}")

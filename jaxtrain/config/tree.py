@@ -15,7 +15,7 @@ from jaxtrain.config.schema import dotted_keys, unknown_key
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MESH_AXES
 
-FLASH_HEAD_DIMS = (32, 64, 128, 256)  # head dims jaxtrain's flash kernels take (kernels/flash_pallas.py checks too)
+FLASH_HEAD_DIMS = (32, 64, 128, 256)  # the flash kernels' head dims (= kernels/tiling.py SUPPORTED_HEAD_DIMS, tested)
 
 
 @dataclass

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -271,110 +273,204 @@ def default_sizes(gpu: bool, link_rate: float | None) -> list[int]:
     return [judged_size_bytes(link_rate) if link_rate else 2**28]
 
 
+@dataclass
+class _Job:
+    """What every part of the check reads: the config, the mesh, this process's first device, the hardware file
+    that bounds the devices (None: measured and reported, nobody excluded), every process's host name, and the
+    matmul dtype."""
+
+    cfg: Config
+    mesh: Any
+    shape: Any  # the mesh's MeshShape
+    device: Any
+    hw: Any  # a config.hardware.Hardware, or None
+    hosts: list[str]  # per process
+    dtype: Any
+
+    @property
+    def main(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.platform != "cpu"
+
+    @property
+    def me(self) -> str:
+        return self.hosts[jax.process_index()]
+
+    def say(self, *args, **kwargs) -> None:
+        """Print on process 0 only (every process measures, one reports)."""
+        if self.main:
+            print(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _AxisPlan:
+    """One mesh axis to check: its size, whether it crosses hosts, the bus bandwidth it must reach (0: no bound)
+    and the setting that says so, and the message sizes to measure."""
+
+    axis: str
+    n: int
+    crosses: bool
+    bound: float
+    why: str
+    sizes: list[int]
+
+
 def run(cfg: Config) -> Decision:
     """Run the check; process 0 prints the tables, the verdict and ``check: exclude hosts: <host,...>`` when nodes
     are to be excluded. Returns the job's decision (the same on every process)."""
+    job = _start(cfg)
+    findings, calib_rate = _check_matmuls(job)
+    calib_axes: dict[str, dict] = {}
+    grid = device_hosts(job.mesh, job.shape, job.hosts)
+    for ax_i, axis in enumerate(job.mesh.axis_names):
+        if job.mesh.shape[axis] == 1:
+            continue
+        found, entry = _check_axis(job, _axis_plan(job, grid, ax_i, axis))
+        findings += found
+        if entry is not None:
+            calib_axes[axis] = entry
+    return _decide(job, findings, calib_rate, calib_axes)
+
+
+def _start(cfg: Config) -> _Job:
+    """The mesh, the devices, their hardware file and every process's host; process 0 says what it checks."""
     mesh, shape = build_mesh(cfg)
-    c, main = cfg.check, jax.process_index() == 0
     device = jax.devices()[0]
     gpu = device.platform != "cpu"
     hw = _hardware(cfg, device.device_kind)
     hosts = allgather_json(node_name())  # per process
-    me = hosts[jax.process_index()]
-    size = c.matmul_size or (8192 if gpu else 1024)
-    dtype = jnp.bfloat16 if gpu else jnp.float32
-    findings: list[Finding] = []
-    say = print if main else (lambda *a, **k: None)
+    job = _Job(cfg, mesh, shape, device, hw, hosts, jnp.bfloat16 if gpu else jnp.float32)
     from jaxtrain.config import hardware
 
     known = (f"hardware file: {hw.name}" if hw else f"hardware file: none lists device kind {device.device_kind!r} "
              f"(shipped: {', '.join(hardware.known_device_kinds())}): measured and reported, nobody excluded")
-    say(f"mesh {shape.label}; {jax.process_count()} process(es) on {len(set(hosts))} host(s), {mesh.devices.size} "
-        f"{device.device_kind} device(s); {known}\n")
+    job.say(f"mesh {shape.label}; {jax.process_count()} process(es) on {len(set(hosts))} host(s), "
+            f"{mesh.devices.size} {device.device_kind} device(s); {known}\n")
+    return job
 
+
+def _check_matmuls(job: _Job) -> tuple[list[Finding], float]:
+    """Every device's matmul, judged against the job's median and the hardware's peak. Returns the findings
+    (process 0's; every process judged the same gathered rows) and the matmul rate per device for the calibration
+    (GFLOP/s)."""
+    c, hw, dtype = job.cfg.check, job.hw, job.dtype
+    size = c.matmul_size or (8192 if job.gpu else 1024)
     floor = c.min_peak_fraction * hw.peak_flops / 1e9 if hw else 0.0
-    mine = [(me, *row) for row in measure_matmuls(size, c.iters, dtype)]
+    mine = [(job.me, *row) for row in measure_matmuls(size, c.iters, dtype)]
     rows = [tuple(r) for proc in allgather_json(mine) for r in proc]
     tolerance = 1e-3 if dtype == jnp.float32 else 2e-2  # bfloat16 output rounding is 2^-8 of each element
     median, found = matmul_findings(rows, tolerance=tolerance, min_fraction_of_median=c.min_matmul_fraction,
                                     floor_gflops=floor, floor_words=f"check.min_peak_fraction={c.min_peak_fraction} "
                                     f"of {hw.name if hw else ''}'s peak")
-    if main:  # every process judged the same gathered rows
-        findings += found
     # Emulated CPU devices share the host's cores: each device's share when all compute at once is what a step sees.
-    calib_axes: dict[str, dict] = {}
-    calib_rate = median / (len(jax.local_devices()) if not gpu else 1)
-    say(f"matmul {size}x{size} {jnp.dtype(dtype).name}, median {median:.1f} GFLOP/s"
-        f"{f'; peak {hw.peak_flops / 1e12:.0f} TFLOP/s, bound {floor / 1e3:.0f}' if hw else ''}")
-    say("| device | GFLOP/s | max rel. error | host |\n| --- | --- | --- | --- |")
+    calib_rate = median / (len(jax.local_devices()) if not job.gpu else 1)
+    job.say(f"matmul {size}x{size} {jnp.dtype(dtype).name}, median {median:.1f} GFLOP/s"
+            f"{f'; peak {hw.peak_flops / 1e12:.0f} TFLOP/s, bound {floor / 1e3:.0f}' if hw else ''}")
+    job.say("| device | GFLOP/s | max rel. error | host |\n| --- | --- | --- | --- |")
     for host, dev, rate, err in rows:
-        say(f"| {dev} | {rate:.1f} | {err:.1e} | {host} |")
+        job.say(f"| {dev} | {rate:.1f} | {err:.1e} | {host} |")
+    return (found if job.main else []), calib_rate
 
-    grid = device_hosts(mesh, shape, hosts)
-    for ax_i, axis in enumerate(mesh.axis_names):
-        n = mesh.shape[axis]
-        if n == 1:
-            continue
-        crosses = axis_crosses_hosts(grid, ax_i)
-        link_name = "inter" if crosses else "intra"
-        link = (hw.inter_node_bandwidth if crosses else hw.intra_node_bandwidth) if hw else None
-        bound, why = c.min_busbw_gbps, "check.min_busbw_gbps"
-        if not bound and link:  # the link this axis runs over: the NIC across nodes, NVLink inside one
-            bound, why = c.min_link_fraction * link / 1e9, f"check.min_link_fraction={c.min_link_fraction} of " \
-                f"{hw.name}'s {link_name}-node link"
-        sizes = [int(mb * 2**20) for mb in c.sizes_mb] if c.sizes_mb else default_sizes(gpu, link)
-        say(f"\naxis {axis}: {n} devices{' (crosses hosts)' if crosses else ' (inside a host)'}"
-            f"{f'; bound {bound:.2f} GB/s ({why})' if bound else ''}")
-        say("| collective | size | time | algbw GB/s | busbw GB/s | values |\n| --- | --- | --- | --- | --- | --- |")
-        buffer = AxisBuffer(mesh, axis, max(sizes))
-        for op in BUS_FACTOR:
-            m, wrong, words = None, False, ""
-            points = []
-            for nbytes in sizes:
-                m = buffer.measure(op, nbytes, c.iters)
-                points.append((m.size_bytes, m.seconds))
-                say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.3g} | "
-                    f"{m.busbw:.3g} | {'ok' if m.correct else 'WRONG'} |")
-                if _any_process(not m.correct):  # every process joins the re-runs
-                    verdict = reproduce(buffer, op, nbytes, device.platform)
-                    say(f"check: {verdict}")
-                    if verdict.startswith("reproducible"):
-                        wrong, words = True, f"{op} of {m.size_bytes} bytes returned wrong values; {verdict}"
-            assert m is not None  # sizes is never empty
-            if op == "all-reduce":  # the planner's rings: bus rate at the largest size, latency from two sizes
-                latency, _ = calibration.latency_and_rate(points)
-                calib_axes[axis] = calibration.axis_entry(n, bool(crosses), m.busbw, latency)
-            slow = bool(bound) and m.busbw < bound
-            if slow and not wrong:
-                words = (f"{op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} MiB is below "
-                         f"{bound:.2f} GB/s ({why})")
-            if _any_process(wrong or slow):  # all processes agree before the sub-checks, which they all join
-                guilty, evidence = attribute(op, max(sizes), c.iters, bound, crosses, hosts)
-                print(f"check: {evidence}")
-                blamed = _any_process(bool(guilty))
-                # Sub-checks that blame a node decide; none blamed (or nothing to split): each direct miss stands.
-                if guilty or (not blamed and (wrong or slow)):
-                    kind = WRONG if wrong else BOUND
-                    findings.append(Finding(me, f"{op} over axis {axis} ({why if kind == BOUND else 'values'})",
-                                            kind, f"axis {axis}: {words or evidence}"))
-        del buffer  # its memory back before the next axis
 
+def _axis_plan(job: _Job, grid: np.ndarray, ax_i: int, axis: str) -> _AxisPlan:
+    """Axis ``axis`` (index ``ax_i`` of the mesh; ``grid``: :func:`device_hosts`): its link, bound and sizes."""
+    c, hw = job.cfg.check, job.hw
+    crosses = bool(axis_crosses_hosts(grid, ax_i))
+    link_name = "inter" if crosses else "intra"
+    link = (hw.inter_node_bandwidth if crosses else hw.intra_node_bandwidth) if hw else None
+    bound, why = c.min_busbw_gbps, "check.min_busbw_gbps"
+    if not bound and link:  # the link this axis runs over: the NIC across nodes, NVLink inside one
+        bound = c.min_link_fraction * link / 1e9
+        why = f"check.min_link_fraction={c.min_link_fraction} of {hw.name}'s {link_name}-node link"
+    sizes = [int(mb * 2**20) for mb in c.sizes_mb] if c.sizes_mb else default_sizes(job.gpu, link)
+    return _AxisPlan(axis, job.mesh.shape[axis], crosses, bound, why, sizes)
+
+
+def _check_axis(job: _Job, plan: _AxisPlan) -> tuple[list[Finding], dict | None]:
+    """Every collective over one axis at every size: its table, the findings against its bound (attributed to a
+    node where one is to blame), and its calibration entry (all-reduce's bus rate and latency)."""
+    job.say(f"\naxis {plan.axis}: {plan.n} devices{' (crosses hosts)' if plan.crosses else ' (inside a host)'}"
+            f"{f'; bound {plan.bound:.2f} GB/s ({plan.why})' if plan.bound else ''}")
+    job.say("| collective | size | time | algbw GB/s | busbw GB/s | values |\n| --- | --- | --- | --- | --- | --- |")
+    buffer = AxisBuffer(job.mesh, plan.axis, max(plan.sizes))
+    findings: list[Finding] = []
+    entry = None
+    for op in BUS_FACTOR:
+        m, wrong, words, points = _measure_op(job, buffer, op, plan.sizes)
+        if op == "all-reduce":  # the planner's rings: bus rate at the largest size, latency from two sizes
+            latency, _ = calibration.latency_and_rate(points)
+            entry = calibration.axis_entry(plan.n, plan.crosses, m.busbw, latency)
+        findings += _judge_op(job, plan, op, m, wrong, words)
+    del buffer  # its memory back before the next axis
+    return findings, entry
+
+
+def _measure_op(job: _Job, buffer: AxisBuffer, op: str,
+                sizes: list[int]) -> tuple[Measurement, bool, str, list[tuple[int, float]]]:
+    """``op`` at every size, a table row each; a wrong result re-run (:func:`reproduce`) by every process. Returns
+    the largest size's measurement, whether the values were reproducibly wrong and in what words, and the
+    (bytes, seconds) points."""
+    m, wrong, words = None, False, ""
+    points = []
+    for nbytes in sizes:
+        m = buffer.measure(op, nbytes, job.cfg.check.iters)
+        points.append((m.size_bytes, m.seconds))
+        job.say(f"| {op} | {m.size_bytes / 2**20:.2f} MiB | {m.seconds * 1e3:.3f} ms | {m.algbw:.3g} | "
+                f"{m.busbw:.3g} | {'ok' if m.correct else 'WRONG'} |")
+        if _any_process(not m.correct):  # every process joins the re-runs
+            verdict = reproduce(buffer, op, nbytes, job.device.platform)
+            job.say(f"check: {verdict}")
+            if verdict.startswith("reproducible"):
+                wrong, words = True, f"{op} of {m.size_bytes} bytes returned wrong values; {verdict}"
+    assert m is not None  # sizes is never empty
+    return m, wrong, words, points
+
+
+def _judge_op(job: _Job, plan: _AxisPlan, op: str, m: Measurement, wrong: bool, words: str) -> list[Finding]:
+    """This process's finding for ``op`` over the axis (at most one): wrong values or a bus bandwidth below the
+    bound, blamed on this process's node by the sub-checks (:func:`attribute`), or standing as it is when they
+    blame none."""
+    slow = bool(plan.bound) and m.busbw < plan.bound
+    if slow and not wrong:
+        words = (f"{op} bus bandwidth {m.busbw:.3g} GB/s at {m.size_bytes / 2**20:.2f} MiB is below "
+                 f"{plan.bound:.2f} GB/s ({plan.why})")
+    if not _any_process(wrong or slow):  # all processes agree before the sub-checks, which they all join
+        return []
+    guilty, evidence = attribute(op, max(plan.sizes), job.cfg.check.iters, plan.bound, plan.crosses, job.hosts)
+    print(f"check: {evidence}")
+    blamed = _any_process(bool(guilty))
+    # Sub-checks that blame a node decide; none blamed (or nothing to split): each direct miss stands.
+    if not (guilty or (not blamed and (wrong or slow))):
+        return []
+    kind = WRONG if wrong else BOUND
+    return [Finding(job.me, f"{op} over axis {plan.axis} ({plan.why if kind == BOUND else 'values'})", kind,
+                    f"axis {plan.axis}: {words or evidence}")]
+
+
+def _decide(job: _Job, findings: list[Finding], calib_rate: float, calib_axes: dict[str, dict]) -> Decision:
+    """Every process's findings gathered and judged over the job's hosts; process 0 writes the calibration and says
+    the verdict (``check: exclude hosts: ...`` when nodes are to be excluded)."""
+    c, hosts, device = job.cfg.check, job.hosts, job.device
     everything = [Finding(*f) for proc in allgather_json([list(f.__dict__.values()) for f in findings])
                   for f in proc]
     unique = list({(f.host, f.check): f for f in everything}.values())  # several processes of one host
     job_hosts = list(dict.fromkeys(hosts))
-    decision = decide(job_hosts, unique, known_hardware=hw is not None, misfit_fraction=c.bound_misfit_fraction,
+    decision = decide(job_hosts, unique, known_hardware=job.hw is not None, misfit_fraction=c.bound_misfit_fraction,
                       max_exclude_fraction=c.max_exclude_fraction)
-    if main:
-        path = calibration.write(os.path.join(cfg.run.dir, calibration.FILE), device_kind=device.device_kind,
-                                 platform=device.platform, devices=mesh.devices.size, hosts=len(set(hosts)),
-                                 matmul_gflops={jnp.dtype(dtype).name: calib_rate}, axes=calib_axes)
-        say(f"check: calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}; `jaxtrain "
-            "plan --calibration` and mesh.auto read it")
+    if job.main:
+        path = calibration.write(os.path.join(job.cfg.run.dir, calibration.FILE), device_kind=device.device_kind,
+                                 platform=device.platform, devices=job.mesh.devices.size, hosts=len(set(hosts)),
+                                 matmul_gflops={jnp.dtype(job.dtype).name: calib_rate}, axes=calib_axes)
+        job.say(f"check: calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}; "
+                "`jaxtrain plan --calibration` and mesh.auto read it")
     for line in decision.misfits + decision.notes:
-        say(f"check: {line}")
+        job.say(f"check: {line}")
     for host in decision.exclude:
-        say(f"check: node {host} is to blame for: {'; '.join(f.check for f in decision.failures if f.host == host)}")
+        blamed = "; ".join(f.check for f in decision.failures if f.host == host)
+        job.say(f"check: node {host} is to blame for: {blamed}")
     if decision.exclude:
-        say(f"check: exclude hosts: {','.join(decision.exclude)}", flush=True)
+        job.say(f"check: exclude hosts: {','.join(decision.exclude)}", flush=True)
     return decision

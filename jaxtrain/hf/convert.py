@@ -154,7 +154,7 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
         params = jax.tree_util.tree_map_with_path(build, abstract)
         tokenizer = hf.copy_tokenizer(src, out)
         eos = hf_cfg.get("eos_token_id")
-        meta = {"config": to_dict(cfg), "mesh": str(dict(layout.mesh.shape)),
+        meta = {**ckpt.describe(to_dict(cfg), layout.shape.label, layout.num_devices),
                 "hf": {"source": os.path.abspath(src), "bos_token_id": hf_cfg.get("bos_token_id"),
                        "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
                        "max_position_embeddings": hf_cfg.get("max_position_embeddings"),

@@ -14,7 +14,8 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.kernels import flash_pallas, flash_triton
+from jaxtrain.kernels import flash_pallas, flash_triton, pallas_launch, triton_launch
+from jaxtrain.kernels.tiling import SUPPORTED_HEAD_DIMS
 
 IMPLS = ("pallas", "triton")
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -63,9 +64,8 @@ def validate(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_o
     if h % kvh:
         raise ValueError(f"heads={h} is not divisible by kv_heads={kvh}: each kv head must serve a whole group "
                          "of query heads")
-    supported = flash_pallas.SUPPORTED_HEAD_DIMS if impl == "pallas" else flash_triton.SUPPORTED_HEAD_DIMS
-    if d not in supported:
-        raise ValueError(f"unsupported head_dim={d} for impl={impl!r}: supported {supported} "
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim={d} for impl={impl!r}: supported {SUPPORTED_HEAD_DIMS} "
                          "(GPU tiles must be powers of two)")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
@@ -96,8 +96,8 @@ def validate(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_o
         raise ValueError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
     if impl == "triton" and interpret:
         raise ValueError("interpret=True is only available for impl='pallas'; impl='triton' runs on a CUDA GPU")
-    if impl == "pallas" and backend not in flash_pallas.BACKENDS:
-        raise ValueError(flash_pallas._backend_error(backend))
+    if impl == "pallas" and backend not in pallas_launch.BACKENDS:
+        raise ValueError(pallas_launch.backend_error(backend))
     if impl == "triton" and backend != "triton":
         raise ValueError(f"backend={backend!r} applies to impl='pallas' only")
 
@@ -110,12 +110,12 @@ def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_s
     length seq_k (None: seq), offsets traced or static."""
     shift = None if traced_offsets else 0
     if impl == "pallas":
-        cfg = flash_pallas.call_config(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
-                                block_sizes=block_sizes, kv_heads=kv_heads, seq_k=seq_k, shift=shift)
+        cfg = pallas_launch.call_config(q_shape, dtype, causal=causal, sm_scale=None, has_segments=has_segments,
+                                        block_sizes=block_sizes, kv_heads=kv_heads, seq_k=seq_k, shift=shift)
         launches = {kind: getattr(cfg, kind) for kind in ("fwd", "dq", "dkdv")}
     elif impl == "triton":
-        p = flash_triton.call_config(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
-                                   has_segments=has_segments, block_sizes=block_sizes, seq_k=seq_k, shift=shift)
+        p = triton_launch.call_config(q_shape, kv_heads, dtype, causal=causal, sm_scale=None,
+                                      has_segments=has_segments, block_sizes=block_sizes, seq_k=seq_k, shift=shift)
         launches = {"fwd": p.fwd_launch, "dq": p.dq_launch, "dkdv": p.dkdv_launch}
     else:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
@@ -151,7 +151,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segmen
     Returns:
       [batch, sq, heads, head_dim] in q's dtype; a query row that sees no key gives 0. Softmax statistics and
       accumulators are float32. Under ``jax.checkpoint`` the output and the log-sum-exp carry the checkpoint names
-      "attn_out" and "attn_lse" (``flash_pallas.CHECKPOINT_NAMES``): a policy saving them
+      "attn_out" and "attn_lse" (``common.CHECKPOINT_NAMES``): a policy saving them
       (``save_only_these_names`` or combined with another policy) keeps the backward from rerunning the forward
       kernel.
 

@@ -295,6 +295,83 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _sweep(args) -> dict:
+    """The sweep's settings: the command line over the defaults (tiny ones with --smoke); SystemExit on bad masks or
+    implementations."""
+    defaults: dict[str, Any]
+    if args.smoke:
+        defaults = dict(seq_lens="64", head_dims="64", tokens=128, model_dim=128, iters=1)
+    else:
+        defaults = dict(seq_lens="1024,2048,4096,8192,16384", head_dims="64,128", tokens=16384, model_dim=2048,
+                        iters=10)
+    sweep: dict[str, Any] = dict(
+        seq_lens=[int(x) for x in (args.seq_lens or defaults["seq_lens"]).split(",")],
+        head_dims=[int(x) for x in (args.head_dims or defaults["head_dims"]).split(",")],
+        tokens=args.tokens or defaults["tokens"], model_dim=args.model_dim or defaults["model_dim"],
+        iters=args.iters or defaults["iters"])
+    sweep["masks"] = (args.masks.split(",") if args.masks else
+                      {"both": ["causal", "full"], "true": ["causal"], "false": ["full"]}[args.causal])
+    if set(sweep["masks"]) - {"causal", "doc", "full"}:
+        raise SystemExit(f"jaxtrain.kernels.bench: --masks {args.masks!r} must be a comma-separated subset of "
+                         "causal,doc,full")
+    sweep["groups"] = [int(x) for x in args.groups.split(",")]
+    sweep["impls"] = [x for x in args.impls.split(",") if x]
+    unknown = sorted(set(sweep["impls"]) - set(IMPLS))
+    if unknown:
+        raise SystemExit(f"jaxtrain.kernels.bench: unknown implementation(s) {unknown}; expected {list(IMPLS)}")
+    return sweep
+
+
+def _shapes(sweep: dict, kv_heads: int | None) -> list[Shape]:
+    """Every (head dim, GQA group, mask, seq) of the sweep at its tokens per batch, the shipped models' (head dim,
+    group) first, so that a --time-budget cut loses the least useful rows: 1b (64, 4), 7b (128, 1), 70b (128, 8),
+    125m (64, 1)."""
+    shapes = []
+    for d in sweep["head_dims"]:
+        heads = max(1, sweep["model_dim"] // d)
+        for group in sweep["groups"]:
+            for mask in sweep["masks"]:
+                for s in sweep["seq_lens"]:
+                    if heads % group == 0:
+                        shapes.append(Shape(batch=max(1, sweep["tokens"] // s), seq=s, heads=heads,
+                                            kv_heads=kv_heads or heads // group, head_dim=d,
+                                            causal=mask != "full", doc_mask=mask == "doc"))
+    shipped = [(64, 4), (128, 1), (128, 8), (64, 1)]
+    shapes.sort(key=lambda sh: shipped.index((sh.head_dim, sh.heads // sh.kv_heads))
+                if (sh.head_dim, sh.heads // sh.kv_heads) in shipped else len(shipped))
+    return shapes
+
+
+def _run_shape(shape: Shape, rows: list[dict], args, sweep: dict, header: str, start: float, interpret: bool):
+    """Run every implementation on one shape, appending its rows to ``rows`` (reports rewritten after each)."""
+    d, s = shape.head_dim, shape.seq
+    first = len(rows)
+    for impl in sweep["impls"]:
+        if time.perf_counter() - start > args.time_budget:
+            row = dict(impl=impl, dtype="bfloat16", batch=shape.batch, seq=s, heads=shape.heads,
+                       kv_heads=shape.kv_heads, head_dim=d, causal=shape.causal,
+                       doc_mask=shape.doc_mask, status=f"skipped: --time-budget {args.time_budget:.0f}s spent")
+        else:
+            row = bench_one(impl, shape, jnp.bfloat16, iters=sweep["iters"], interpret=interpret,
+                            grad_check_max_seq=args.grad_check_max_seq)
+        rows.append(row)
+        # Rewritten after every row: a crash that takes the process down keeps what was measured.
+        write_reports(rows, args.out, header)
+        print(f"  {impl:<10} d={d:<4} g={shape.heads // shape.kv_heads} causal={shape.causal!s:<5} "
+              f"doc={shape.doc_mask!s:<5} seq={s:<6} "
+              f"{_fmt(row.get('fwd_ms'))} ms / {_fmt(row.get('fwdbwd_ms'))} ms  {row['status'][:100]}",
+              flush=True)
+    _versus_cudnn(rows[first:])
+    write_reports(rows, args.out, header)
+    if args.jsonl:
+        import json
+
+        with open(args.jsonl, "a") as f:
+            for row in rows[first:]:
+                f.write(json.dumps(dict(section="bench", **row)) + "\n")
+    _reference.cache_clear()  # free the S x S-sized reference before the next shape
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.tile_skip is not None:
@@ -306,78 +383,16 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("jaxtrain.kernels.bench: no GPU visible to JAX (backend: "
                          f"{jax.default_backend()}); the sweep is meant for a GPU. Use --smoke to exercise the "
                          "code path on CPU with tiny sizes in interpret mode.")
-    interpret = not gpu
-    defaults: dict[str, Any]
-    if args.smoke:
-        defaults = dict(seq_lens="64", head_dims="64", tokens=128, model_dim=128, iters=1)
-    else:
-        defaults = dict(seq_lens="1024,2048,4096,8192,16384", head_dims="64,128", tokens=16384, model_dim=2048,
-                        iters=10)
-    seq_lens = [int(x) for x in (args.seq_lens or defaults["seq_lens"]).split(",")]
-    head_dims = [int(x) for x in (args.head_dims or defaults["head_dims"]).split(",")]
-    tokens = args.tokens or defaults["tokens"]
-    model_dim = args.model_dim or defaults["model_dim"]
-    iters = args.iters or defaults["iters"]
-    masks = (args.masks.split(",") if args.masks else
-             {"both": ["causal", "full"], "true": ["causal"], "false": ["full"]}[args.causal])
-    if set(masks) - {"causal", "doc", "full"}:
-        raise SystemExit(f"jaxtrain.kernels.bench: --masks {args.masks!r} must be a comma-separated subset of "
-                         "causal,doc,full")
-    groups = [int(x) for x in args.groups.split(",")]
-    impls = [x for x in args.impls.split(",") if x]
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        raise SystemExit(f"jaxtrain.kernels.bench: unknown implementation(s) {unknown}; expected {list(IMPLS)}")
-    dtype = jnp.bfloat16
-
+    sweep = _sweep(args)
     header = (f"jax {jax.__version__}, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-              f"dtype bfloat16, {tokens} tokens per batch, model dim {model_dim}, median of {iters} iterations"
+              f"dtype bfloat16, {sweep['tokens']} tokens per batch, model dim {sweep['model_dim']}, median of "
+              f"{sweep['iters']} iterations"
               + (", SMOKE MODE (interpret, tiny sizes: timings are meaningless)" if args.smoke else ""))
     print(header, flush=True)
     start = time.perf_counter()
     rows: list[dict] = []
-    shapes = []
-    for d in head_dims:
-        heads = max(1, model_dim // d)
-        for group in groups:
-            for mask in masks:
-                for s in seq_lens:
-                    if heads % group == 0:
-                        shapes.append(Shape(batch=max(1, tokens // s), seq=s, heads=heads,
-                                            kv_heads=args.kv_heads or heads // group, head_dim=d,
-                                            causal=mask != "full", doc_mask=mask == "doc"))
-    # The shipped models' (head dim, GQA group) first, so that a --time-budget cut loses the least useful rows:
-    # 1b (64, 4), 7b (128, 1), 70b (128, 8), 125m (64, 1).
-    shipped = [(64, 4), (128, 1), (128, 8), (64, 1)]
-    shapes.sort(key=lambda sh: shipped.index((sh.head_dim, sh.heads // sh.kv_heads))
-                if (sh.head_dim, sh.heads // sh.kv_heads) in shipped else len(shipped))
-    for shape in shapes:
-        d, s = shape.head_dim, shape.seq
-        first = len(rows)
-        for impl in impls:
-            if time.perf_counter() - start > args.time_budget:
-                row = dict(impl=impl, dtype="bfloat16", batch=shape.batch, seq=s, heads=shape.heads,
-                           kv_heads=shape.kv_heads, head_dim=d, causal=shape.causal,
-                           doc_mask=shape.doc_mask, status=f"skipped: --time-budget {args.time_budget:.0f}s spent")
-            else:
-                row = bench_one(impl, shape, dtype, iters=iters, interpret=interpret,
-                                grad_check_max_seq=args.grad_check_max_seq)
-            rows.append(row)
-            # Rewritten after every row: a crash that takes the process down keeps what was measured.
-            write_reports(rows, args.out, header)
-            print(f"  {impl:<10} d={d:<4} g={shape.heads // shape.kv_heads} causal={shape.causal!s:<5} "
-                  f"doc={shape.doc_mask!s:<5} seq={s:<6} "
-                  f"{_fmt(row.get('fwd_ms'))} ms / {_fmt(row.get('fwdbwd_ms'))} ms  {row['status'][:100]}",
-                  flush=True)
-        _versus_cudnn(rows[first:])
-        write_reports(rows, args.out, header)
-        if args.jsonl:
-            import json
-
-            with open(args.jsonl, "a") as f:
-                for row in rows[first:]:
-                    f.write(json.dumps(dict(section="bench", **row)) + "\n")
-        _reference.cache_clear()  # free the S x S-sized reference before the next shape
+    for shape in _shapes(sweep, args.kv_heads):
+        _run_shape(shape, rows, args, sweep, header, start, interpret=not gpu)
     print()
     print_table(rows)
     csv_path, md_path = write_reports(rows, args.out, header)

@@ -9,6 +9,7 @@ import numpy as np
 
 MIN_BLOCK = 16  # smallest tile the GPU matrix units (tl.dot) accept
 KINDS = ("fwd", "dq", "dkdv")
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # a tile's head-dim extent must be a power of two (tl.arange, Triton)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,12 @@ def default_launch(kind: str, dtype, head_dim: int) -> Launch:
 def clamp_tile(block: int, seq: int) -> int:
     """A tile no larger than the next power of two >= seq (a 40-token call needs no 128-row tile)."""
     return min(block, max(MIN_BLOCK, 1 << (max(seq, 1) - 1).bit_length()))
+
+
+def dkdv_passes(head_dim: int) -> int:
+    """2 at head_dim 256: dk and dv accumulators of a wgmma-sized kv tile ([64, 256] float32 each) do not fit the
+    registers together (ptxas spills), so one kernel computes dv and a second dk, recomputing S and P."""
+    return 2 if head_dim >= 256 else 1
 
 
 TARGET_PROGRAMS = 2 * 132  # dk/dv programs wanted before splitting a GQA group: two waves of an H100/H200's SMs

@@ -4,14 +4,12 @@ stages, constexprs, grids, the GQA split of dk/dv and the dk/dv passes. Pure Pyt
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
-from jaxtrain.kernels.tiling import BlockSizes, Launch, choose_splits, segment_tile_ranges
+from jaxtrain.kernels.common import LOG2E
+from jaxtrain.kernels.tiling import BlockSizes, Launch, choose_splits, dkdv_passes, segment_tile_ranges
 
-LOG2E = math.log2(math.e)
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # tl.arange needs powers of two
 
 @dataclasses.dataclass(frozen=True)
 class CallConfig:
@@ -34,7 +32,7 @@ class CallConfig:
     # q_offset - kv_offset (causal mask: query position + shift >= key position) when static; None: traced, read by
     # the kernels from the int32 [1] operand OFFS.
     shift: int | None = 0
-    empty_rows: bool = False  # a query row may see no key: out 0, lse -inf (see jaxtrain.kernels.flash_pallas)
+    empty_rows: bool = False  # a query row may see no key: out 0, lse -inf (see jaxtrain.kernels.common)
     out_dtype: str | None = None  # forward output (None: q's dtype)
     grad_dtype: str | None = None  # dq, dk, dv (None: the inputs' dtype)
 
@@ -85,12 +83,6 @@ class CallConfig:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def dkdv_passes(head_dim: int) -> int:
-    """2 at head_dim 256: dk and dv accumulators of a wgmma-sized kv tile ([64, 256] float32 each) do not fit the
-    registers together (ptxas spills), so one launch computes dv and a second dk, recomputing S and P."""
-    return 2 if head_dim >= 256 else 1
 
 
 def call_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool,

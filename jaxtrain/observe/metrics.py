@@ -1,5 +1,5 @@
 """Training metrics sinks: the progress line, ``metrics.jsonl`` and TensorBoard (process 0 only), and the
-Prometheus metrics every process serves (:class:`PrometheusMetrics`, driven by ``jaxtrain.observe.observer``).
+Prometheus metrics every process serves (:class:`PrometheusMetrics`, served by ``jaxtrain.observe.prometheus``).
 
 Sinks receive plain Python numbers: the loop converts device values (one step late) first.
 """

@@ -75,6 +75,91 @@ def _add(acc, d):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, d)
 
 
+class _Stage:
+    """This device's stage inside the 1F1B loop (a ``shard_map`` body): its chunk of every pass, the step's inputs
+    on this device, and the halves of one iteration: the forward of one work item, the loss head on the last
+    stage, the backward of another work item. ``fns``: (stage_fn, embed_fn, loss_fn) of :func:`loss_and_grads`."""
+
+    def __init__(self, fns: tuple[Callable, Callable, Callable], chunks: Any, rest: Any, tokens: jax.Array,
+                 targets: jax.Array, side: Any, *, stages: int, virtual: int, stage_axis: str,
+                 batch_axes: tuple[str, ...]):
+        self.stage_fn, self.embed_fn, self.loss_fn = fns
+        self.rest, self.tokens, self.targets, self.side = rest, tokens, targets, side
+        self.s_n, self.v_n = stages, virtual
+        self.items = tokens.shape[0] * virtual
+        self.slots = saved_inputs(stages, tokens.shape[0], virtual)
+        self.me = jax.lax.axis_index(stage_axis)
+        self.chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
+        self.groups = jax.lax.psum(1, batch_axes) if batch_axes else 1
+        h_shape = jax.eval_shape(self.embed_fn, rest, tokens[0])
+        self.h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
+
+    def chunk(self, v):
+        """One pass's chunk: a static index, so that no copy of the stage's weights is made per iteration."""
+        return jax.tree.map(lambda a: a[0] if self.v_n == 1 else a[v], self.chunks)
+
+    def side_of(self, m):
+        return None if self.side is None else jax.tree.map(lambda a: a[m], self.side)  # may be a tuple (step.py)
+
+    def forward(self, t, h_ring, saved):
+        """Forward half of iteration ``t``: work item ``t - me``, its input fresh from the embedding (stage 0, pass
+        0) or from the ring, kept in its slot of ``saved``. Returns (output, saved, (ok, pass, microbatch))."""
+        me, items, s_n, v_n = self.me, self.items, self.s_n, self.v_n
+        w = t - me
+        f_ok = (w >= 0) & (w < items)
+        w = jnp.clip(w, 0, items - 1)
+        v_f, m_f = forward_item(w, s_n, v_n)
+        h = jax.lax.cond(f_ok & (me == 0) & (v_f == 0), lambda: self.embed_fn(self.rest, self.tokens[m_f]),
+                         lambda: h_ring)
+        slot = w % self.slots
+        saved = saved.at[slot].set(jnp.where(f_ok, h, saved[slot]))
+        out = jax.lax.cond(f_ok, lambda: self.stage_fn(self.chunk(v_f), h, self.side_of(m_f)), lambda: self.h_zero)
+        return out, saved, (f_ok, v_f, m_f)
+
+    def head(self, out, f_ok, v_f, m_f):
+        """The last stage ends a microbatch's last pass: its loss, the gradient of the loss head's parameters, and
+        the cotangent that starts the backward (zeros on the other stages and passes)."""
+
+        def head():
+            loss_m, vjp = jax.vjp(lambda r, o: self.loss_fn(r, o, self.targets[m_f]), self.rest, out)
+            d_r, d_out = vjp(jnp.ones_like(loss_m))
+            return loss_m.astype(jnp.float32), d_r, d_out
+
+        ends = f_ok & (self.me == self.s_n - 1) & (v_f == self.v_n - 1)
+        return jax.lax.cond(ends, head, lambda: (jnp.zeros((), jnp.float32), _zeros(self.rest), self.h_zero))
+
+    def backward(self, t, ct_head, ct_ring, saved):
+        """Backward half of iteration ``t``: work item u, recomputed from its saved input; the cotangent from the
+        head (the item just forwarded, on the last stage's last pass) or from the ring. Returns (d_chunk, the
+        cotangent of its input, the embedding's gradient where stage 0 ends a first pass, its pass)."""
+        me, items, s_n, v_n = self.me, self.items, self.s_n, self.v_n
+        u = t - (s_n * v_n - 1) - (s_n - 1 - me)
+        b_ok = (u >= 0) & (u < items)
+        u = jnp.clip(u, 0, items - 1)
+        v_b, m_b, w_b = backward_item(u, s_n, v_n)
+        ct = jnp.where((me == s_n - 1) & (v_b == v_n - 1), ct_head, ct_ring)
+
+        def backward():
+            _, vjp = jax.vjp(lambda c, x: self.stage_fn(c, x, self.side_of(m_b)), self.chunk(v_b),
+                             saved[w_b % self.slots])
+            return vjp(ct)
+
+        d_chunk, d_in = jax.lax.cond(b_ok, backward, lambda: (_zeros(self.chunk(v_b)), self.h_zero))
+
+        # Stage 0 ends a microbatch's first pass: the cotangent reaches the embedding.
+        def embed_grad():
+            return jax.vjp(lambda r: self.embed_fn(r, self.tokens[m_b]), self.rest)[1](d_in)[0]
+
+        d_r_embed = jax.lax.cond(b_ok & (me == 0) & (v_b == 0), embed_grad, lambda: _zeros(self.rest))
+        return d_chunk, d_in, d_r_embed, v_b
+
+    def add_chunk_grads(self, d_chunks, d_chunk, v_b):
+        """``d_chunk`` (of pass ``v_b``) added into the float32 sums of every pass's chunk gradients."""
+        if self.v_n == 1:
+            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32)[None], d_chunks, d_chunk)
+        return jax.tree.map(lambda a, g: a.at[v_b].add(g.astype(jnp.float32)), d_chunks, d_chunk)
+
+
 def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, chunks: Any, rest: Any,
                    tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int,
                    stage_axis: str, batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, Any, Any]:
@@ -94,72 +179,22 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
     to ``chunks`` (float32, split like chunks) and ``rest`` (float32, replicated). The gradients are summed over the
     batch axes (and, for ``rest``, the stages) once, after the loop.
     """
-    s_n, v_n, m_n = stages, virtual, tokens.shape[0]
-    items, slots = m_n * v_n, saved_inputs(stages, m_n, virtual)
+    s_n = stages
     forward_ring = [(i, (i + 1) % s_n) for i in range(s_n)]
     backward_ring = [((i + 1) % s_n, i) for i in range(s_n)]
     reduce_axes = (stage_axis, *batch_axes)
 
     def local(chunks, rest, tokens, targets, side):
-        me = jax.lax.axis_index(stage_axis)
-        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
-        groups = jax.lax.psum(1, batch_axes) if batch_axes else 1
-
-        def chunk(v):  # one pass: a static index, so that no copy of the stage's weights is made per iteration
-            return jax.tree.map(lambda a: a[0] if v_n == 1 else a[v], chunks)
-
-        def side_of(m):
-            return None if side is None else jax.tree.map(lambda a: a[m], side)  # side may be a tuple (step.py)
-
-        h_shape = jax.eval_shape(embed_fn, rest, tokens[0])
-        h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
+        stage = _Stage((stage_fn, embed_fn, loss_fn), chunks, rest, tokens, targets, side, stages=stages,
+                       virtual=virtual, stage_axis=stage_axis, batch_axes=batch_axes)
+        groups, h_zero = stage.groups, stage.h_zero
 
         def iteration(carry, t):
             h_ring, ct_ring, saved, loss, d_chunks, d_rest = carry
-            # Forward half: work item t - me, its input fresh from the embedding (stage 0, pass 0) or from the ring.
-            w = t - me
-            f_ok = (w >= 0) & (w < items)
-            w = jnp.clip(w, 0, items - 1)
-            v_f, m_f = forward_item(w, s_n, v_n)
-            h = jax.lax.cond(f_ok & (me == 0) & (v_f == 0), lambda: embed_fn(rest, tokens[m_f]), lambda: h_ring)
-            slot = w % slots
-            saved = saved.at[slot].set(jnp.where(f_ok, h, saved[slot]))
-            out = jax.lax.cond(f_ok, lambda: stage_fn(chunk(v_f), h, side_of(m_f)), lambda: h_zero)
-
-            # The last stage ends a microbatch's last pass: its loss, and the cotangent that starts the backward.
-            def head():
-                loss_m, vjp = jax.vjp(lambda r, o: loss_fn(r, o, targets[m_f]), rest, out)
-                d_r, d_out = vjp(jnp.ones_like(loss_m))
-                return loss_m.astype(jnp.float32), d_r, d_out
-
-            ends = f_ok & (me == s_n - 1) & (v_f == v_n - 1)
-            loss_m, d_r_head, ct_head = jax.lax.cond(
-                ends, head, lambda: (jnp.zeros((), jnp.float32), _zeros(rest), h_zero))
-
-            # Backward half: work item u, recomputed from its saved input; the cotangent from the head (the item just
-            # forwarded, on the last stage's last pass) or from the ring.
-            u = t - (s_n * v_n - 1) - (s_n - 1 - me)
-            b_ok = (u >= 0) & (u < items)
-            u = jnp.clip(u, 0, items - 1)
-            v_b, m_b, w_b = backward_item(u, s_n, v_n)
-            ct = jnp.where((me == s_n - 1) & (v_b == v_n - 1), ct_head, ct_ring)
-
-            def backward():
-                _, vjp = jax.vjp(lambda c, x: stage_fn(c, x, side_of(m_b)), chunk(v_b), saved[w_b % slots])
-                return vjp(ct)
-
-            d_chunk, d_in = jax.lax.cond(b_ok, backward, lambda: (_zeros(chunk(v_b)), h_zero))
-
-            # Stage 0 ends a microbatch's first pass: the cotangent reaches the embedding.
-            def embed_grad():
-                return jax.vjp(lambda r: embed_fn(r, tokens[m_b]), rest)[1](d_in)[0]
-
-            d_r_embed = jax.lax.cond(b_ok & (me == 0) & (v_b == 0), embed_grad, lambda: _zeros(rest))
-
-            if v_n == 1:
-                d_chunks = jax.tree.map(lambda a, g: a + g.astype(jnp.float32)[None], d_chunks, d_chunk)
-            else:
-                d_chunks = jax.tree.map(lambda a, g: a.at[v_b].add(g.astype(jnp.float32)), d_chunks, d_chunk)
+            out, saved, forwarded = stage.forward(t, h_ring, saved)
+            loss_m, d_r_head, ct_head = stage.head(out, *forwarded)
+            d_chunk, d_in, d_r_embed, v_b = stage.backward(t, ct_head, ct_ring, saved)
+            d_chunks = stage.add_chunk_grads(d_chunks, d_chunk, v_b)
             d_rest = _add(_add(d_rest, d_r_head), d_r_embed)
             # Named, so that the program's two rings can be told apart (with two stages both are the same pairs).
             with jax.named_scope("forward_ring"):
@@ -168,9 +203,9 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
                 ct_ring = jax.lax.ppermute(d_in, stage_axis, perm=backward_ring)
             return (h_ring, ct_ring, saved, loss + loss_m, d_chunks, d_rest), None
 
-        carry = (h_zero, h_zero, jnp.zeros((slots, *h_zero.shape), h_zero.dtype), jnp.zeros((), jnp.float32),
-                 _f32_zeros(chunks), _f32_zeros(rest))
-        steps = jnp.arange(iterations(s_n, m_n, v_n))
+        carry = (h_zero, h_zero, jnp.zeros((stage.slots, *h_zero.shape), h_zero.dtype), jnp.zeros((), jnp.float32),
+                 _f32_zeros(stage.chunks), _f32_zeros(rest))
+        steps = jnp.arange(iterations(s_n, tokens.shape[0], virtual))
         (_, _, _, loss, d_chunks, d_rest), _ = jax.lax.scan(iteration, carry, steps)
         # The sums over devices, once per step: the loss and the embedding/head gradients live on one stage each.
         loss = jax.lax.psum(loss, reduce_axes) / groups

@@ -17,8 +17,10 @@ Modules, in the order a plan uses them: ``target`` (what the plan is for: hardwa
 it runs there, the meshes), ``search`` (candidate meshes, pruning, compiling), ``hlo`` (HLO text -> instructions,
 loops, replica groups, collectives), ``passes`` (the GPU collective passes), ``cost`` (bytes per link, time per
 part), ``measure`` (the devices at hand), ``report`` (table and JSON); ``auto`` and ``trial`` choose a layout
-for ``mesh.auto``; ``calibration`` reads what the health check measured; ``xla_gpu`` (and the process it starts,
-``xla_gpu_child``) compiles for GPUs without one, ``gpu_program`` checks the GPU program.
+for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``compile_cache`` (each
+compile's reading on disk) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the health check
+measured; ``xla_gpu`` (and the process it starts, ``xla_gpu_child``) compiles for GPUs without one, ``gpu_program``
+checks the GPU program.
 
 May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O.
 """
@@ -46,7 +48,7 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
                                 mem_fraction=mem_fraction)
     from jaxtrain.cluster import process as runtime
-    from jaxtrain.planner import auto, calibration, report, search
+    from jaxtrain.planner import auto, auto_report, calibration, compile_cache, report, search
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
@@ -59,9 +61,9 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
                                  "the devices at hand (measured by plan)"))
     if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
         res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=os.path.join(target.cfg.run.dir, auto.CACHE_DIR))
-        print(json.dumps({"notes": target.notes, **auto.to_json(res)}, indent=1) if as_json else
-              "\n".join([*(f"note: {n}" for n in target.notes), auto.format_result(res)]))
+                                 cache_dir=os.path.join(target.cfg.run.dir, compile_cache.CACHE_DIR))
+        print(json.dumps({"notes": target.notes, **auto_report.to_json(res)}, indent=1) if as_json else
+              "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res)]))
         return 0
     gpu = None
     if hardware_name:  # the GPU's own compiler where it is installed (planner/xla_gpu.py)

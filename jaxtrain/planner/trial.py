@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
 from jaxtrain.config import Config
 from jaxtrain.planner import search
 from jaxtrain.planner.measure import back_and_forth
+from jaxtrain.planner.space import Candidate
 
 PASSES = 2
-Candidate = Any  # an auto.Candidate (auto imports this module)
 
 
 def step_times(cfg: Config, cand: Candidate, devices: list, steps: int, executable=None) -> list[float]:

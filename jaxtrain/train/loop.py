@@ -96,8 +96,7 @@ def _start(cfg: Config, devices: list | None) -> RunResult:
         for moved in ckpt.set_aside_damaged(ckpt.checkpoint_dir(cfg), restored[1]):
             log.info(f"moved the damaged checkpoint aside to {moved} (not deleted)")
     effective = layout.effective_config()
-    checkpointer = ckpt.Checkpointer(cfg, {"config": to_dict(effective), "mesh": layout.shape.label,
-                                           "processes": jax.process_count(), "devices": layout.num_devices})
+    checkpointer = ckpt.Checkpointer(cfg, ckpt.describe(to_dict(effective), layout.shape.label, layout.num_devices))
     if jax.process_index() == 0:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(rundir.path(cfg.run.dir, rundir.CONFIG), "w") as f:
@@ -179,6 +178,37 @@ class _Loop:
         self.eval_set: list[jax.Array] = []
 
     def run(self, tokens, restored) -> RunResult:
+        """Train from ``restored`` (state, its step, the data iterator's state) to ``train.steps``, or to a stop."""
+        state, batches = self._prepare(tokens, restored)
+        obs, checkpointer, result = self.obs, self.checkpointer, self.result
+        local_saver = checkpoint_local.saver(self.cfg, checkpointer.directory)  # None when off: no per-step work
+        watch = PreemptionWatch(checkpointer)
+        pending = PendingMetrics(self.report, obs.waited)
+        failed = True  # until the loop ends; then the endpoint's linger (normal ends only) follows the summary
+        try:
+            self._steps(state, batches, watch, pending, local_saver)
+            pending.drain()
+            with obs.goodput.phase("checkpoint"):
+                checkpointer.close()
+                if local_saver:
+                    local_saver.wait()
+            failed = False
+        except NonFiniteError:
+            checkpointer.close()  # the saves in flight hold finite states (skipped steps change nothing): keep them
+            raise
+        except Exception as e:
+            obs.out_of_memory(e, self.train_step)  # the device memory profile, if that is what it is
+            raise
+        finally:
+            obs.close(stop_serving=failed)
+            watch.close()
+            self.writer.close()
+        self._finish()
+        return result
+
+    def _prepare(self, tokens, restored) -> tuple[Any, Any]:
+        """Before the first step: the observer, the batches (resumed where the checkpoint's iterator was), the
+        evaluation set, the metrics writer and the result. Returns (state, the batch iterator)."""
         cfg, layout = self.cfg, self.layout
         t, d = cfg.train, cfg.data
         rows = layout.local_rows()
@@ -203,64 +233,53 @@ class _Loop:
             tokens, d, global_batch=t.global_batch, num_batches=t.eval_batches, rows=rows)]
         self.writer = MetricsWriter(cfg.run.dir, enabled=jax.process_index() == 0, total_steps=t.steps,
                                     start_step=start)
-        self.result = result = RunResult({}, {}, self.compile_s, [], start_step=start)
+        self.result = RunResult({}, {}, self.compile_s, [], start_step=start)
         self.start, self.t_start = start, time.perf_counter()
-        checkpointer = self.checkpointer
-        local_saver = checkpoint_local.saver(cfg, checkpointer.directory)  # None when off: no per-step work
-        watch = PreemptionWatch(checkpointer)
-        pending = PendingMetrics(self.report, obs.waited)
-        failed = True  # until the loop ends; then the endpoint's linger (normal ends only) follows the summary
-        try:
-            for step in range(start + 1, t.steps + 1):
-                t_begin = obs.step_begin(step)
-                local = next(batches)
-                t_batch = time.perf_counter()
-                batch = layout.to_device(local)
-                t_sent = time.perf_counter()
-                state, metrics = self.train_step(state, batch)
-                obs.step_dispatched(step, t_begin, t_batch, t_sent)
-                checkpointer.raise_if_failed()
-                preempted = watch.reached(step)
-                wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
-                pending.add(step, metrics, state if wants_eval else None)
-                if preempted or checkpointer.should_save(step):
-                    result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
-                    obs.saved(checkpointer, result.save_block_seconds[-1])
-                if local_saver and step % cfg.checkpoint.local_every == 0:  # also at persistent steps (may not finish)
-                    obs.goodput.charge("checkpoint", local_saver.save(step, state, batches.get_state()))
-                obs.step_end(step, metrics)
-                if preempted:
-                    pending.drain()
-                    with obs.goodput.phase("checkpoint"):
-                        checkpointer.wait()
-                    result.preempted_at = step
-                    log.info(f"stopped by a signal after step {step}; checkpoint saved to "
-                             f"{checkpointer.directory}/{step}")
-                    break
-            pending.drain()
-            with obs.goodput.phase("checkpoint"):
-                checkpointer.close()
-                if local_saver:
-                    local_saver.wait()
-            failed = False
-        except NonFiniteError:
-            checkpointer.close()  # the saves in flight hold finite states (skipped steps change nothing): keep them
-            raise
-        except Exception as e:
-            obs.out_of_memory(e, self.train_step)  # the device memory profile, if that is what it is
-            raise
-        finally:
-            obs.close(stop_serving=failed)
-            watch.close()
-            self.writer.close()
+        return state, batches
+
+    def _steps(self, state, batches, watch: PreemptionWatch, pending: PendingMetrics, local_saver) -> None:
+        """The steps after the restored one, to ``train.steps`` or a stop asked by a signal: each step dispatched,
+        its metrics queued (reported one step late), saves started where due."""
+        cfg, layout, obs, checkpointer, result = self.cfg, self.layout, self.obs, self.checkpointer, self.result
+        t = cfg.train
+        for step in range(self.start + 1, t.steps + 1):
+            t_begin = obs.step_begin(step)
+            local = next(batches)
+            t_batch = time.perf_counter()
+            batch = layout.to_device(local)
+            t_sent = time.perf_counter()
+            state, metrics = self.train_step(state, batch)
+            obs.step_dispatched(step, t_begin, t_batch, t_sent)
+            checkpointer.raise_if_failed()
+            preempted = watch.reached(step)
+            wants_eval = not preempted and (step == t.steps or (t.eval_every and step % t.eval_every == 0))
+            pending.add(step, metrics, state if wants_eval else None)
+            if preempted or checkpointer.should_save(step):
+                result.save_block_seconds.append(checkpointer.save(step, state, batches.get_state()))
+                obs.saved(checkpointer, result.save_block_seconds[-1])
+            if local_saver and step % cfg.checkpoint.local_every == 0:  # also at persistent steps (may not finish)
+                obs.goodput.charge("checkpoint", local_saver.save(step, state, batches.get_state()))
+            obs.step_end(step, metrics)
+            if preempted:
+                pending.drain()
+                with obs.goodput.phase("checkpoint"):
+                    checkpointer.wait()
+                result.preempted_at = step
+                log.info(f"stopped by a signal after step {step}; checkpoint saved to "
+                         f"{checkpointer.directory}/{step}")
+                return
+
+    def _finish(self) -> None:
+        """After a run that ended normally or by a signal: the summary (process 0), then the endpoint's last
+        serving."""
+        result, obs = self.result, self.obs
         if jax.process_index() == 0 and result.step_times:
-            self.summary().write(cfg.run.dir)
+            self.summary().write(self.cfg.run.dir)
             print(summary_line(compile_s=self.compile_s, step_times=result.step_times,
                                tokens_per_step=self.speed.tokens_per_step, final_loss=result.losses[max(result.losses)],
                                run_dir=self.run_dir), flush=True)
             print(obs.goodput.line(), flush=True)
         obs.stop_serving(linger=result.preempted_at is None)  # a stop asked by a signal must be quick
-        return result
 
     def report(self, step: int, m: dict, step_seconds: float, eval_state) -> None:
         """A step's metrics (plain numbers) have arrived: record them, log them at the logging pace, evaluate where
