@@ -103,3 +103,29 @@ def test_shipped_layout_compiles_for_its_gpu(layout):
     assert res.attention == ("pallas" if shape.axis_sizes["context"] > 1 else "cudnn")
     assert res.violations == []
     assert res.compiled.memory_bytes > res.compiled.params_bytes + res.compiled.opt_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(COMPILER is None, reason=f"no GPU compiler: {WHY}")
+def test_the_auto_search_for_gpus_reads_xla_gpu_and_caches_it(tmp_path):
+    """plan --hardware mesh.auto=true: each compiled candidate's figures are XLA:GPU's (the CPU-derived beside them),
+    and a second search reads them from the compile cache, still XLA:GPU's."""
+    import json
+
+    from jaxtrain_testing import run_cli
+
+    args = ["plan", "--hardware", "h100-8x", "mesh.auto=true", f"run.dir={tmp_path}", "model.attention=auto",
+            "model.head_dim=32",
+            "train.global_batch=8", "--json"]
+    runs = []
+    for _ in range(2):
+        proc = run_cli(*args, timeout=3000, env={**os.environ, xla_gpu.ENV_VAR: COMPILER.python})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout))
+    first, second = runs
+    assert first["compiles"] >= 1 and second["compiles"] == 0 and second["cache_hits"] == first["compiles"]
+    for res in runs:
+        assert all(r["figures"] == "xla-gpu" and r["cpu_derived"]["memory_bytes_per_device"] > 0
+                   for r in res["compiled"])
+        assert res["warnings"] == []
+    assert first["choice"] == second["choice"]

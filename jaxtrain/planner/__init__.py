@@ -59,18 +59,20 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target.hw = cal.hw
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))
-    if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
-        res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=os.path.join(target.cfg.run.dir, compile_cache.CACHE_DIR))
-        print(json.dumps({"notes": target.notes, **auto_report.to_json(res)}, indent=1) if as_json else
-              "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res)]))
-        return 0
     gpu = None
     if hardware_name:  # the GPU's own compiler where it is installed (planner/xla_gpu.py)
         from jaxtrain.planner import xla_gpu
 
         gpu, note = xla_gpu.for_plan(target.hw, target.nodes, cfg.model.attention)
         target.notes.append(note)
+    if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
+        res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
+                                 cache_dir=os.path.join(target.cfg.run.dir, compile_cache.CACHE_DIR), gpu=gpu)
+        warnings = report.gpu_warnings([r.result for r in res.compiled if r.result is not None])
+        print(json.dumps({"notes": target.notes, **auto_report.to_json(res), "warnings": warnings}, indent=1)
+              if as_json else "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res),
+                                         *warnings]))
+        return 0
     log(f"planning {len(target.shapes)} mesh(es) over {target.n_devices} device(s) on {target.nodes} node(s) for "
         f"{target.hw.name}" + (" (each compiled by XLA:CPU and by XLA:GPU)" if gpu else ""))
     result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log, gpu=gpu)

@@ -127,7 +127,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
                        f"--xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}")
         import jax
 
-        if not jax.config.jax_platforms:
+        if not getattr(jax.config, "jax_platforms", None):
             # The plan compiles on CPU devices only: a CUDA plugin installed on a machine without a GPU (for the
             # XLA:GPU compiles, planner/xla_gpu.py) would otherwise fail its start-up checks loudly here.
             jax.config.update("jax_platforms", "cpu")

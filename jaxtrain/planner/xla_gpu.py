@@ -219,6 +219,11 @@ class PlanCompiler:
     per_node: int
     attention: Attention  # model.attention as the user set it ("auto": resolved per layout, as on the GPUs)
 
+    @property
+    def label(self) -> str:
+        """What compiles the figures (part of the compile cache's key: compile_cache.cache_key)."""
+        return f"{self.gpu_target} 1x{self.nodes}x{self.per_node}, {self.compiler.label}"
+
     def read(self, cfg: Config, shape: MeshShape, cpu: search.Compiled) -> search.Compiled:
         on_gpu = shape.apply(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=self.attention)))
         try:
