@@ -122,8 +122,14 @@ def _budget(cfg, args) -> int:
                                 "the devices at hand (measured by plan)"))
     plans = []
     for t in targets:
+        gpu = None
+        if args.hardware:  # the GPU's own compiler where it is installed (planner/xla_gpu.py)
+            from jaxtrain.planner import xla_gpu
+
+            gpu, note = xla_gpu.for_plan(t.hw, t.nodes, cfg.model.attention)
+            t.notes.append(note)
         log(f"planning {len(t.shapes)} mesh(es) over {t.n_devices} device(s) on {t.nodes} node(s) for {t.hw.name}")
-        plans.append((t, search.plan(t.cfg, t.shapes, t.hw, t.devices, progress=log)))
+        plans.append((t, search.plan(t.cfg, t.shapes, t.hw, t.devices, progress=log, gpu=gpu)))
     first = targets[0]
     tokens_per_step = first.cfg.train.global_batch * first.cfg.data.seq_len
     rows = report.budget_rows([(t.nodes, t.n_devices, result) for t, result in plans], args.tokens,

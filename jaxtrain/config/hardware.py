@@ -5,9 +5,10 @@ number with its datasheet source. The one table of device peak rates: MFU and th
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
-from jaxtrain.config.schema import find_yaml, load_typed, shipped
+from jaxtrain.config.schema import SHIPPED_DIR, find_yaml, load_typed, shipped
 from jaxtrain.errors import ConfigError
 
 # JAX's GPU allocator takes this fraction of HBM unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise: a step must
@@ -44,6 +45,9 @@ class Hardware:
     # The compute efficiency of the model's own step, (remat policy, tensor, efficiency): measured on the CPU at hand
     # (``measure.measure_model``), replacing ``compute_efficiency`` for the policies it names (``cost.efficiency``).
     model_efficiency: tuple[tuple[str, int, float], ...] = ()
+    # The XLA GPU target config (``jaxtrain/configs/gpu_targets/<gpu_target>.txtpb``) that a deviceless XLA:GPU
+    # compile for this hardware uses (``planner/xla_gpu.py``); "" for hardware without one (CPUs, a measured file).
+    gpu_target: str = ""
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -78,7 +82,30 @@ def load_hardware(name: str) -> Hardware:
     bad = [k for k in numbers if getattr(hw, k) <= 0]
     if bad:
         raise ConfigError(f"hardware file {path!r}: {', '.join(bad)} must be > 0")
+    if hw.gpu_target and hw.gpu_target not in gpu_targets():
+        raise ConfigError(f"hardware file {path!r}: gpu_target {hw.gpu_target!r} is not a shipped GPU target config; "
+                          f"shipped: {', '.join(gpu_targets())}")
     return hw
+
+
+GPU_TARGETS_DIR = os.path.join(SHIPPED_DIR, "gpu_targets")
+
+
+def gpu_targets() -> dict[str, str]:
+    """The shipped XLA GPU target configs by name (``h100`` -> its ``.txtpb`` path): what a hardware file's
+    ``gpu_target`` names (XLA's public specs, trimmed; each file's header says which)."""
+    return {f[:-6]: os.path.join(GPU_TARGETS_DIR, f) for f in sorted(os.listdir(GPU_TARGETS_DIR))
+            if f.endswith(".txtpb")}
+
+
+def gpu_target_device_kind(name: str) -> str:
+    """The device kind a deviceless compile for the shipped target ``name`` gives its devices (the config's
+    ``device_description_str``), e.g. "NVIDIA H100 80GB HBM3"."""
+    with open(gpu_targets()[name]) as f:
+        found = re.search(r'^device_description_str:\s*"([^"]*)"', f.read(), re.M)
+    if found is None:
+        raise ConfigError(f"GPU target config {name!r} has no device_description_str")
+    return found.group(1)
 
 
 def for_device_kind(device_kind: str) -> Hardware | None:

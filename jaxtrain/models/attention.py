@@ -8,9 +8,11 @@ under ``shard_map``, ring attention over the context axis). The model takes eith
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.kernels import flash_attention, mha_reference
@@ -63,6 +65,10 @@ def keep_residuals(fn):
     backward reads the residuals its forward rule made, which are other values than the named result, so a remat
     policy saving the name still reruns the forward in the backward pass. Here the residuals themselves are named.
     Residuals that are q, k or v as passed stay unnamed (the policy decides about them as about any input).
+
+    Zero-size residuals (cuDNN's forward saves its empty bias and mask placeholders, ``bf16[0]``) are not carried
+    to the backward but made again there: a zero-size value crossing a ``shard_map`` boundary (the GPipe loop's
+    forward to its transpose) makes jax 0.11's Shardy partitioner crash the compiler (docs/gpu.md, known issues).
     """
 
     @jax.custom_vjp
@@ -72,16 +78,44 @@ def keep_residuals(fn):
     def forward(q, k, v):
         out, pull = jax.vjp(fn, q, k, v)
         named_out = checkpoint_name(out, CHECKPOINT_NAMES[0])
+        leaves, tree = jax.tree.flatten(pull)
+        kept, empty = [], []
+        for i, r in enumerate(leaves):
+            if math.prod(jnp.shape(r)) == 0:
+                empty.append((i, jnp.shape(r), jnp.result_type(r)))
+            elif any(r is x for x in (q, k, v)):
+                kept.append(r)
+            else:
+                kept.append(named_out if r is out else checkpoint_name(r, CHECKPOINT_NAMES[1]))
+        return named_out, (kept, _Static((tree, tuple(empty))))
 
-        def name(r):
-            if any(r is x for x in (q, k, v)):
-                return r
-            return named_out if r is out else checkpoint_name(r, CHECKPOINT_NAMES[1])
+    def backward(residuals, g):
+        kept, static = residuals
+        tree, empty = static.value
+        leaves = list(kept)
+        for i, shape, dtype in empty:  # in ascending position: each goes back where it was
+            leaves.insert(i, jnp.zeros(shape, dtype))
+        return jax.tree.unflatten(tree, leaves)(g)
 
-        return named_out, jax.tree.map(name, pull)
-
-    call.defvjp(forward, lambda pull, g: pull(g))
+    call.defvjp(forward, backward)
     return call
+
+
+class _Static:
+    """Static data in a custom VJP's residuals (a pytree node without leaves): the backward's tree structure and the
+    zero-size residuals' positions, shapes and dtypes."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and self.value == other.value
+
+    def __hash__(self):
+        return hash(self.value)
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
 
 
 # cuDNN's fused attention (GPU, 16-bit), causal, with its output and softmax statistics saveable by the remat

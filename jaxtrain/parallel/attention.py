@@ -4,10 +4,11 @@ At trace time :class:`MeshAttention` reads the abstract mesh and the logical rul
 
 - **ring attention** where the sequence is split over the context axis (``jaxtrain.parallel.context``: K/V passed
   round the ring, or all-gathered for a ring of 2), on the XLA reference's blocks or the flash kernels';
-- the **flash kernels per device** under ``shard_map`` (they are custom calls XLA cannot partition): batch and heads
-  split over the mesh axes their logical names map to (the config refuses a sharded sequence for them);
+- the **flash kernels and cuDNN per device** under ``shard_map`` over every mesh axis (the flash kernels are custom
+  calls XLA cannot partition; see :class:`MeshAttention` for cuDNN): batch and heads split over the mesh axes their
+  logical names map to (the config refuses a sharded sequence for them);
 - otherwise the model's own attention (:class:`jaxtrain.models.attention.Local`) on the global arrays, which XLA
-  partitions like any other op (the XLA reference, cuDNN).
+  partitions like any other op (the XLA reference).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class MeshAttention:
     mesh in scope (``jax.set_mesh``) under the logical rules in scope: a drop-in for the model's ``attention``.
 
     ``impl`` is the resolved ``model.attention``; ``interpret`` runs the flash kernels in Pallas' interpreter (CPU).
+
+    cuDNN runs per device too, though jax gives it a custom partitioner: that partitioner runs only where some mesh
+    axis is still automatic, and inside the pipelines' ``shard_map`` (manual over stage and the batch axes) it fails
+    on the manual operands (jax 0.11: an AssertionError, or ``'GSPMDSharding' object has no attribute 'spec'``).
+    With every axis manual, jax lowers the cuDNN call as it is, on each device's shards.
     """
 
     impl: str
@@ -44,7 +50,7 @@ class MeshAttention:
         if ring > 1:  # the sequence is split over the context axis, in the zigzag order (parallel/context.py)
             return self._ring(q, k, v, segment_ids, mesh, ring)
         local = Local(self.impl, self.interpret)
-        if self.impl not in ("pallas", "triton") or mesh.empty:
+        if self.impl not in ("pallas", "triton", "cudnn") or mesh.empty:
             return local(q, k, v, segment_ids)
         q_spec, kv_spec, seg_spec = (nn_partitioning.logical_to_mesh_axes(a) for a in (Q_AXES, KV_AXES, SEGMENT_AXES))
         if segment_ids is None:

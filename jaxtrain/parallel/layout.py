@@ -33,6 +33,10 @@ from jaxtrain.parallel.attention import MeshAttention
 from jaxtrain.parallel.dims import Axis, MeshShape, ParallelDims, seq_shards
 from jaxtrain.parallel.mesh import Rules, build_mesh, rules_from_config
 
+# Head dims cuDNN's fused attention takes on every GPU jaxtrain targets (jax checks: a multiple of 8, at most 128
+# before Hopper, 256 from Hopper on; jax/_src/cudnn/fused_attention_stablehlo.py): "auto" picks it only for these.
+CUDNN_HEAD_DIMS = range(8, 129, 8)
+
 
 def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> Config:
     """``cfg`` with ``model.dtype=auto`` and ``model.attention=auto`` replaced by the concrete choice for
@@ -40,8 +44,9 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     planning; a ``-1`` mesh axis then counts as possibly sharding): the one place "auto" gets a meaning.
 
     dtype: float32 on CPU, bfloat16 on accelerators. attention on GPU, for 16-bit compute only: cuDNN's fused kernel
-    without document masking (its entry point takes no segment ids) and with an unsharded sequence (it refuses a
-    sharded sequence dimension at compile time), else jaxtrain's flash kernel where it takes the head dim and the
+    without document masking (its entry point takes no segment ids), with an unsharded sequence (it refuses a
+    sharded sequence dimension at compile time) and a head dim of :data:`CUDNN_HEAD_DIMS`, pipelines included
+    (``parallel/attention.py`` calls it per device); else jaxtrain's flash kernel where it takes the head dim and the
     sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
     else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
     checking, not speed; cuDNN has no float32 kernel). Concrete values pass through unchanged, so resolving twice is
@@ -61,8 +66,9 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
         seq_rule = cfg.mesh.rules.get("act_seq")
         ring = seq_rule == Axis.CONTEXT and shards is not None and shards > 1  # ring attention (parallel/context.py)
         if platform == "gpu" and dtype != "float32" and (shards == 1 or ring):
-            if shards == 1 and not (cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)):
-                attention = "cudnn"  # packed chat data has segments too
+            segments = cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)  # chat packs too
+            if shards == 1 and not segments and m.resolved_head_dim in CUDNN_HEAD_DIMS:
+                attention = "cudnn"
             elif m.resolved_head_dim in FLASH_HEAD_DIMS and seq_rule in (None, Axis.CONTEXT):
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
                 # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same

@@ -7,6 +7,9 @@ For every candidate layout the real train step is lowered and compiled ahead of 
   compiler's temporary buffers (``Compiled.memory_analysis()``);
 - collectives (``Compiled.as_text()``): kind, bytes, and the mesh axes their replica groups span, multiplied by the
   trip counts of the loops they run in, with the effect of XLA:GPU's collective passes that XLA:CPU does not run;
+- for GPUs that are not here, where a CUDA jax plugin is installed: the same step compiled by XLA:GPU for them
+  (``xla_gpu``), whose memory and collectives replace the CPU-derived ones, and what its program must hold
+  (``gpu_program``: the attention kernel, no S x S scores, no float32 GEMM in 16-bit runs, the collectives);
 - an estimated step time: model FLOPs over (peak x efficiency), ring communication time per link class (NVLink
   within a node, the network between nodes), and the memory-bound optimizer update.
 
@@ -17,7 +20,8 @@ part), ``measure`` (the devices at hand), ``report`` (table and JSON); ``auto`` 
 for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``auto_figures`` (the
 memory pre-check and the hardware figures, CPU timings kept in the user's cache), ``compile_cache`` (each compile's
 reading on disk, in the user's cache) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the
-health check measured.
+health check measured; ``xla_gpu`` (and the process it starts, ``xla_gpu_child``) compiles for GPUs without one,
+``gpu_program`` checks the GPU program.
 
 May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O.
 """
@@ -57,17 +61,25 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target.hw = cal.hw
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))
+    gpu = None
+    if hardware_name:  # the GPU's own compiler where it is installed (planner/xla_gpu.py)
+        from jaxtrain.planner import xla_gpu
+
+        gpu, note = xla_gpu.for_plan(target.hw, target.nodes, cfg.model.attention)
+        target.notes.append(note)
     if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
         # plan writes into no run directory (run.dir is the default job's unless given): its readings go into
         # this user's cache, keyed by everything they depend on, so every later plan finds them.
         res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
-        print(json.dumps({"notes": target.notes, **auto_report.to_json(res)}, indent=1) if as_json else
-              "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res)]))
+                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache), gpu=gpu)
+        warnings = report.gpu_warnings([r.result for r in res.compiled if r.result is not None])
+        print(json.dumps({"notes": target.notes, **auto_report.to_json(res), "warnings": warnings}, indent=1)
+              if as_json else "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res),
+                                         *warnings]))
         return 0
     log(f"planning {len(target.shapes)} mesh(es) over {target.n_devices} device(s) on {target.nodes} node(s) for "
-        f"{target.hw.name}")
-    result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log)
+        f"{target.hw.name}" + (" (each compiled by XLA:CPU and by XLA:GPU)" if gpu else ""))
+    result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log, gpu=gpu)
     if as_json:
         print(json.dumps(report.to_json(target.hw, target.n_devices, target.nodes, result, target.notes), indent=1))
     else:

@@ -52,8 +52,9 @@ def _rank_key(r: Row):
 
 def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, cache_dir: str | None = None,
                   remats=REMATS, microbatches=None, max_compiles: int = MAX_COMPILES, keep: dict | None = None,
-                  progress: Callable[[str], None] = lambda msg: None) -> AutoResult:
-    """The auto choice for ``cfg`` on ``devices`` (module docstring). ConfigError, one line, when nothing fits."""
+                  progress: Callable[[str], None] = lambda msg: None, gpu=None) -> AutoResult:
+    """The auto choice for ``cfg`` on ``devices`` (module docstring). ConfigError, one line, when nothing fits.
+    ``gpu``: a ``xla_gpu.PlanCompiler`` (``plan --hardware``): each candidate's memory and collectives from XLA:GPU."""
     t0 = time.perf_counter()
     budget = hw.usable_bytes * (1 - cfg.mesh.auto_memory_margin)
     rows = [closed_form(cfg, c, hw) for c in candidates(cfg, len(devices), nodes, remats, microbatches)]
@@ -86,7 +87,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
             capped += 1
             continue
         c = r.cand.apply(cfg)
-        comp, r.cached = compile_cached(c, r.cand.shape, devices, cache_dir, keep, r.cand)
+        comp, r.cached = compile_cached(c, r.cand.shape, devices, cache_dir, keep, r.cand, gpu)
         hits += r.cached
         compiles += not r.cached
         r.result = search.candidate_result(c, r.cand.shape, hw, comp)

@@ -100,7 +100,9 @@ def to_json(res: AutoResult) -> dict:
         return {"label": r.cand.label, "overrides": r.cand.overrides(), "est_step_seconds": r.est,
                 "measured_step_seconds": r.measured_s,
                 "memory_bytes_per_device": r.result["memory_bytes_per_device"], "fits": r.result["fits"],
-                "cached": r.cached}
+                "cached": r.cached,
+                # With --hardware and a GPU compiler: which compiler's figures, the CPU-derived ones, the checks.
+                **{k: r.result[k] for k in ("figures", "cpu_derived", "xla_gpu", "xla_gpu_error") if k in r.result}}
 
     return {"choice": row(res.choice), "runner_up": row(res.runner_up) if res.runner_up else None, "why": res.why,
             "compiled": [row(r) for r in res.compiled], "budget_bytes": res.budget, "seconds": res.seconds,

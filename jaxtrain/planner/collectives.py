@@ -141,13 +141,14 @@ def widened_by_cpu(module: HloModule, name: str) -> bool:
     return source is not None and source.shape.startswith(tuple(f"{t}[" for t in _NARROW))
 
 
-def operand_bytes(module: HloModule, name: str) -> int:
-    """Bytes of a collective's operand as XLA:GPU moves it (half its f32 size where XLA:CPU widened it)."""
+def operand_bytes(module: HloModule, name: str, cpu: bool = True) -> int:
+    """Bytes of a collective's operand as XLA:GPU moves it (half its f32 size where XLA:CPU widened it; ``cpu``
+    False: the module is XLA:GPU's own, which widens nothing)."""
     ins = module.by_name.get(name)
     if ins is None:
         return 0
     size = array_bytes(ins.shape)
-    return size // 2 if widened_by_cpu(module, name) else size
+    return size // 2 if cpu and widened_by_cpu(module, name) else size
 
 
 # -- collectives as stated -----------------------------------------------------------------------------------------
@@ -201,8 +202,9 @@ class StatedCollectives:
     unknown_loops: list[UnknownLoop]
 
 
-def stated_collectives(module: HloModule, n_devices: int) -> StatedCollectives:
-    """The collectives of ``module`` with their executions per step, as the compiled program states them."""
+def stated_collectives(module: HloModule, n_devices: int, cpu: bool = True) -> StatedCollectives:
+    """The collectives of ``module`` with their executions per step, as the compiled program states them.
+    ``cpu``: the module is XLA:CPU's (16-bit collectives it widened count at 16 bits); False: XLA:GPU's own."""
     mult, unknown = multiplicities(module)
     others: list[Collective] = []
     all_reduces: list[AllReduceElement] = []
@@ -212,11 +214,11 @@ def stated_collectives(module: HloModule, n_devices: int) -> StatedCollectives:
             if kind is None:
                 continue
             if kind == "all-reduce":
-                all_reduces += [AllReduceElement(ins, idx, value, times,
-                                                 idx < len(ins.operands) and widened_by_cpu(module, ins.operands[idx]))
+                all_reduces += [AllReduceElement(ins, idx, value, times, cpu and idx < len(ins.operands)
+                                                 and widened_by_cpu(module, ins.operands[idx]))
                                 for idx, value in _elements_of(module, ins)]
                 continue
-            moved = sum(operand_bytes(module, o) for o in ins.operands)
+            moved = sum(operand_bytes(module, o, cpu) for o in ins.operands)
             if kind == "collective-permute":
                 pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", ins.attrs)
                 groups = np.array([[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(0))]) \
@@ -234,7 +236,9 @@ def stated_collectives(module: HloModule, n_devices: int) -> StatedCollectives:
 def _elements_of(module: HloModule, ins: Instr) -> list[tuple[int, str]]:
     """(element index, the value that carries it) for an all-reduce: itself, or its get-tuple-elements.
 
-    An asynchronous all-reduce-start (GPU) delivers its result through its all-reduce-done."""
+    An asynchronous all-reduce-start (GPU) delivers its result through its all-reduce-done. XLA:GPU prints its
+    shape as ``((operands...), results...)``, e.g. ``((bf16[1024]{0}), bf16[1024]{0})``: the same arrays twice,
+    so only the operands' count (the first group) are elements, each counted once."""
     done = [u for u in module.users.get(ins.name, []) if u.opcode == "all-reduce-done"]
     value = done[0] if done else ins
     if not ins.shape.startswith("("):
@@ -244,5 +248,6 @@ def _elements_of(module: HloModule, ins: Instr) -> list[tuple[int, str]]:
         index = re.search(r"index=(\d+)", user.attrs)
         if user.opcode == "get-tuple-element" and index:
             by_index.setdefault(int(index.group(1)), user.name)
-    n_elements = len(ARRAY_RE.findall(ins.shape))
+    shape = ins.shape[1:balanced(ins.shape, 1)] if ins.shape.startswith("((") else ins.shape
+    n_elements = len(ARRAY_RE.findall(shape))
     return [(i, by_index.get(i, value.name)) for i in range(n_elements)]  # an unused element still moves

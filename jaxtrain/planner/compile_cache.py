@@ -59,16 +59,19 @@ def fingerprint(cfg: Config, devices: list) -> dict:
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def cache_key(cfg: Config, devices: list) -> str:
-    """The hash naming ``cfg``'s entry on ``devices``: of its :func:`fingerprint`."""
-    return hashlib.sha256(json.dumps(fingerprint(cfg, devices), sort_keys=True, default=str).encode()).hexdigest()[:32]
+def cache_key(cfg: Config, devices: list, gpu: str = "") -> str:
+    """The hash naming ``cfg``'s entry on ``devices``: of its :func:`fingerprint` and ``gpu``, what compiled the
+    XLA:GPU figures of the entry if any (``xla_gpu.PlanCompiler.label``)."""
+    body = {**fingerprint(cfg, devices), **({"xla_gpu": gpu} if gpu else {})}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def _to_json(comp: search.Compiled) -> dict:
     sizes = ("params_bytes", "opt_bytes", "temp_bytes", "memory_bytes", "compile_s")
     return {**{k: getattr(comp, k) for k in sizes},
             "collectives": [[c.kind, c.bytes, c.count, c.groups.tolist(), c.op_name] for c in comp.collectives],
-            "unknown_loops": [[u.name, u.op_name, u.holds_collectives] for u in comp.unknown_loops]}
+            "unknown_loops": [[u.name, u.op_name, u.holds_collectives] for u in comp.unknown_loops],
+            "extra": comp.extra}
 
 
 def _from_json(d: dict) -> search.Compiled:
@@ -76,12 +79,12 @@ def _from_json(d: dict) -> search.Compiled:
              for k, b, n, g, op in d["collectives"]]
     loops = [UnknownLoop(name, op, holds_collectives=h) for name, op, h in d["unknown_loops"]]
     return search.Compiled(d["params_bytes"], d["opt_bytes"], d["temp_bytes"], d["memory_bytes"], colls, loops,
-                           d["compile_s"])
+                           d["compile_s"], d.get("extra", {}))
 
 
-def cache_path(cache_dir: str, cfg: Config, shape: MeshShape, devices: list) -> str:
+def cache_path(cache_dir: str, cfg: Config, shape: MeshShape, devices: list, gpu: str = "") -> str:
     """The entry of ``cfg`` on ``shape`` (the first ``shape.num_devices`` of ``devices``) in ``cache_dir``."""
-    return os.path.join(cache_dir, cache_key(shape.apply(cfg), devices[:shape.num_devices]) + ".json")
+    return os.path.join(cache_dir, cache_key(shape.apply(cfg), devices[:shape.num_devices], gpu) + ".json")
 
 
 def store(path: str, comp: search.Compiled) -> None:
@@ -96,10 +99,11 @@ def store(path: str, comp: search.Compiled) -> None:
 
 
 def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str | None, keep: dict | None = None,
-                   key=None) -> tuple[search.Compiled, bool]:
+                   key=None, gpu=None) -> tuple[search.Compiled, bool]:
     """The compiled step's reading for ``cfg`` on ``shape`` and whether it came from the cache; a fresh compile's
-    (step, executable) go into ``keep[key]`` when ``keep`` is given (the trial runs them without compiling again)."""
-    path = cache_path(cache_dir, cfg, shape, devices) if cache_dir else None
+    (step, executable) go into ``keep[key]`` when ``keep`` is given (the trial runs them without compiling again).
+    ``gpu``: a ``xla_gpu.PlanCompiler`` whose XLA:GPU figures replace the CPU-derived ones (kept beside them)."""
+    path = cache_path(cache_dir, cfg, shape, devices, gpu.label if gpu else "") if cache_dir else None
     if path and os.path.isfile(path):
         try:
             with open(path) as f:
@@ -109,8 +113,10 @@ def compile_cached(cfg: Config, shape: MeshShape, devices: list, cache_dir: str 
     step = search._step(cfg, shape, devices)
     train, seconds = search.compile_train_step(step)
     comp = search.reading(step, train, seconds)
+    if gpu is not None:
+        comp = gpu.read(cfg, shape, comp)
     if keep is not None:
         keep[key] = (step, train)
-    if path:
+    if path and "xla_gpu_error" not in comp.extra:  # a failed XLA:GPU compile is tried again next time
         store(path, comp)
     return comp, False

@@ -12,7 +12,9 @@ device sends is applied here, one function per pass, named after it:
   reduce-scatter over the k devices that shard the parameter and an all-reduce of the 1/k shard over the rest (the
   hybrid-sharded gradient's pattern).
 
-:func:`collectives` is the entry point: HLO text -> the collectives the GPU would run.
+:func:`collectives` is the entry point: HLO text -> the collectives the GPU would run. XLA:GPU's own program (a
+GPU at hand, or the deviceless compile of ``planner/xla_gpu.py``) has had these passes already: it is read as it
+states its collectives (``compiled_for_cpu=False``), never rewritten again.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ _PASS = {"bitcast", "copy", "reshape", "transpose", "convert"}
 _ELEMENTWISE = _PASS | {"add", "subtract", "multiply", "divide", "negate"}
 
 
-def collectives(hlo_text: str, mesh_sizes: tuple[int, ...], param_axes: frozenset[str] = frozenset()
-                ) -> tuple[list[Collective], list[UnknownLoop]]:
-    """The collectives of a compiled step, with trip counts, after applying XLA's GPU collective rewrites.
+def collectives(hlo_text: str, mesh_sizes: tuple[int, ...], param_axes: frozenset[str] = frozenset(),
+                compiled_for_cpu: bool = True) -> tuple[list[Collective], list[UnknownLoop]]:
+    """The collectives of a compiled step, with trip counts, after applying XLA's GPU collective rewrites
+    (``compiled_for_cpu``; False: the text is XLA:GPU's, whose collectives are taken as stated).
 
     ``mesh_sizes``: the sizes of the ``MESH_AXES`` (data, stage, fsdp, tensor) the step was compiled for (logical
     device ids are positions in that mesh); ``param_axes``: the mesh axes parameters are sharded over, which is where
@@ -53,8 +56,13 @@ def collectives(hlo_text: str, mesh_sizes: tuple[int, ...], param_axes: frozense
     if len(mesh_sizes) != len(MESH_AXES):  # the splitter names axes by position
         raise ValueError(f"mesh_sizes {mesh_sizes} must give the size of each of {MESH_AXES}")
     module = parse_hlo(hlo_text)
-    stated = stated_collectives(module, math.prod(mesh_sizes))
-    colls = stated.others + _rewrite_all_reduces(module, stated.all_reduces, mesh_sizes, param_axes)
+    stated = stated_collectives(module, math.prod(mesh_sizes), cpu=compiled_for_cpu)
+    if compiled_for_cpu:
+        colls = stated.others + _rewrite_all_reduces(module, stated.all_reduces, mesh_sizes, param_axes)
+    else:
+        n_devices = math.prod(mesh_sizes)
+        colls = stated.others + [Collective("all-reduce", e.bytes, e.count, replica_groups(e.ins.attrs, n_devices),
+                                            op_name(e.ins)) for e in stated.all_reduces]
     # Replica groups of one device move nothing (XLA:GPU's AllReduceSimplifier removes such all-reduces; XLA:CPU
     # keeps them, e.g. a psum over a mesh axis of size 1 where a shard_map's transpose reduces over it).
     return [c for c in colls if c.kind == "collective-permute" or c.groups.shape[1] > 1], stated.unknown_loops

@@ -44,8 +44,12 @@ def _percent(x: float) -> str:
 def _header(wide: bool) -> list[str]:
     memory = ["params", "optimizer", "temp", "memory"] if wide else ["memory"]
     kinds = list(_COLLECTIVE_COLUMNS) if wide else []
-    return ["#", "mesh (ici | dcn)", *memory, "fits", *kinds, "in-node", "x-node", "bubble", "compute", "comm", "step",
-            "overlapped"]
+    return ["#", "mesh (ici | dcn)", *memory, CPU_DERIVED, "fits", *kinds, "in-node", "x-node", "bubble", "compute",
+            "comm", "step", "overlapped"]
+
+
+# The CPU-derived memory beside XLA:GPU's (planner/xla_gpu.py); "" (column hidden) where the plan has only one.
+CPU_DERIVED = "cpu-derived"
 
 
 def _row(rank: int, r: dict, wide: bool) -> list[str]:
@@ -53,8 +57,11 @@ def _row(rank: int, r: dict, wide: bool) -> list[str]:
     memory = [_bytes(mem["params"]), _bytes(mem["optimizer"]), _bytes(mem["temp"])] if wide else []
     kinds = [_bytes(cb["all-reduce"]), _bytes(cb["all-gather"]), _bytes(cb["reduce-scatter"]),
              _bytes(cb["all-to-all"] + cb["collective-permute"])] if wide else []
-    return [str(rank), r["label"], *memory, _bytes(r["memory_bytes_per_device"]), "yes" if r["fits"] else "NO",
-            *kinds, _bytes(r["intra_node_bytes_per_device"]), _bytes(r["inter_node_bytes_per_device"]),
+    cpu = r.get("cpu_derived")
+    cpu_memory = _bytes(cpu["memory_bytes_per_device"]) if cpu else ("(cpu)" if r.get("xla_gpu_error") else "")
+    return [str(rank), r["label"], *memory, _bytes(r["memory_bytes_per_device"]), cpu_memory,
+            "yes" if r["fits"] else "NO", *kinds, _bytes(r["intra_node_bytes_per_device"]),
+            _bytes(r["inter_node_bytes_per_device"]),
             _percent(r["bubble_fraction"]), _sec(t["compute"]), _sec(t["intra_node"] + t["inter_node"]),
             _sec(r["est_step_seconds"]), _sec(r["est_step_seconds_overlap"])]
 
@@ -63,14 +70,15 @@ def _pruned_row(p: dict, wide: bool) -> list[str]:
     n = len(_header(wide))
     row = ["-", p["label"]] + [""] * (n - 2)
     memory_col = 5 if wide else 2
-    row[memory_col], row[memory_col + 1], row[-2] = f"> {_bytes(p['state_bytes_per_device'])}", "NO", "pruned"
+    row[memory_col], row[memory_col + 2], row[-2] = f"> {_bytes(p['state_bytes_per_device'])}", "NO", "pruned"
     return row
 
 
 def _hidden(h: str, column: list[str]) -> bool:
-    """Collective columns zero in every row, and the bubble column where no mesh is a pipeline, are left out."""
+    """Collective columns zero in every row, the bubble column where no mesh is a pipeline and the CPU-derived
+    column where no figure came from XLA:GPU, are left out."""
     return (h in _COLLECTIVE_COLUMNS and all(c in ("0 B", "") for c in column)) or \
-        (h == "bubble" and all(c in ("-", "") for c in column))
+        (h == "bubble" and all(c in ("-", "") for c in column)) or (h == CPU_DERIVED and not any(column))
 
 
 _AXIS_INITIAL = re.compile(r"\b(data|stage|fsdp|context|tensor)(?=\d)")
@@ -157,6 +165,11 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         notes.append(f"{SHORT_LABELS} (the full names do not fit in {WIDTH} columns; --json has them).")
     if result["pruned"]:
         notes.append("pruned: parameters + optimizer state alone exceed the usable memory, so not compiled.")
+    if any(r.get("cpu_derived") for r in result["candidates"]):
+        notes.append(f"memory, fits, bytes and times from XLA:GPU's compile; {CPU_DERIVED}: the memory XLA:CPU's "
+                     "compile gives (--json: cpu_derived, with its collective bytes); (cpu): XLA:GPU failed, the "
+                     "row's figures are CPU-derived.")
+    notes += gpu_warnings(result["candidates"])
     if any(u["holds_collectives"] for r in result["candidates"] for u in r["unknown_trip_count_loops"]):
         notes.append("note: some collectives run inside a loop whose number of iterations the compiler does not "
                      "state; they are counted as running once per step, so the collective bytes and comm times "
@@ -164,6 +177,20 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     for note in notes:
         lines += _wrap(note)
     return "\n".join(lines)
+
+
+def gpu_warnings(candidates: list[dict]) -> list[str]:
+    """A ``warning:`` line per XLA:GPU compile that failed and per way a GPU program is not what was configured
+    (``planner/gpu_program.py``)."""
+    lines = []
+    for r in candidates:
+        if r.get("xla_gpu_error"):
+            lines.append(f"warning: {r['label']}: {r['xla_gpu_error']} (its figures are CPU-derived)")
+        gpu = r.get("xla_gpu") or {}
+        if gpu.get("stand_in"):
+            lines.append(f"note: {r['label']}: {gpu['stand_in']}")
+        lines += [f"warning: {r['label']}: XLA:GPU program: {v}" for v in gpu.get("violations", [])]
+    return lines
 
 
 def to_json(hw: Hardware, n_devices: int, nodes: int, result: dict, notes: Sequence[str] = ()) -> dict:

@@ -133,6 +133,8 @@ class Compiled:
     collectives: list[Collective]
     unknown_loops: list[UnknownLoop]
     compile_s: float
+    # What another reading adds to the plan's row (the XLA:GPU compile's: planner/xla_gpu.py, PlanCompiler.read).
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 def _step(cfg: Config, shape: MeshShape, devices: list):
@@ -166,7 +168,10 @@ def reading(step, train, seconds: float) -> Compiled:
     need, text = compiled_need(train), train.as_text()
     if need is None or text is None:  # a backend without them cannot be planned on
         raise RuntimeError("the compiled step offers no memory analysis or HLO text on this backend")
-    colls, unknown = collectives(text, tuple(layout.shape.axis_sizes.values()), layout.param_axes)
+    # XLA:GPU's program (GPUs at hand, or a deviceless GPU compile) has run the collective passes the planner
+    # re-creates for XLA:CPU's: read it as it states its collectives.
+    colls, unknown = collectives(text, tuple(layout.shape.axis_sizes.values()), layout.param_axes,
+                                 compiled_for_cpu=layout.platform == "cpu")
     return Compiled(params, opt, need.temporaries, need.total, colls, unknown, seconds)
 
 
@@ -212,6 +217,7 @@ def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled
         "compile_seconds": comp.compile_s,
         "unknown_trip_count_loops": [{"name": u.name, "op_name": u.op_name, "holds_collectives": u.holds_collectives}
                                      for u in comp.unknown_loops],
+        **comp.extra,
     }
 
 
@@ -221,12 +227,17 @@ def rank(candidates: list[dict]) -> list[dict]:
 
 
 def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
-         progress: Callable[[str], None] = lambda msg: None) -> dict:
+         progress: Callable[[str], None] = lambda msg: None, gpu=None) -> dict:
     """Compile each distinct axis-size combination once and report every shape, ranked by :func:`rank`.
 
     A shape whose parameter and optimizer shards alone exceed the usable memory is not compiled (it cannot fit
-    whatever the activations) and is listed under ``pruned``.
+    whatever the activations) and is listed under ``pruned``. ``gpu``: a ``xla_gpu.PlanCompiler`` whose XLA:GPU
+    compile of each layout replaces the CPU-derived figures (kept beside them).
     """
+    def read(c: Config, shape: MeshShape, step) -> Compiled:
+        comp = _compile(step)
+        return comp if gpu is None else gpu.read(c, shape, comp)
+
     by_sizes: dict[tuple[int, ...], list[MeshShape]] = {}
     for s in shapes:
         by_sizes.setdefault(tuple(s.axis_sizes.values()), []).append(s)
@@ -242,7 +253,7 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
             progress(f"[{i}/{len(by_sizes)}] {group[0].label}: pruned, state alone does not fit")
             continue
         t0 = time.perf_counter()
-        comp = _compile(step)
+        comp = read(cfg, group[0], step)
         sizes_text = " ".join(f"{ax}={n}" for ax, n in group[0].axis_sizes.items())
         progress(f"[{i}/{len(by_sizes)}] {sizes_text}: compiled in {time.perf_counter() - t0:.1f} s")
         results += [candidate_result(cfg, s, hw, comp) for s in group]
@@ -252,7 +263,7 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
             # whose stage inputs are bounded by the stages (the ranking then puts it first if it fits).
             one_f_one_b = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, pipeline_schedule="1f1b"))
             t0 = time.perf_counter()
-            comp = _compile(_step(one_f_one_b, group[0], devices))
+            comp = read(one_f_one_b, group[0], _step(one_f_one_b, group[0], devices))
             progress(f"[{i}/{len(by_sizes)}] {sizes_text} 1f1b (GPipe does not fit): compiled in "
                      f"{time.perf_counter() - t0:.1f} s")
             results += [candidate_result(one_f_one_b, s, hw, comp) for s in group]

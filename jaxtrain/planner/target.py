@@ -20,9 +20,14 @@ from jaxtrain.parallel.dims import MeshShape
 _ABORTS_ON_PIPELINES = "all-reduce-promotion"
 
 
+# The flags _add_xla_flags set, for XLA:CPU's compiles only: the XLA:GPU compiles (planner/xla_gpu.py) drop them.
+ADDED_XLA_FLAGS: set[str] = set()
+
+
 def _add_xla_flags(*flags: str) -> None:
     """Append ``flags`` to XLA_FLAGS, each once (plans for several node counts resolve a target each)."""
     current = os.environ.get("XLA_FLAGS", "")
+    ADDED_XLA_FLAGS.update(f for f in flags if f not in current.split())
     os.environ["XLA_FLAGS"] = " ".join([current, *(f for f in flags if f not in current.split())]).strip()
 
 
@@ -122,6 +127,10 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
                        f"--xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}")
         import jax
 
+        if not getattr(jax.config, "jax_platforms", None):
+            # The plan compiles on CPU devices only: a CUDA plugin installed on a machine without a GPU (for the
+            # XLA:GPU compiles, planner/xla_gpu.py) would otherwise fail its start-up checks loudly here.
+            jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", max(n_devices, device_pool or 0))
         devices = jax.devices("cpu")[:n_devices]
     else:
