@@ -37,6 +37,7 @@ from jaxtrain.checkpoint.orbax_io import (
     make_manager,
     ocp,
     partial_restore,
+    quiet_closed_loop_callbacks,
     reason,
     save_in_flight,
     saved_tree,
@@ -291,7 +292,7 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
         return fresh_state(), 0, None
     tried: list[str] = []
     target = _target(source, abstract_state)
-    _quiet_closed_loop_callbacks()
+    quiet_closed_loop_callbacks()
     for i, step in enumerate((source.step, *source.older)):
         if i:  # an older fallback: its metadata has not been looked at yet
             damage = _metadata_damage(source.directory, step)
@@ -308,28 +309,6 @@ def restore(source: RestoreSource, abstract_state: Any, fresh_state):
         why = reason(error) if error else "on another process"
         _damaged(source, step, f"its arrays do not restore: {why}", tried)
     raise _none_readable(source, tried)
-
-
-def _quiet_closed_loop_callbacks() -> None:
-    """Drop TensorStore's late callbacks into the event loop of a restore that already failed.
-
-    When an array of a damaged step does not read, Orbax closes its asyncio loop while TensorStore still completes
-    the other reads; each completion then raises 'Event loop is closed' with nowhere to go, and Python prints a
-    bare traceback before jaxtrain's one-line error. Only that message is dropped; every other unraisable
-    exception reaches the hook that was installed before.
-    """
-    import sys
-
-    previous = sys.unraisablehook
-    if getattr(previous, "_jaxtrain_closed_loop", False):
-        return
-
-    def hook(unraisable):
-        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
-            previous(unraisable)
-
-    hook._jaxtrain_closed_loop = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
 
 
 def _restore_step(source: RestoreSource, step: int, abstract_state: Any, fresh_state):

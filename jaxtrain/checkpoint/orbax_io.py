@@ -215,3 +215,25 @@ class PreemptionWatch:
     def close(self) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+
+
+def quiet_closed_loop_callbacks() -> None:
+    """Drop TensorStore's late callbacks into the event loop of a restore that already failed.
+
+    When an array of a damaged step does not read, Orbax closes its asyncio loop while TensorStore still completes
+    the other reads; each completion then raises 'Event loop is closed' with nowhere to go, and Python prints a
+    bare traceback before jaxtrain's one-line error. Only that message is dropped; every other unraisable
+    exception reaches the hook that was installed before.
+    """
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxtrain_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._jaxtrain_closed_loop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
