@@ -111,9 +111,10 @@ def _scaled(out, scale, dtype):
 
 # ---------------------------------------------------------------------------------------------------- per tensor
 def _tensorwise_fwd(x, w, nl, reduce, sx=None, sw=None):
-    """Quantised operands, their scales and y for per-tensor scales (current ones unless sx, sw are given)."""
+    """Quantised operands, their scales and y for per-tensor scales (current ones unless sx, sw are given). Only
+    x's and g's amaxes are reduced over ``reduce``: their token axes are what such regions split; w is whole."""
     sx = scale_from_amax(_amax(x, reduce), E4M3) if sx is None else sx
-    sw = scale_from_amax(_amax(w, reduce), E4M3) if sw is None else sw
+    sw = scale_from_amax(_amax(w, ()), E4M3) if sw is None else sw
     xq, wq = quantize(x, sx, E4M3), quantize(w, sw, E4M3)
     (cx, cw), _, _ = _axes(nl, x.ndim - nl, 0)
     return xq, wq, sx, sw, _scaled(_dot(xq, wq, cx, cw, x.dtype), sx * sw, x.dtype)
@@ -150,8 +151,10 @@ tensorwise.defvjp(_tw_fwd, _tw_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------- rowwise
-def _rowwise_dot(a, b, ca, cb, dtypes, out_dtype, reduce):
-    """a . b contracting ``ca`` with ``cb``, each operand quantised with a scale per slice along its kept axes."""
+def _rowwise_dot(a, b, ca, cb, dtypes, out_dtype, reduce=()):
+    """a . b contracting ``ca`` with ``cb``, each operand quantised with a scale per slice along its kept axes. The
+    amaxes are reduced over ``reduce`` only where they span the token axes (the weight gradient's dot, which
+    contracts them): a per-token scale is the token's own."""
     sa = scale_from_amax(_amax(a, reduce, tuple(ca)), dtypes[0])
     sb = scale_from_amax(_amax(b, reduce, tuple(cb)), dtypes[1])
     out = _dot(quantize(a, sa, dtypes[0]), quantize(b, sb, dtypes[1]), ca, cb, out_dtype)
@@ -167,7 +170,7 @@ def rowwise(x: jax.Array, w: jax.Array, nl: int, reduce: tuple[str, ...] = ()) -
     """y [*L, *R] = x [*L, *C] . w [*C, *R] through float8 with a scale per row of x (each of L) and per column of
     w (each of R); each backward dot quantises its operands along its own kept axes. y in x's dtype."""
     (cx, cw), _, _ = _axes(nl, x.ndim - nl, w.ndim - x.ndim + nl)
-    return _rowwise_dot(x, w, cx, cw, (E4M3, E4M3), x.dtype, reduce)
+    return _rowwise_dot(x, w, cx, cw, (E4M3, E4M3), x.dtype)
 
 
 def _rw_fwd(x, w, nl, reduce):
@@ -177,7 +180,7 @@ def _rw_fwd(x, w, nl, reduce):
 def _rw_bwd(nl, reduce, res, g):
     x, w = res
     _, (cg, cw), (cx, cg2) = _axes(nl, x.ndim - nl, g.ndim - nl)
-    dx = _rowwise_dot(g, w, cg, cw, (E5M2, E4M3), x.dtype, reduce)  # scales per row of g, per row (C) of w
+    dx = _rowwise_dot(g, w, cg, cw, (E5M2, E4M3), x.dtype)  # scales per row of g, per row (C) of w
     dw = _rowwise_dot(x, g, cx, cg2, (E4M3, E5M2), w.dtype, reduce)  # per column (C) of x, per column of g
     return dx, dw
 
@@ -201,7 +204,7 @@ def delayed(x: jax.Array, w: jax.Array, history: jax.Array, nl: int, reduce: tup
 
 
 def _dl_fwd(x, w, history, nl, reduce):
-    ax, aw = _amax(x, reduce), _amax(w, reduce)
+    ax, aw = _amax(x, reduce), _amax(w, ())
     sx, sw = delayed_scale(history[0], ax, E4M3), delayed_scale(history[1], aw, E4M3)
     xq, wq, _, _, y = _tensorwise_fwd(x, w, nl, reduce, sx, sw)
     return y, (xq, wq, sx, sw, ax, aw, history, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))

@@ -157,9 +157,7 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
         x = x if embed is None else embed(x)
 
         def iteration(carry, t):
-            h, buf, meta = carry
-            # FP8 histories ride in the carry through a max-combining split: their cotangents from all iterations
-            # meet by max in the backward, where a closed-over value's would be summed.
+            h, buf, meta = carry  # FP8 histories in the carry: cotangents meet by max (closed over: summed)
             meta, meta_now = fp8.max_split(meta) if meta is not None else (None, None)
             w = t - me  # this stage's work item: microbatch w % M on pass w // M (outside [0, M * virtual): idle)
             # Stage 0 reads its next work item from its buffer (fresh inputs, or microbatches back from the last
@@ -187,13 +185,19 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
 
     stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
     rows = PartitionSpec(None, batch_axes or None)
-    if meta is not None:  # one copy per batch group, so that shard_map's transpose does not sum their cotangents
-        groups = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes)
-        meta = fp8.max_fan_out(meta, groups)
     return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows,
                                           PartitionSpec(batch_axes or None, None, stage_axis)),
                          out_specs=PartitionSpec(stage_axis, batch_axes or None),
-                         axis_names=frozenset(stage_names + tuple(batch_axes)), check_vma=False)(chunks, x, side, meta)
+                         axis_names=frozenset(stage_names + tuple(batch_axes)),
+                         check_vma=False)(chunks, x, side, _meta_per_group(meta, batch_axes))
+
+
+def _meta_per_group(meta: Any, batch_axes: tuple[str, ...]) -> Any:
+    """FP8 histories [virtual, stages, ...] -> [groups, virtual, stages, ...], one copy per batch group, so that
+    shard_map's transpose combines their cotangents by max instead of summing them (None stays None)."""
+    if meta is None:
+        return None
+    return fp8.max_fan_out(meta, math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes))
 
 
 def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, layout) -> jax.Array:
