@@ -260,3 +260,57 @@ def test_the_train_step_multiplies_the_projections_in_fp8(make_config, recipe):
     # batched dots with their four gradients; with FP8 off the same program has those plus 21 projection dots
     wide = sum(n for pair, n in counts.items() if pair not in f8)
     assert wide == sum(dot_operand_types(_lowered_train_step(make_config, "none")).values()) - 21
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+class _Device:
+    """What check_devices reads of a jax.Device, for kinds this machine does not have."""
+
+    def __init__(self, platform, kind, cc=None):
+        self.platform, self.device_kind = platform, kind
+        if cc is not None:
+            self.compute_capability = cc
+
+
+@pytest.mark.parametrize(("device", "error"), [
+    (_Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), "compute capability 8.9 or later.*has 8.0"),
+    (_Device("gpu", "NVIDIA H100 80GB HBM3", "9.0"), None),
+    (_Device("gpu", "NVIDIA L4", "8.9"), None),
+    (_Device("gpu", "NVIDIA B200", "10.0"), None),
+    (_Device("cuda", "NVIDIA H100 80GB HBM3"), None),  # a compile-only device: its hardware file has an FP8 rate
+    (_Device("cuda", "NVIDIA A100-SXM4-80GB"), "no FP8 rate in its hardware file"),
+    (_Device("tpu", "TPU v5p"), "not on tpu devices"),
+    (_Device("cpu", "cpu"), None),  # XLA:CPU emulates float8: tests and checks
+])
+def test_fp8_is_refused_where_xla_would_not_multiply_in_fp8(device, error):
+    from jaxtrain.errors import ConfigError
+
+    fp8.check_devices("none", [device])
+    if error is None:
+        fp8.check_devices("tensorwise", [device])
+    else:
+        with pytest.raises(ConfigError, match=error):
+            fp8.check_devices("delayed", [device])
+
+
+def test_the_cost_model_puts_the_projections_at_the_fp8_rate():
+    """7B on H100: the projections' share of the model FLOPs at 1,979 TFLOP/s, the rest at 989 (hand count); the
+    A100's file has no FP8 rate, so planning FP8 there is refused."""
+    from jaxtrain.config import ConfigError, load_config
+    from jaxtrain.config.hardware import load_hardware
+    from jaxtrain.planner.cost import fp8_share, peak_rate
+    from jaxtrain.planner.target import fp8_notes
+
+    cfg = load_config("7b", ["model.fp8=tensorwise"])
+    m, seq = cfg.model, cfg.data.seq_len
+    hd = m.resolved_head_dim
+    proj = m.n_layers * (m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff)
+    total = proj + m.d_model * m.vocab_size + m.n_layers * 2 * seq * m.n_heads * hd / 2
+    assert fp8_share(cfg) == pytest.approx(proj / total, rel=1e-12)
+    h100 = load_hardware("h100-8x")
+    want = 1 / (proj / total / 1978.9e12 + (1 - proj / total) / 989.4e12)
+    assert peak_rate(cfg, h100) == pytest.approx(want, rel=1e-12)
+    assert peak_rate(load_config("7b", []), h100) == 989.4e12
+    assert "FP8 peak 1,979 TFLOP/s" in fp8_notes(cfg, h100)[0]
+    with pytest.raises(ConfigError, match="a100-8x .* lacks"):
+        fp8_notes(cfg, load_hardware("a100-8x"))

@@ -44,6 +44,9 @@ class Hardware:
     # The compute efficiency of the model's own step, (remat policy, tensor, efficiency): measured on the CPU at hand
     # (``measure.measure_model``), replacing ``compute_efficiency`` for the policies it names (``cost.efficiency``).
     model_efficiency: tuple[tuple[str, int, float], ...] = ()
+    # Dense FP8 (e4m3/e5m2) tensor-core FLOP/s of one device, for model.fp8's matmuls; 0: no FP8 tensor cores
+    # (A100, CPUs: model.fp8 is refused there, or emulated at the bf16/f32 rate on CPUs).
+    fp8_peak_flops: float = 0.0
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -45,6 +45,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxtrain.config.hardware import for_device_kind
+from jaxtrain.errors import ConfigError
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = ("none", "tensorwise", "rowwise", "delayed")
 META_NAME = "amax_history"  # the attribute (and path key) of a projection's history
@@ -285,6 +288,35 @@ def use_fp8(cfg: Any, *projections: nnx.Module) -> None:
         # function there is a static attribute, a module data (the history): nnx.data says so
         assert getattr(projection, "dot_general_cls", None) is None
         projection.dot_general = nnx.data(Fp8Dot(cfg.fp8, cfg.fp8_amax_history))
+
+
+# ---------------------------------------------------------------------------------------------------- devices
+MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0, 12.0)
+
+
+def check_devices(recipe: str, devices: list) -> None:
+    """ConfigError unless ``devices`` multiply float8 for real (an NVIDIA GPU of compute capability 8.9 or later:
+    below it XLA computes such dots in 16 bits without a word) or are CPUs, whose XLA emulates float8 exactly (slowly:
+    for tests and checks). Nothing to check for "none"."""
+    if recipe == "none" or not devices:
+        return
+    dev = devices[0]
+    if dev.platform == "cpu":
+        return
+    cc = getattr(dev, "compute_capability", None)
+    if dev.platform in ("gpu", "cuda") and cc is None:  # a compile-only (topology) device: its hardware file says
+        hw = for_device_kind(dev.device_kind)
+        if hw is not None and hw.fp8_peak_flops > 0:
+            return
+        cc = "no FP8 rate in its hardware file" if hw else "an unknown compute capability"
+    elif dev.platform in ("gpu", "cuda") and tuple(int(p) for p in str(cc).split(".")[:2]) >= MIN_COMPUTE_CAPABILITY:
+        return
+    if dev.platform in ("gpu", "cuda"):
+        raise ConfigError(f"model.fp8={recipe} needs FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper, "
+                          f"Blackwell); {dev.device_kind} has {cc}, where XLA would compute in 16 bits instead; set "
+                          "model.fp8=none")
+    raise ConfigError(f"model.fp8={recipe} runs on NVIDIA GPUs of compute capability 8.9 or later (and emulated on "
+                      f"CPUs), not on {dev.platform} devices ({dev.device_kind}); set model.fp8=none")
 
 
 # ---------------------------------------------------------------------------------------------------- state
