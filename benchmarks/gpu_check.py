@@ -250,8 +250,9 @@ def _fp8(sec: Section, rows: list[dict]) -> list[dict]:
         mfu = (f"MFU {100 * r['mfu']:.1f} % of the BF16 peak ({r['peak_tflops']:.0f} TFLOP/s), "
                f"{100 * r['mfu_fp8_peak']:.1f} % of the FP8 peak ({r['fp8_peak_tflops']:.0f})"
                if r.get("mfu") is not None and r.get("mfu_fp8_peak") is not None else "MFU - (no peaks for this kind)")
-        speed = (f"{base['step_ms'] / r['step_ms']:.2f}x BF16's speed ({base['step_ms']:.0f} ms, MFU "
-                 f"{100 * base['mfu']:.1f} %)" if base and base.get("mfu") is not None else "no BF16 step to compare")
+        base_mfu = f", MFU {100 * base['mfu']:.1f} %" if base and base.get("mfu") is not None else ""
+        speed = (f"{base['step_ms'] / r['step_ms']:.2f}x BF16's speed ({base['step_ms']:.0f} ms{base_mfu})"
+                 if base else "no BF16 step to compare")
         out.append(dict(what=f"{r['config']} train step, model.fp8={r['fp8']}, attention {r['attention']}",
                         result=f"{r['step_ms']:.0f} ms/step: {speed}; {mfu}", figures=dict(fp8=r, bf16=base)))
     return out

@@ -151,3 +151,23 @@ def test_delayed_histories_restore_onto_another_mesh(tmp_path):
     np.testing.assert_allclose([moved.losses[s] for s in (4, 5, 6)], [full.losses[s] for s in (4, 5, 6)],
                                rtol=5e-3)
     np.testing.assert_allclose(moved.losses[4], full.losses[4], rtol=1e-5)  # step 4's scales: the histories
+
+
+@pytest.mark.slow
+def test_fine_tuning_a_16_bit_checkpoint_with_delayed_scaling_starts_fresh_histories(tmp_path):
+    """checkpoint.init_from a run without FP8 (an import, a BF16 pre-training) into model.fp8=delayed: the
+    parameters come from the checkpoint, the histories start empty; resuming that run.dir itself with delayed is a
+    ConfigError naming the histories it lacks."""
+    from jaxtrain.config import ConfigError, load_config
+    from jaxtrain_testing import FAST
+
+    def cfg(run, *extra):
+        return load_config(None, [f"run.dir={tmp_path / run}", *FAST, *RESUME, "train.steps=3", *extra])
+
+    loop.train(cfg("bf16", "model.fp8=none"), devices=jax.devices()[:1])
+    tuned = loop.train(cfg("tuned", f"checkpoint.init_from={tmp_path / 'bf16' / 'checkpoints' / '3'}"),
+                       devices=jax.devices()[:1])
+    assert tuned.start_step == 0 and sorted(tuned.losses) == [1, 2, 3]
+    assert len(_final_histories(tmp_path / "tuned", 3)) == 7
+    with pytest.raises(ConfigError, match="amax_history"):
+        loop.train(cfg("bf16", "train.steps=6"), devices=jax.devices()[:1])

@@ -278,7 +278,7 @@ class Fp8Dot(nnx.Module):
         return fp8_dot(lhs.astype(dtype), rhs.astype(dtype), nl, self.recipe, history)
 
 
-def use_fp8(cfg: Any, *projections: nnx.Module) -> None:
+def use_fp8(cfg: Any, *projections: Any) -> None:
     """Give each projection (nnx.Linear / LinearGeneral, as constructed) a float8 ``dot_general`` of its own
     (:class:`Fp8Dot`: its own delayed-scaling state) per ``cfg.fp8`` (a ModelConfig); "none" leaves their dot."""
     if cfg.fp8 == "none":
@@ -330,6 +330,18 @@ def record(model: nnx.Module, observed: Any, applied: jax.Array) -> None:
     histories = nnx.state(model, Fp8Meta)
     if jax.tree.leaves(histories):
         nnx.update(model, jax.tree.map(lambda h, o: jnp.where(applied, push_observed(h, o), h), histories, observed))
+
+
+def without_histories(model_state: Any) -> Any:
+    """A model's state (an nnx.State) without its FP8 histories: what a parameters-only restore reads."""
+    return nnx.filter_state(model_state, nnx.Not(Fp8Meta)) if isinstance(model_state, nnx.State) else model_state
+
+
+def with_fresh_histories(fresh_model_state: Any, restored: Any) -> Any:
+    """Restored parameters with a fresh model state's FP8 histories (none elsewhere): a fine-tuning run's start."""
+    if not isinstance(fresh_model_state, nnx.State) or not jax.tree.leaves(nnx.state(fresh_model_state, Fp8Meta)):
+        return restored
+    return nnx.merge_state(nnx.filter_state(fresh_model_state, Fp8Meta), restored)
 
 
 def is_meta_path(path) -> bool:

@@ -212,9 +212,9 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     (and what the policy saves).
     """
     graphdef, stacked = nnx.split(model.blocks)
-    stacked, meta = nnx.split_state(stacked, nnx.Not(fp8.Fp8Meta), fp8.Fp8Meta)  # FP8 histories: combined by max
+    stacked, histories = nnx.split_state(stacked, nnx.Not(fp8.Fp8Meta), fp8.Fp8Meta)  # FP8: combined by max
     chunks = stack_chunks(stacked, layout)
-    meta = stack_chunks(meta, layout) if jax.tree.leaves(meta) else None
+    meta = stack_chunks(histories, layout) if jax.tree.leaves(histories) else None
     chunk_fn = chunk_function(graphdef, layout)
 
     def stage_fn(weights, h, side):
