@@ -141,7 +141,7 @@ def test_delayed_histories_restore_onto_another_mesh(tmp_path):
 
     def cfg(run, steps, *mesh):
         return load_config(None, [f"run.dir={tmp_path / run}", *FAST, *RESUME, "train.microbatches=2",
-                                  f"train.steps={steps}", *mesh])
+                                  "train.global_batch=16", f"train.steps={steps}", *mesh])
 
     full = loop.train(cfg("full", 6, "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
     loop.train(cfg("moved", 3, "mesh.ici.fsdp=8"), devices=jax.devices()[:8])
