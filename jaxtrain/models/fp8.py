@@ -28,8 +28,10 @@ amax over its devices itself; inside per-device regions (the pipelines' shard_ma
 over data-parallel groups) the caller names the axes to reduce over with :func:`amax_over`, so that the scales, and
 the numbers, do not depend on the layout.
 
-The model uses :func:`projection_dot` as the ``dot_general`` of its attention and MLP projections; embeddings, norms
-and the output projection stay in the compute dtype. This module names no mesh axis.
+The model gives its attention and MLP projections an :class:`Fp8Dot` each as their ``dot_general`` (:func:`use_fp8`);
+embeddings, norms and the output projection stay in the compute dtype. The pipelines combine the histories'
+cotangents by max through :func:`max_split` (a loop carry) and :func:`max_fan_out` (one copy per batch group). This
+module names no mesh axis.
 """
 
 from __future__ import annotations
