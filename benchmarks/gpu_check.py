@@ -138,6 +138,15 @@ def _step(impl: str, steps: int, checkpoint: bool = False, smoke_skip: str = "")
     return commands
 
 
+def _fp8_steps(*recipes: str) -> Commands:
+    """The 1B step (--smoke: the tiny one) with each ``model.fp8`` recipe, "none" first: BF16 against FP8 under the
+    same attention and rows."""
+    def commands(ctx: Ctx, name: str) -> list[list[str]]:
+        args = STEP_SMOKE if ctx.smoke else STEP_1B + ["--steps", "10"]
+        return [[ctx.py, GPU_STEP, *args, "model.attention=auto", f"model.fp8={r}"] for r in recipes]
+    return commands
+
+
 def _train(impl: str, smoke_skip: str = "") -> Commands:
     def commands(ctx: Ctx, name: str) -> list[list[str]] | str:
         if ctx.smoke and smoke_skip:
@@ -256,6 +265,24 @@ def _train_run(sec: Section, rows: list[dict]) -> list[dict]:
                         f"{r['tokens_per_second']:,.0f} tokens/s{mfu}")]
 
 
+def _fp8(sec: Section, rows: list[dict]) -> list[dict]:
+    steps = [r for r in rows if r.get("kind") == "step"]
+    base = next((r for r in steps if r.get("fp8") == "none"), None)
+    out = []
+    for r in steps:
+        if r.get("fp8") in (None, "none"):
+            continue
+        mfu = (f"MFU {100 * r['mfu']:.1f} % of the BF16 peak ({r['peak_tflops']:.0f} TFLOP/s), "
+               f"{100 * r['mfu_fp8_peak']:.1f} % of the FP8 peak ({r['fp8_peak_tflops']:.0f})"
+               if r.get("mfu") is not None and r.get("mfu_fp8_peak") is not None else "MFU - (no peaks for this kind)")
+        base_mfu = f", MFU {100 * base['mfu']:.1f} %" if base and base.get("mfu") is not None else ""
+        speed = (f"{base['step_ms'] / r['step_ms']:.2f}x BF16's speed ({base['step_ms']:.0f} ms{base_mfu})"
+                 if base else "no BF16 step to compare")
+        out.append(dict(what=f"{r['config']} train step, model.fp8={r['fp8']}, attention {r['attention']}",
+                        result=f"{r['step_ms']:.0f} ms/step: {speed}; {mfu}", figures=dict(fp8=r, bf16=base)))
+    return out
+
+
 # ---- the table ------------------------------------------------------------------------------------------------------
 
 def _train_section(impl: str, cap: int, smoke_skip: str = "") -> Section:
@@ -293,6 +320,10 @@ SECTIONS = [
     _train_section("xla", 60),
     _train_section("pallas", 60),
     _train_section("triton", 60, smoke_skip="model.attention=triton needs a GPU"),
+    Section("step-fp8", "rest", 200, 600, "1B train step, BF16 against FP8 (tensorwise): step time, MFU against both "
+            "peaks", _fp8_steps("none", "tensorwise"), headline=_fp8),
+    Section("step-fp8-more", "rest", 200, 600, "1B train step, BF16 against FP8 (delayed, rowwise)",
+            _fp8_steps("none", "delayed", "rowwise"), headline=_fp8),
 ]
 SECTIONS_BY_NAME = {s.name: s for s in SECTIONS}
 MODES = {"quick": ("setup", "quick"), "rest": ("setup", "rest"), "full": ("setup", "quick", "rest")}

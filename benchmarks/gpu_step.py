@@ -6,8 +6,8 @@ Builds the layout and step of the config on every visible device (``setup`` of j
 state in its shards, compiles the train step ahead of time, runs it on random tokens and prints one JSON line
 (``"kind": "step"``): the resolved attention and dtype, compile seconds, median / min step milliseconds after one
 warm-up step, tokens per second and MFU (``models.flops.train_flops_per_token`` over the device kind's peak from
-``jaxtrain/configs/hardware``; None for a kind no hardware file lists), the first and last loss. No data pipeline,
-no evaluation.
+``jaxtrain/configs/hardware``; None for a kind no hardware file lists) and, for ``model.fp8``, the same over the dense
+FP8 peak (``mfu_fp8_peak``), the first and last loss. No data pipeline, no evaluation.
 
 ``--checkpoint-dir DIR`` then saves the trained state twice through jaxtrain's own ``Checkpointer`` (Orbax, async,
 as the training loop saves: parameters, AdamW moments and step, with the fingerprint and JSON metadata), each time
@@ -86,11 +86,18 @@ def main(argv=None) -> int:
     kind = jax.devices()[0].device_kind
     peak = hardware.peak_flops(kind)
     mfu = train_flops_per_token(lay.cfg.model, seq) * tokens_per_s / (peak * n) if peak else None
+    # model.fp8: the same model FLOPs over the dense FP8 peak too (every FLOP at the FP8 rate: a lower bound)
+    hw = hardware.for_device_kind(kind)
+    fp8_peak = hw.fp8_peak_flops if hw and hw.fp8_peak_flops > 0 else None
+    mfu_fp8 = mfu * peak / fp8_peak if mfu is not None and fp8_peak else None
     print(json.dumps(dict(kind="step", config=args.config, attention=lay.cfg.model.attention,
                           dtype=lay.cfg.model.dtype, remat=lay.cfg.model.remat, devices=n, device_kind=kind,
                           global_batch=lay.batch_shape[0], seq=seq, compile_s=round(compile_s, 1),
                           step_ms=round(1e3 * step_s, 2), step_ms_min=round(1e3 * min(times), 2),
                           tokens_per_s=round(tokens_per_s), mfu=None if mfu is None else round(mfu, 4),
+                          fp8=lay.cfg.model.fp8, peak_tflops=peak and peak / 1e12,
+                          fp8_peak_tflops=fp8_peak and fp8_peak / 1e12,
+                          mfu_fp8_peak=None if mfu_fp8 is None else round(mfu_fp8, 4),
                           loss_first=losses[0], loss_last=losses[-1])), flush=True)
     if args.checkpoint_dir:
         return _time_saves(Checkpointer, lay.cfg, args.checkpoint_dir, train, state, batch, step_s)

@@ -76,6 +76,9 @@ DIST = ["dist.num_processes=1", "dist.process_id=0"]
 
 # name -> (command line, text the one error line must contain)
 FAST = {
+    "unknown FP8 recipe": ([*T, "model.fp8=e4m3"], "model.fp8='e4m3' is not valid; choose one of none, tensorwise"),
+    "empty FP8 history": ([*T, "model.fp8=delayed", "model.fp8_amax_history=0"],
+                          "model.fp8_amax_history=0 must be > 0"),
     "infinite lr": ([*T, "train.lr=.inf"], "train.lr=inf must be a finite number"),
     "nan lr": ([*T, "train.lr=.nan"], "train.lr=nan must be a finite number"),
     "overflowing number": ([*T, "train.b1=1e999"], "train.b1='1e999' must be a finite number"),
@@ -127,6 +130,8 @@ FAST = {
     "prepare over an existing file": (["prepare", "notes.txt", "--out", "odd.bin"], "already exists"),
     "hardware file of the wrong shape": (["plan", "--hardware", "list.yaml"], "hardware file 'list.yaml' must hold"),
     "hardware file missing fields": (["plan", "--hardware", "hw_partial.yaml"], "lacks: hbm_bytes"),
+    "FP8 planned on A100": (["plan", "--config", "7b", "--hardware", "a100-8x", "mesh.ici.fsdp=8", "model.fp8=rowwise"],
+                            "model.fp8=rowwise needs FP8 tensor cores, which a100-8x"),
     "experiment file of the wrong shape": (["sweep", "--config", "exp_list.yaml"],
                                            "experiment file 'exp_list.yaml' must hold a mapping"),
 }

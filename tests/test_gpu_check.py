@@ -281,3 +281,14 @@ def test_a_budget_that_fits_only_the_set_up_records_the_rest_as_left_out(tmp_pat
     doc = _check_results_schema(tmp_path, ["setup", "kernel-tests", "bench", "step-auto"])
     assert doc["sections"][0]["status"] == "ok"
     assert all(r["status"].startswith("skipped: left out of the plan") for r in doc["sections"][1:])
+
+
+def test_fp8_headline_compares_with_the_bf16_step_and_states_both_peaks():
+    """step-fp8's line: FP8's speed against the BF16 step of the same section, MFU over the BF16 and the FP8 peak."""
+    common = dict(kind="step", config="1b", attention="cudnn", peak_tflops=989.4, fp8_peak_tflops=1978.9)
+    rows = [dict(common, fp8="none", step_ms=200.0, mfu=0.40, mfu_fp8_peak=None),
+            dict(common, fp8="tensorwise", step_ms=160.0, mfu=0.50, mfu_fp8_peak=0.25)]
+    (line,) = gc._fp8(gc.SECTIONS_BY_NAME["step-fp8"], rows)
+    assert line["what"] == "1b train step, model.fp8=tensorwise, attention cudnn"
+    assert line["result"] == ("160 ms/step: 1.25x BF16's speed (200 ms, MFU 40.0 %); MFU 50.0 % of the BF16 peak "
+                              "(989 TFLOP/s), 25.0 % of the FP8 peak (1979)")

@@ -44,6 +44,7 @@ from jaxtrain.checkpoint.orbax_io import (
 )
 from jaxtrain.config import Config, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError
+from jaxtrain.models.fp8 import with_fresh_histories, without_histories
 
 _META_FILE = os.path.join(META, "metadata")  # the JsonCheckpointHandler's file
 _STATE_METADATA = os.path.join(STATE, "_METADATA")  # the PyTree handler's tree of array metadata
@@ -181,7 +182,7 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
 
 
 def _target(source: RestoreSource, abstract_state: Any) -> Any:
-    return abstract_state if source.kind == "resume" else {"model": abstract_state["model"]}
+    return abstract_state if source.kind == "resume" else {"model": without_histories(abstract_state["model"])}
 
 
 def _damaged(source: RestoreSource, step: int, damage: str, tried: list[str]) -> None:
@@ -328,11 +329,12 @@ def _read_step(manager, source: RestoreSource, step: int, abstract_state: Any, f
     # Parameters only: read the model subtree, keep the fresh optimizer state.
     # restore_args carry the target shardings: without them Orbax restores onto the mesh that saved the
     # checkpoint (e.g. an import sharded fsdp=8), which the train step compiled for this mesh then rejects.
-    out = manager.restore(step, args=ocp.args.Composite(state=partial_restore({"model": abstract_state["model"]}),
+    params = without_histories(abstract_state["model"])  # FP8 histories start afresh (models/fp8.py)
+    out = manager.restore(step, args=ocp.args.Composite(state=partial_restore({"model": params}),
                                                       meta=ocp.args.JsonRestore()))
     _verify({"model": out["state"]["model"]}, out["meta"])
     state = fresh_state()
-    state["model"] = out["state"]["model"]
+    state["model"] = with_fresh_histories(state["model"], out["state"]["model"])
     return state, 0, None
 
 

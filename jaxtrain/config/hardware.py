@@ -48,6 +48,9 @@ class Hardware:
     # The XLA GPU target config (``jaxtrain/configs/gpu_targets/<gpu_target>.txtpb``) that a deviceless XLA:GPU
     # compile for this hardware uses (``planner/xla_gpu.py``); "" for hardware without one (CPUs, a measured file).
     gpu_target: str = ""
+    # Dense FP8 (e4m3/e5m2) tensor-core FLOP/s of one device, for model.fp8's matmuls; 0: no FP8 tensor cores
+    # (A100, CPUs: model.fp8 is refused there, or emulated at the bf16/f32 rate on CPUs).
+    fp8_peak_flops: float = 0.0
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -122,6 +122,13 @@ class ModelConfig:
     # platform (layout.resolve_auto), and recorded as the concrete choice in run.dir/config.yaml.
     attention: Literal["xla", "cudnn", "pallas", "triton", "auto"] = "xla"
     remat: Literal["none", "full", "save_matmuls"] = "none"  # recompute: full, or all but matmuls
+    # FP8 matmuls in the attention (q, k, v, o) and MLP (gate, up, down) projections: e4m3 weights and activations,
+    # e5m2 gradients; embeddings, norms and the output projection stay in the compute dtype (docs/fp8.md). Needs a
+    # GPU of compute capability 8.9+ (Ada, Hopper, Blackwell); XLA:CPU emulates it (for tests, not speed).
+    # tensorwise: one current scale per tensor; rowwise: a scale per row and column; delayed: scales from an amax
+    # history kept in the train state (Transformer Engine's DelayedScaling).
+    fp8: Literal["none", "tensorwise", "rowwise", "delayed"] = "none"  # FP8 recipe of the projections (docs/fp8.md)
+    fp8_amax_history: int = 1024  # model.fp8=delayed: steps of amax history per tensor (TE's amax_history_len)
 
     @property
     def resolved_head_dim(self) -> int:

@@ -55,6 +55,7 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
         _require(rs.high_freq_factor > rs.low_freq_factor, f"model.rope_scaling.high_freq_factor="
                  f"{rs.high_freq_factor} must be > model.rope_scaling.low_freq_factor={rs.low_freq_factor}")
     _positive("model.norm_eps", m.norm_eps)
+    _positive("model.fp8_amax_history", m.fp8_amax_history)
     _positive("model.init_std", m.init_std)
 
     for name in ("steps", "global_batch", "microbatches", "virtual_stages", "eval_batches", "log_every",

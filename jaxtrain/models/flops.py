@@ -33,3 +33,13 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     embed = cfg.vocab_size * d
     unembed = 0 if cfg.tie_embeddings else embed
     return {"total": embed + unembed + l * per_layer + d, "embedding": embed}
+
+
+def fp8_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """The part of :func:`train_flops_per_token` that ``model.fp8`` multiplies in float8: the attention and MLP
+    projections (q, k, v, o, gate, up, down), forward and backward; 0 with ``model.fp8=none``. The output projection
+    and attention's [seq x seq] matmuls stay in the compute dtype."""
+    if cfg.fp8 == "none":
+        return 0.0
+    d, hd = cfg.d_model, cfg.resolved_head_dim
+    return 3 * 2 * cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff)

@@ -22,6 +22,7 @@ from flax.linen import with_logical_constraint
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.models.attention import REMAT_POLICIES, Local
+from jaxtrain.models.fp8 import use_fp8
 
 # (q, k, v, segment_ids) -> out: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment
 # ids int [batch, seq] or None, out like q. Causal.
@@ -91,6 +92,7 @@ class Attention(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1),
                                    kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
+        use_fp8(cfg, self.q, self.k, self.v, self.o)  # model.fp8: these projections multiply in FP8
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
                  cache: tuple[jax.Array, jax.Array] | None = None):
@@ -123,6 +125,7 @@ class MLP(nnx.Module):
         self.up = nnx.Linear(cfg.d_model, cfg.d_ff, kernel_init=_init(cfg.init_std, ("embed", "mlp")), **common)
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_init(out_std, ("mlp", "embed")), **common)
+        use_fp8(cfg, self.gate, self.up, self.down)  # model.fp8: these projections multiply in FP8
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """SwiGLU. x: [batch, seq, embed] -> [batch, seq, embed]; hidden [batch, seq, mlp]."""

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtrain.config import FLASH_HEAD_DIMS, Config
 from jaxtrain.errors import ConfigError
+from jaxtrain.models.fp8 import check_devices as check_fp8_devices
 from jaxtrain.models.llama import Transformer
 from jaxtrain.optim.state import TrainState, make_optimizer
 from jaxtrain.parallel import context as context_schedule
@@ -124,6 +125,7 @@ class Layout:
         ConfigError for a mesh that does not fit the devices, the model or the batch."""
         devices = list(jax.devices()) if devices is None else list(devices)
         cfg = resolve_auto(cfg, devices[0].platform, num_devices=len(devices))
+        check_fp8_devices(cfg.model.fp8, devices)  # never a silent fallback to 16-bit matmuls
         mesh, shape = build_mesh(cfg, devices)
         rules = rules_from_config(cfg.mesh.rules)
         interpret = devices[0].platform == "cpu"

@@ -20,6 +20,7 @@ The schedule (:func:`circular`) names no mesh axis: the caller passes the stage 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
+from jaxtrain.models import fp8
 from jaxtrain.models.attention import REMAT_POLICIES
 from jaxtrain.parallel.mesh import without_axes
 
@@ -111,8 +113,8 @@ def arrange_chunks(stack: jax.Array, stages: int, virtual: int, stage_axis: str 
 
 def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, x: jax.Array, side: Any, *,
              stages: int, virtual: int, stage_axis: str | tuple[str, ...], batch_axes: tuple[str, ...] = (),
-             embed: Callable[[jax.Array], jax.Array] | None = None, remat_policy: Callable | None = None
-             ) -> jax.Array:
+             embed: Callable[[jax.Array], jax.Array] | None = None, remat_policy: Callable | None = None,
+             meta: Any = None) -> jax.Array:
     """Run ``x`` through all chunks in order, pipelined. Returns the outputs [M, microbatch, ...], M split over the
     stage axis (stage ``j`` holds microbatches ``j * M / stages`` onwards) and the microbatch rows over
     ``batch_axes``.
@@ -128,6 +130,9 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     embed: applied to x on each stage before the loop (e.g. token ids -> embeddings), so that what enters is
         integers: had the embeddings come in, their gradient would be summed over stages (an all-reduce the size of
         the local batch's activations) although only stage 0 uses them.
+    meta: pytree of [virtual, stages, ...] like chunks, or None: FP8 amax histories (jaxtrain.models.fp8), given to
+        stage_fn beside the chunk's weights as (weights, meta); their cotangents (observed amaxes) are combined by
+        max over the iterations and the batch groups, never summed, and the amaxes reduced over the batch axes.
 
     The loop runs on each device's own shard: ``shard_map`` over the stage axis and the batch axes (the other axes,
     tensor, stay with the partitioner; inside, ``stage_fn`` must not name the batch axes). So every move along
@@ -140,45 +145,59 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
 
     def run_pass(chunks, v, h, side_m):
         weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
-        return stage_fn(weights, h, side_m)
+        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with FP8 histories
 
     policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
     run_pass = jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
 
-    def local(chunks, x, side):
+    def local(chunks, x, side, meta):
         me = jax.lax.axis_index(stage_axis)
         chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
+        meta = jax.tree.map(lambda a: a[0, :, 0], meta)  # this device's copy of its stage's FP8 histories
         x = x if embed is None else embed(x)
 
         def iteration(carry, t):
-            h, buf = carry
+            h, buf, meta = carry  # FP8 histories in the carry: cotangents meet by max (closed over: summed)
+            meta, meta_now = fp8.max_split(meta) if meta is not None else (None, None)
             w = t - me  # this stage's work item: microbatch w % M on pass w // M (outside [0, M * virtual): idle)
             # Stage 0 reads its next work item from its buffer (fresh inputs, or microbatches back from the last
             # stage); the other stages take what the previous stage passed on.
             h = jnp.where(me == 0, buf[t % m_n], h)
             side_m = None if side is None else jax.tree.map(lambda a: a[w % m_n], side)
-            h = run_pass(chunks, jnp.clip(w // m_n, 0, virtual - 1), h, side_m)
+            v = jnp.clip(w // m_n, 0, virtual - 1)
+            h = run_pass(chunks if meta is None else (chunks, meta_now), v, h, side_m)
             h = jax.lax.ppermute(h, stage_axis, perm=ring)  # the ring step: stage s's output to stage s + 1
             # What reaches stage 0 from the last stage (work item t - stages + 1, once there is one) waits in the
             # buffer slot of its microbatch, whose previous occupant entered the pipeline stages - 1 iterations ago.
             slot = (t - s_n + 1) % m_n
             keep = (me == 0) & (t - s_n + 1 >= 0)
             buf = buf.at[slot].set(jnp.where(keep, h, buf[slot]))
-            return (h, buf), None
+            return (h, buf, meta), None
 
         # Every stage keeps a buffer of the microbatches' size (x); only stage 0's is read, and at the end it holds
         # every microbatch's final output.
         steps = jnp.arange(iterations(s_n, m_n, virtual))
-        (_, buf), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x), steps)
+        with fp8.amax_over(tuple(batch_axes)):  # FP8 amaxes of the whole microbatch, not of this device's rows
+            (_, buf, _), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x, meta), steps)
         # Hand stage j its share of microbatches, so that the output layer and the loss run once, split over stages.
         shares = jax.lax.all_to_all(buf.reshape(s_n, m_n // s_n, *x.shape[1:]), stage_axis, 0, 0)
         return shares[0]  # [M / stages, microbatch, ...] from stage 0 (the other stages sent their unused buffers)
 
     stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
     rows = PartitionSpec(None, batch_axes or None)
-    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows),
+    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows,
+                                          PartitionSpec(batch_axes or None, None, stage_axis)),
                          out_specs=PartitionSpec(stage_axis, batch_axes or None),
-                         axis_names=frozenset(stage_names + tuple(batch_axes)), check_vma=False)(chunks, x, side)
+                         axis_names=frozenset(stage_names + tuple(batch_axes)),
+                         check_vma=False)(chunks, x, side, _meta_per_group(meta, batch_axes))
+
+
+def _meta_per_group(meta: Any, batch_axes: tuple[str, ...]) -> Any:
+    """FP8 histories [virtual, stages, ...] -> [groups, virtual, stages, ...], one copy per batch group, so that
+    shard_map's transpose combines their cotangents by max instead of summing them (None stays None)."""
+    if meta is None:
+        return None
+    return fp8.max_fan_out(meta, math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes))
 
 
 def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, layout) -> jax.Array:
@@ -193,8 +212,13 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     (and what the policy saves).
     """
     graphdef, stacked = nnx.split(model.blocks)
+    stacked, histories = nnx.split_state(stacked, nnx.Not(fp8.Fp8Meta), fp8.Fp8Meta)  # FP8: combined by max
     chunks = stack_chunks(stacked, layout)
-    stage_fn = chunk_function(graphdef, layout)
+    meta = stack_chunks(histories, layout) if jax.tree.leaves(histories) else None
+    chunk_fn = chunk_function(graphdef, layout)
+
+    def stage_fn(weights, h, side):
+        return chunk_fn(weights if meta is None else nnx.merge_state(*weights), h, side)
 
     def embed(tokens):
         with nnx.logical_axis_rules(layout.local_rules):
@@ -203,7 +227,7 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     policy = REMAT_POLICIES[model.cfg.remat] if model.cfg.remat != "none" else None
     return circular(stage_fn, chunks, tokens, segment_ids, stages=layout.stages,
                     virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                    batch_axes=layout.batch_axes, embed=embed, remat_policy=policy)
+                    batch_axes=layout.batch_axes, embed=embed, remat_policy=policy, meta=meta)
 
 
 def stack_chunks(stacked: Any, layout) -> Any:

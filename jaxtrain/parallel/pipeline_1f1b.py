@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxtrain.models import fp8
 from jaxtrain.parallel import pipeline
 
 
@@ -73,6 +74,25 @@ def _f32_zeros(tree):
 
 def _add(acc, d):
     return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, d)
+
+
+def _add_pass(acc, d, v, virtual: int):
+    """acc [virtual, ...] plus d at pass v; FP8 histories' cotangents (observed amaxes) by max (models/fp8.py)."""
+    def one(path, a, g):
+        g = g.astype(jnp.float32)
+        if fp8.is_meta_path(path):
+            return a.at[v].max(g)
+        return a + g[None] if virtual == 1 else a.at[v].add(g)
+    return jax.tree_util.tree_map_with_path(one, acc, d)
+
+
+def _reduce_chunks(d_chunks, batch_axes, groups):
+    """The chunks' gradients summed over the batch groups (FP8 histories' cotangents: max), per group's mean."""
+    def one(path, g):
+        if fp8.is_meta_path(path):  # each group's loss was its rows' mean: its gradients' amax is groups x too big
+            return fp8.scale_gradient_amax(jax.lax.pmax(g, batch_axes) if batch_axes else g, 1 / groups)[:, None]
+        return (jax.lax.psum(g, batch_axes) if batch_axes else g)[:, None] / groups
+    return jax.tree_util.tree_map_with_path(one, d_chunks)
 
 
 class _Stage:
@@ -154,10 +174,9 @@ class _Stage:
         return d_chunk, d_in, d_r_embed, v_b
 
     def add_chunk_grads(self, d_chunks, d_chunk, v_b):
-        """``d_chunk`` (of pass ``v_b``) added into the float32 sums of every pass's chunk gradients."""
-        if self.v_n == 1:
-            return jax.tree.map(lambda a, g: a + g.astype(jnp.float32)[None], d_chunks, d_chunk)
-        return jax.tree.map(lambda a, g: a.at[v_b].add(g.astype(jnp.float32)), d_chunks, d_chunk)
+        """``d_chunk`` (of pass ``v_b``) added into the float32 sums of every pass's chunk gradients (FP8
+        histories' cotangents: by max)."""
+        return _add_pass(d_chunks, d_chunk, v_b, self.v_n)
 
 
 def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, chunks: Any, rest: Any,
@@ -206,12 +225,12 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
         carry = (h_zero, h_zero, jnp.zeros((stage.slots, *h_zero.shape), h_zero.dtype), jnp.zeros((), jnp.float32),
                  _f32_zeros(stage.chunks), _f32_zeros(rest))
         steps = jnp.arange(iterations(s_n, tokens.shape[0], virtual))
-        (_, _, _, loss, d_chunks, d_rest), _ = jax.lax.scan(iteration, carry, steps)
+        with fp8.amax_over(tuple(batch_axes)):  # FP8 amaxes of the whole microbatch, not of this device's rows
+            (_, _, _, loss, d_chunks, d_rest), _ = jax.lax.scan(iteration, carry, steps)
         # The sums over devices, once per step: the loss and the embedding/head gradients live on one stage each.
         loss = jax.lax.psum(loss, reduce_axes) / groups
         d_rest = jax.tree.map(lambda g: jax.lax.psum(g, reduce_axes) / groups, d_rest)
-        d_chunks = jax.tree.map(lambda g: (jax.lax.psum(g, batch_axes) if batch_axes else g)[:, None] / groups,
-                                d_chunks)
+        d_chunks = _reduce_chunks(d_chunks, batch_axes, groups)
         return loss, d_chunks, d_rest
 
     rows = PartitionSpec(None, batch_axes or None)
@@ -232,7 +251,7 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
     enter the loop gathered and their gradients leave it summed over stages and batch groups.
     """
     m_n = tokens.shape[0]
-    is_stack = nnx.All(nnx.Param, nnx.PathContains("blocks"))
+    is_stack = nnx.All(fp8.DIFFERENTIATED, nnx.PathContains("blocks"))  # with the layers' FP8 histories
     graphdef, *states = nnx.split(model, is_stack, nnx.Param, ...)
     stack, rest, other = states
     blocks_def = nnx.graphdef(model.blocks)  # one stacked layer's structure, as pipeline.pipelined_layers merges it
@@ -264,7 +283,9 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
 
     def run_bwd(res, g):
         d_chunks, d_rest, chunks, rest = res
-        cast = partial(jax.tree.map, lambda d, p: (g * d).astype(p.dtype))
+        # FP8 histories' cotangents are observed amaxes, not scaled by the loss's cotangent
+        cast = partial(jax.tree_util.tree_map_with_path,
+                       lambda path, d, p: (d if fp8.is_meta_path(path) else g * d).astype(p.dtype))
         # token ids and segments (with a context axis: segments and positions, step.py): no gradient
         return cast(d_chunks, chunks), cast(d_rest, rest), None, None, jax.tree.map(lambda _: None, segment_ids)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
-from jaxtrain.models.flops import attention_flops_per_token, count_params, train_flops_per_token
+from jaxtrain.models.flops import attention_flops_per_token, count_params, fp8_flops_per_token, train_flops_per_token
 from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.planner.collectives import Collective
@@ -144,7 +144,22 @@ def _flops_and_rate(cfg: Config, shape: MeshShape, hw: Hardware, eff: float) -> 
     rows, seq = _rows_and_seq(cfg, shape)
     # A tensor-parallel device multiplies its rows by a tensor-th of the weight: the table (measured with the whole
     # weight) is read at the rows that do the same work, rows / tensor.
-    return flops, hw.peak_flops * eff * matmul_factor(hw, rows * seq / shape.axis_sizes[Axis.TENSOR])
+    return flops, peak_rate(cfg, hw) * eff * matmul_factor(hw, rows * seq / shape.axis_sizes[Axis.TENSOR])
+
+
+def fp8_share(cfg: Config) -> float:
+    """The share of the model FLOPs that model.fp8 multiplies in float8 (the attention and MLP projections)."""
+    return fp8_flops_per_token(cfg.model, cfg.data.seq_len) / train_flops_per_token(cfg.model, cfg.data.seq_len)
+
+
+def peak_rate(cfg: Config, hw: Hardware) -> float:
+    """The peak FLOP/s of ``cfg``'s matmul mix on ``hw``: the bf16 peak, or with model.fp8 the FP8 peak for the
+    projections' share of the FLOPs (:func:`fp8_share`) and the bf16 one for the rest (the time adds up, so the
+    rates combine harmonically). Without an FP8 rate (CPUs, which emulate float8) the bf16 peak alone."""
+    share = fp8_share(cfg)
+    if not share or hw.fp8_peak_flops <= 0:
+        return hw.peak_flops
+    return 1 / (share / hw.fp8_peak_flops + (1 - share) / hw.peak_flops)
 
 
 def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
@@ -323,7 +338,7 @@ def context_parallel(cfg: Config, shape: MeshShape, hw: Hardware) -> dict:
     ring_per_layer = 3 * (c - 1) * kv_block
     link = hw.inter_node_bandwidth if shape.crosses_nodes(Axis.CONTEXT) else hw.intra_node_bandwidth
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    rate = hw.peak_flops * efficiency(cfg, shape, hw)
+    rate = peak_rate(cfg, hw) * efficiency(cfg, shape, hw)
     per_dev = train_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     attn = attention_flops_per_token(m, cfg.data.seq_len) * tokens / shape.num_devices * remat_factor(cfg)
     layers = m.n_layers / s[Axis.STAGE]

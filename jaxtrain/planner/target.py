@@ -109,6 +109,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
             raise ConfigError(f"runtime.cpu_devices={cfg.runtime.cpu_devices} contradicts --hardware {hardware_name} "
                               f"--nodes {nodes} ({n_devices} devices); drop it")
         hw = dataclasses.replace(hw, mem_fraction=mem_fraction or hardware.gpu_mem_fraction())
+        notes += fp8_notes(cfg, hw)
         from jaxtrain.parallel.layout import resolve_auto  # imports JAX
 
         on_gpu, cfg = resolve_auto(cfg, "gpu"), as_on_gpu(cfg)
@@ -153,3 +154,18 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
     if efficiency:
         hw = dataclasses.replace(hw, compute_efficiency=efficiency)
     return Target(cfg, hw, devices, nodes, shapes, notes)
+
+
+def fp8_notes(cfg: Config, hw: Hardware) -> list[str]:
+    """The planner's word on model.fp8 for ``hw``: ConfigError where it has no FP8 tensor cores (never a silent
+    16-bit plan), else a note saying which FLOPs the estimate puts at the FP8 rate."""
+    if cfg.model.fp8 == "none":
+        return []
+    if hw.fp8_peak_flops <= 0:
+        raise ConfigError(f"model.fp8={cfg.model.fp8} needs FP8 tensor cores, which {hw.name} ({hw.device}) lacks "
+                          "(no fp8_peak_flops in its hardware file); set model.fp8=none or plan for h100-8x, "
+                          "h200-8x or b200-8x")
+    from jaxtrain.planner.cost import fp8_share
+
+    return [f"model.fp8={cfg.model.fp8}: the attention and MLP projections ({fp8_share(cfg):.0%} of the model FLOPs) "
+            f"at the FP8 peak {hw.fp8_peak_flops / 1e12:,.0f} TFLOP/s, the rest at {hw.peak_flops / 1e12:,.0f}"]

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import Config
 from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
+from jaxtrain.models import fp8
 from jaxtrain.optim.state import make_optimizer
 from jaxtrain.parallel import pipeline, pipeline_1f1b
 from jaxtrain.parallel.layout import Layout
@@ -164,7 +165,7 @@ class Step:
 
             def accumulate(carry, tokens):
                 loss, grads = grad_fn(params, model_def, tokens)
-                return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), carry, (loss, grads)), None
+                return (carry[0] + loss, fp8.combine(carry[1], grads, _add_float32)), None  # histories: max
 
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
             return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -179,22 +180,22 @@ class Step:
         def group_grad(tokens):
             # Inside the per-group function the batch axes belong to the vmapped group dimension (spmd_axis_name),
             # so the model's activations must not name them again: the layout's local rules.
-            with nnx.logical_axis_rules(lay.local_rules):
+            with nnx.logical_axis_rules(lay.local_rules), fp8.amax_over((_GROUPS,)):  # FP8 amax: the microbatch's
                 return grad_fn(gathered, model_def, tokens)
 
-        group_grads = jax.vmap(group_grad, spmd_axis_name=dp_axes)
+        group_grads = jax.vmap(group_grad, spmd_axis_name=dp_axes, axis_name=_GROUPS)
         acc_sharding = jax.tree.map(lambda s: NamedSharding(mesh, PartitionSpec(dp_axes, *s)), gathered_specs)
         zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros((dp, *p.shape), jnp.float32), s),
                              params, acc_sharding)
 
         def accumulate(carry, tokens):
             loss, grads = group_grads(tokens)  # loss [dp], grads [dp, *param] unreduced, one row per group
-            grads = jax.tree.map(lambda a, g, s: jax.lax.with_sharding_constraint(a + g.astype(jnp.float32), s),
-                                 carry[1], grads, acc_sharding)
+            grads = jax.tree.map(jax.lax.with_sharding_constraint, fp8.combine(carry[1], grads, _add_float32),
+                                 acc_sharding)
             return (carry[0] + loss, grads), None
 
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((dp,), jnp.float32), zeros), micro)
-        grads = jax.tree.map(lambda g, p: g.sum(0).astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), fp8.reduce_groups(grads), params)  # histories: max
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, s)),
                              grads, specs)
         return loss.sum(), grads
@@ -202,7 +203,7 @@ class Step:
     def train_step(self, state, batch):
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
         train_state = nnx.merge(self.layout.graphdef, state)
-        model_def, params = nnx.split(train_state.model, nnx.Param)
+        model_def, params = nnx.split(train_state.model, fp8.DIFFERENTIATED)  # FP8 histories: observed amaxes
         if self.layout.stages > 1:
             one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
             pipelined = self._pipelined_1f1b_loss if one_f_one_b else self._pipelined_loss
@@ -211,19 +212,21 @@ class Step:
             loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch, self._trained_tokens(batch))
         else:
             loss, grads = self._accumulated_grads(params, model_def, batch)
+        grads, observed = nnx.split_state(grads, nnx.Param, fp8.Fp8Meta)  # no FP8 history in norm, clip, update
         # A non-finite loss poisons the gradients, so that optax.apply_if_finite skips the step for either cause.
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
         opt = train_state.opt
         lr = self.schedule(opt.step[...] - opt.opt_state.total_notfinite[...])  # skipped steps do not advance it
         grad_norm = optax.tree.norm(grads)
         opt.update(train_state.model, grads)
+        fp8.record(train_state.model, observed, applied=opt.opt_state.notfinite_count[...] == 0)
         # nonfinite_steps: consecutive steps skipped so far, this one included (0: this step was applied).
         return nnx.state(train_state), {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
                                         "nonfinite_steps": opt.opt_state.notfinite_count[...]}
 
     def eval_step(self, state, batch):
         """Mean loss on one batch, no update."""
-        model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, nnx.Param)
+        model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, fp8.DIFFERENTIATED)
         if self.layout.stages > 1:
             return self._pipelined_loss(params, model_def, batch)
         return self._loss(params, model_def, batch, self._trained_tokens(batch))
@@ -254,6 +257,13 @@ class Step:
     @property
     def _replicated(self) -> NamedSharding:
         return NamedSharding(self.layout.mesh, PartitionSpec())
+
+
+_GROUPS = "data_parallel_groups"  # the vmap axis of unreduced accumulation's groups (FP8 amaxes reduce over it)
+
+
+def _add_float32(a, g):
+    return a + g.astype(jnp.float32)
 
 
 def compiled_with_microbatches(layout: Layout, microbatches: int):
