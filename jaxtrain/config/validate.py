@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jaxtrain.config import locations
 from jaxtrain.config.data_checks import check_data_config
+from jaxtrain.config.moe_checks import check_moe_config
 from jaxtrain.config.ops import fraction as _fraction
 from jaxtrain.config.ops import not_negative as _not_negative
 from jaxtrain.config.ops import positive as _positive
@@ -50,6 +51,7 @@ def validate(cfg: Config) -> None:
                  f"{rs.high_freq_factor} must be > model.rope_scaling.low_freq_factor={rs.low_freq_factor}")
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
+    check_moe_config(cfg)  # model.moe.*: routing, capacity, layer groups (docs/moe.md)
 
     for name in ("steps", "global_batch", "microbatches", "virtual_stages", "eval_batches", "log_every",
                  "max_nonfinite_steps"):
