@@ -33,6 +33,7 @@ from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.models.flops import count_params, train_flops_per_token
 from jaxtrain.observe import observer as observe
 from jaxtrain.observe.metrics import MetricsWriter, Throughput, summary_line
+from jaxtrain.observe.moe import RoutingWatch
 from jaxtrain.parallel.layout import Layout
 from jaxtrain.train import guards
 from jaxtrain.train.step import Step, compiled_with_microbatches
@@ -185,6 +186,7 @@ class _Loop:
         if jax.process_count() > 1:
             log.info(f"reads rows [{rows[0]}, {rows[1]}) of each global batch of {t.global_batch}")
         self.obs = obs = observe.Observer(layout, self.run_dir, self.speed)
+        self.routing = RoutingWatch(cfg, obs.metrics)  # MoE: gauges and the collapse warning (docs/moe.md)
         state, start, data_state = restored
         if self.source.kind == "resume":
             log.info(f"resumed from {self.source.directory}/{start}")
@@ -276,6 +278,7 @@ class _Loop:
         logged = bool(bad) or not (step % t.log_every and step not in (self.start + 1, t.steps)
                                    and eval_state is None)
         self.obs.report(step, m, step_seconds, logged)
+        self.routing.report(step, m)
         if not logged:
             return
         record = {"step": step, **m, **self.speed.step_fields(step_seconds), **self.obs.step_split(step)}
