@@ -143,16 +143,15 @@ def test_routing_collapse_warns_once_per_sustained_collapse(capsys):
     cfg = load_config(None, [*FAST, *SMALL, "observe.moe_collapse_steps=3"])
     assert collapse_share(cfg) == pytest.approx((2 / 8 + 1) / 2)
     metrics = _Metrics()
-    watch = RoutingWatch(cfg, metrics)
+    watch = RoutingWatch(cfg)
     figures = {"moe_balance_loss": 2.5, "moe_z_loss": 3.0, "moe_max_load": 3.6, "moe_dropped": 0.0}
     shares = [0.3, 0.9, 0.95, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9]  # a blip, then a collapse that lasts
     warned = [step for step, share in enumerate(shares, 1)
-              if watch.report(step, {**figures, "moe_top_share": share})]
+              if watch.report(step, {**figures, "moe_top_share": share}, metrics)]
     assert warned == [7] and watch.warnings == 1
     assert "routing collapse" in capsys.readouterr().err
     sample = metrics.registry.get_sample_value
     assert sample("jaxtrain_moe_top_share", metrics.base) == 0.9
     assert sample("jaxtrain_moe_max_load", metrics.base) == 3.6
     assert sample("jaxtrain_moe_collapse_warnings_total", metrics.base) == 1
-    dense = RoutingWatch(load_config(None, FAST), _Metrics())
-    assert dense.report(1, {"loss": 1.0}) is None
+    assert RoutingWatch(load_config(None, FAST)).report(1, {"loss": 1.0}, _Metrics()) is None

@@ -28,31 +28,37 @@ def collapse_share(cfg: Any) -> float:
 
 
 class RoutingWatch:
-    """Fed each step's metrics (plain numbers, :meth:`report`); sets the MoE gauges of ``metrics`` (a
-    :class:`jaxtrain.observe.metrics.PrometheusMetrics`, or None) and warns once per collapse: ``moe_top_share`` at
-    or above :func:`collapse_share` in ``observe.moe_collapse_steps`` steps in a row. Does nothing for a dense
-    model."""
+    """Fed each step's metrics (plain numbers, :meth:`report`); sets the MoE gauges in the registry of ``metrics`` (a
+    :class:`jaxtrain.observe.metrics.PrometheusMetrics`, or None: no endpoint) and warns once per collapse:
+    ``moe_top_share`` at or above :func:`collapse_share` in ``observe.moe_collapse_steps`` steps in a row. Does
+    nothing for a dense model."""
 
-    def __init__(self, cfg: Any, metrics: Any = None):
+    def __init__(self, cfg: Any):
         self.cfg, self.active = cfg, cfg.model.moe.experts > 0
-        self.share, self.window = (collapse_share(cfg), cfg.observe.moe_collapse_steps) if self.active else (1.0, 0)
+        self.share = collapse_share(cfg) if self.active else 1.0
+        self.window: int = cfg.observe.moe_collapse_steps if self.active else 0
         self.run, self.warned, self.warnings = 0, False, 0
         self._gauges: dict[str, Any] = {}
-        self._counter = None
-        if self.active and metrics is not None:
-            import prometheus_client as prom
+        self._counter: Any = None
+        self._registry: Any = None
 
-            names = tuple(metrics.base)
-            self._gauges = {key: prom.Gauge(f"jaxtrain_{key}", doc, names, registry=metrics.registry)
-                            .labels(**metrics.base) for key, doc in GAUGES.items()}
-            self._counter = prom.Counter("jaxtrain_moe_collapse_warnings", "Routing-collapse warnings (one expert "
-                                         "taking most of a layer's tokens)", names,
-                                         registry=metrics.registry).labels(**metrics.base)
+    def _bind(self, metrics: Any) -> None:
+        """The gauges and the warning counter, in ``metrics``'s registry (once)."""
+        import prometheus_client as prom
 
-    def report(self, step: int, values: dict) -> str | None:
+        self._registry, names = metrics.registry, tuple(metrics.base)
+        self._gauges = {key: prom.Gauge(f"jaxtrain_{key}", doc, names, registry=metrics.registry)
+                        .labels(**metrics.base) for key, doc in GAUGES.items()}
+        self._counter = prom.Counter("jaxtrain_moe_collapse_warnings", "Routing-collapse warnings (one expert taking "
+                                     "most of a layer's tokens)", names, registry=metrics.registry
+                                     ).labels(**metrics.base)
+
+    def report(self, step: int, values: dict, metrics: Any = None) -> str | None:
         """A step's metrics; returns the warning logged at this step, if any."""
         if not self.active or "moe_top_share" not in values:
             return None
+        if metrics is not None and metrics.registry is not self._registry:
+            self._bind(metrics)
         for key, gauge in self._gauges.items():
             gauge.set(values[key])
         if not self.window:

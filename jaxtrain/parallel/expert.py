@@ -152,6 +152,13 @@ def _per_device(x, experts, weights, w_gate, w_up, w_down, *, ep_axis, sum_axes,
     return y.reshape(b, s, d)
 
 
+def _spec(logical: tuple[str | None, ...]) -> PartitionSpec:
+    """The mesh axes of logical axes under the rules in scope."""
+    spec = nn_partitioning.logical_to_mesh_axes(logical)
+    assert spec is not None  # a tuple of logical names always maps to a spec
+    return spec
+
+
 def _names(spec: PartitionSpec) -> list[str]:
     return [a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None]
 
@@ -168,9 +175,8 @@ class MeshExperts:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:
             return local_experts(x, experts, weights, w_gate, w_up, w_down)
-        tokens = nn_partitioning.logical_to_mesh_axes(("batch", "act_seq"))
-        w_in = nn_partitioning.logical_to_mesh_axes(("experts", None, "expert_mlp"))
-        w_out = nn_partitioning.logical_to_mesh_axes(("experts", "expert_mlp", None))
+        tokens, w_in, w_out = (_spec(axes) for axes in (("batch", "act_seq"), ("experts", None, "expert_mlp"),
+                                                          ("experts", "expert_mlp", None)))
         sizes = dict(mesh.shape)
         manual = {a for spec in (tokens, w_in) for a in _names(spec)} - set(mesh.manual_axes)
         if math.prod(sizes[a] for a in manual) == 1:

@@ -178,6 +178,7 @@ class _Loop:
                                 self.layout.num_devices, hardware.peak_flops(jax.devices()[0].device_kind))
         self.nonfinite_first = 0  # the first step of the current run of non-finite steps
         self.eval_set: list[jax.Array] = []
+        self.routing = RoutingWatch(self.cfg)  # MoE models: their gauges and the collapse warning (docs/moe.md)
 
     def run(self, tokens, restored) -> RunResult:
         cfg, layout = self.cfg, self.layout
@@ -186,7 +187,6 @@ class _Loop:
         if jax.process_count() > 1:
             log.info(f"reads rows [{rows[0]}, {rows[1]}) of each global batch of {t.global_batch}")
         self.obs = obs = observe.Observer(layout, self.run_dir, self.speed)
-        self.routing = RoutingWatch(cfg, obs.metrics)  # MoE: gauges and the collapse warning (docs/moe.md)
         state, start, data_state = restored
         if self.source.kind == "resume":
             log.info(f"resumed from {self.source.directory}/{start}")
@@ -278,7 +278,7 @@ class _Loop:
         logged = bool(bad) or not (step % t.log_every and step not in (self.start + 1, t.steps)
                                    and eval_state is None)
         self.obs.report(step, m, step_seconds, logged)
-        self.routing.report(step, m)
+        self.routing.report(step, m, self.obs.metrics)
         if not logged:
             return
         record = {"step": step, **m, **self.speed.step_fields(step_seconds), **self.obs.step_split(step)}
