@@ -76,7 +76,7 @@ def default_rules() -> dict[str, Any]:
 @dataclass
 class MeshConfig:
     # Intra-node (NVLink) and inter-node (InfiniBand) parts of each axis; the axis size is ici * dcn.
-    # One of the eight may be -1: it takes whatever the device count leaves.
+    # One of the twelve may be -1: it takes whatever the device count leaves.
     ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=default_rules)  # logical axis -> mesh axis, list of axes, or null
@@ -91,7 +91,7 @@ class MeshConfig:
     auto_trial_steps: int = 6  # mesh.auto: timed steps per finalist (the fastest measured wins); 0 = estimate only
 
     def sizes(self) -> dict[tuple[str, str], int]:
-        """``{("ici", "data"): 1, ...}``: the eight configured sizes, ``-1`` included."""
+        """``{("ici", "data"): 1, ...}``: the configured sizes (ici and dcn of each axis), ``-1`` included."""
         return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
 
 
