@@ -26,6 +26,10 @@ MESHES = {"expert=8": ["mesh.ici.fsdp=1", "mesh.ici.expert=8"],
           "expert=4 x fsdp=2": ["mesh.ici.fsdp=2", "mesh.ici.expert=4"],
           "expert=2 x data=2 x tensor=2": ["mesh.ici.fsdp=1", "mesh.ici.expert=2", "mesh.ici.data=2",
                                            "mesh.ici.tensor=2"]}
+# Also composed with the context axis (ring attention; a device's part of each sequence is just its tokens) and with
+# rematerialisation (the remat unit is a layer group).
+MORE = {"expert=2 x context=2 x fsdp=2, remat full": ["mesh.ici.fsdp=2", "mesh.ici.expert=2", "mesh.ici.context=2",
+                                                      "model.remat=full"]}
 MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_max_load", "moe_top_share", "moe_dropped")
 
 
@@ -82,10 +86,10 @@ def one_device_steps():
 
 
 @pytest.mark.parametrize("name", [n if n == "expert=4 x fsdp=2" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in MESHES])
+                                  for n in {**MESHES, **MORE}])
 def test_train_step_on_expert_meshes_equals_one_device(one_device_steps, name):
     """The loss, router losses, load figures and gradient norm of two dropless steps (float32) equal one device's."""
-    got = _two_steps(load_config(None, [*FAST, *SMALL, *MESHES[name]]), 8)
+    got = _two_steps(load_config(None, [*FAST, *SMALL, *{**MESHES, **MORE}[name]]), 8)
     for mine, ref in zip(got, one_device_steps):
         assert set(mine) == set(ref) and set(MOE_KEYS) <= set(mine)
         for key in ("loss", "grad_norm", *MOE_KEYS):

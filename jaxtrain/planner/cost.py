@@ -273,9 +273,11 @@ def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
     lower = layers * tokens * m.d_model * act
     scores = m.n_heads / s[Axis.TENSOR] * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
     full_layer = tokens * ((8 * m.d_model + 3 * m.d_ff) / s[Axis.TENSOR] * act + scores)
-    if m.moe.experts:  # an MoE layer: the dispatch buffers and each assignment's expert hidden states
-        hidden = tokens * m.moe.top_k * 3 * m.expert_d_ff / s[Axis.TENSOR] * act
-        full_layer += (moe_dispatch(cfg, shape)["buffer_bytes"] + hidden) / m.moe.every
+    if m.moe.experts:  # an MoE layer: the dispatch buffers and the expert rows' hidden states (float32 gate and up
+        # products, the SwiGLU in the compute dtype, and their gradients), on every row of the padded buffer
+        moe = moe_dispatch(cfg, shape)
+        hidden = 2 * moe["expert_rows"] * m.expert_d_ff / s[Axis.TENSOR] * (8 + act)
+        full_layer += (moe["buffer_bytes"] + hidden) / m.moe.every
     per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s[Axis.TENSOR] * act,
                  "full": tokens * m.d_model * act}[m.remat]
     logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * 2  # float32 logits and their gradient
@@ -328,7 +330,8 @@ def moe_dispatch(cfg: Config, shape: MeshShape) -> dict:
     """Closed-form figures of an MoE model's dispatch per device, MoE layer and microbatch (``jaxtrain.parallel.
     expert``): ``kind`` (model.moe.dispatch resolved), ``bytes_per_layer`` (sent in the forward; the backward sends as
     many), ``buffer_bytes`` (the forward's dispatch buffers: all_to_all's chunks out and in, both ways; all_gather's
-    gathered tokens, expert rows and float32 results), ``layers`` (MoE layers in the model)."""
+    gathered tokens, expert rows and float32 results), ``expert_rows`` (the rows the device's experts run on: the
+    padded buffer's), ``layers`` (MoE layers in the model)."""
     m, s = cfg.model, shape.axis_sizes
     moe, ep, act = m.moe, s[Axis.EXPERT], _dtype_bytes(m.dtype)
     rows, seq = _rows_and_seq(cfg, shape)
@@ -338,12 +341,16 @@ def moe_dispatch(cfg: Config, shape: MeshShape) -> dict:
     kind = choose_dispatch(moe.dispatch, tokens, moe.top_k, moe.experts, ep, m.d_model, act, per_expert)
     chunk = chunk_rows(tokens, moe.top_k, moe.experts, ep, per_expert)
     if ep == 1:
-        buffers = tokens * moe.top_k * m.d_model * act
+        expert_rows = tokens * moe.top_k
+        buffers = expert_rows * m.d_model * act
     elif kind == "all_to_all":
-        buffers = 4 * ep * chunk * m.d_model * act
+        expert_rows = ep * chunk
+        buffers = 4 * expert_rows * m.d_model * act
     else:
-        buffers = ep * tokens * m.d_model * (act + 4) + ep * chunk * m.d_model * act
+        expert_rows = chunk_rows(tokens * ep, moe.top_k, moe.experts, ep, per_expert * ep)
+        buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * act
     return {"kind": kind if ep > 1 else "local", "layers": m.n_layers // moe.every, "buffer_bytes": buffers,
+            "expert_rows": expert_rows,
             "bytes_per_layer": dispatch_bytes(kind, tokens, moe.top_k, moe.experts, ep, m.d_model, act, per_expert)}
 
 
