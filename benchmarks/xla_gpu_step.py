@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     counts = {k: len(re.findall(rf"[ }}]{k}(-start)?\(", text)) for k in KINDS}
     gemms = len(re.findall(r"__triton_gemm|custom_call_target=\"__cublas", text))
     print(f"jax {jax.__version__}; {a.devices} x {topo.devices[0].device_kind}; mesh {step.layout.shape.label}; "
-          f"model {cfg.model.dtype}, attention {step.cfg.model.attention}; compiled in {seconds:.1f} s")
+          f"model {step.cfg.model.dtype}, attention {step.cfg.model.attention}; compiled in {seconds:.1f} s")
     print(f"memory per device: arguments {mem.argument_size_in_bytes / 2**30:.2f} GiB, temporaries "
           f"{mem.temp_size_in_bytes / 2**30:.2f} GiB, outputs {mem.output_size_in_bytes / 2**30:.2f} GiB (aliased "
           f"{mem.alias_size_in_bytes / 2**30:.2f})")

@@ -277,7 +277,13 @@ def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
         # products, the SwiGLU in the compute dtype, and their gradients), on every row of the padded buffer
         moe = moe_dispatch(cfg, shape)
         hidden = 2 * moe["expert_rows"] * m.expert_d_ff / s[Axis.TENSOR] * (8 + act)
-        full_layer += (moe["buffer_bytes"] + hidden) / m.moe.every
+        # XLA's ragged_dot masks the rows once per local expert (docs/moe.md): that many copies of their input; and
+        # one layer's local experts gathered over fsdp, with their float32 gradient, are a layer's worth of weights.
+        local = m.moe.experts // s[Axis.EXPERT]
+        width = max(m.d_model, m.expert_d_ff / s[Axis.TENSOR])
+        masked = 2 * local * moe["expert_rows"] * width * act if local > 1 else 0
+        gathered = local * 3 * m.d_model * m.expert_d_ff / s[Axis.TENSOR] * (act + 4)
+        full_layer += (moe["buffer_bytes"] + hidden + masked + gathered) / m.moe.every
     per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s[Axis.TENSOR] * act,
                  "full": tokens * m.d_model * act}[m.remat]
     logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * 2  # float32 logits and their gradient
