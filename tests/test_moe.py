@@ -29,7 +29,8 @@ MESHES = {"expert=8": ["mesh.ici.fsdp=1", "mesh.ici.expert=8"],
 # Also composed with the context axis (ring attention; a device's part of each sequence is just its tokens) and with
 # rematerialisation (the remat unit is a layer group).
 MORE = {"expert=2 x context=2 x fsdp=2, remat full": ["mesh.ici.fsdp=2", "mesh.ici.expert=2", "mesh.ici.context=2",
-                                                      "model.remat=full"]}
+                                                      "model.remat=full"],
+        "fsdp=8, every device all experts": ["mesh.ici.fsdp=8"]}
 MOE_KEYS = ("moe_balance_loss", "moe_z_loss", "moe_max_load", "moe_top_share", "moe_dropped")
 
 
