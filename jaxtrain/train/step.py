@@ -64,11 +64,15 @@ class Step:
             return jnp.float32(batch.shape[0] * (batch.shape[1] - 1))
         return jnp.maximum(trained_targets(batch).sum(), 1.0)
 
-    def _loss(self, params, graphdef, words, trained_tokens, share=1.0):
-        """(objective, metrics): the sum of the trained next-token losses of ``words`` int32 [rows, seq + 1] (flagged
-        token words) divided by ``trained_tokens`` (the whole step's count, :meth:`_trained_tokens`), plus an MoE
-        model's router losses times ``share`` (this part's share of the step); metrics: ``loss`` (the next-token
-        part) and the MoE figures (``jaxtrain.models.moe.objective``)."""
+    def _loss(self, params, graphdef, words, trained_tokens):
+        """Sum of the trained next-token losses of ``words`` int32 [rows, seq + 1] (flagged token words) divided by
+        ``trained_tokens`` (the whole step's count, :meth:`_trained_tokens`)."""
+        return self._objective(params, graphdef, words, trained_tokens)[1]["loss"]
+
+    def _objective(self, params, graphdef, words, trained_tokens, share=1.0):
+        """(what the step minimises, metrics): :meth:`_loss` plus an MoE model's router losses times ``share`` (this
+        part's share of the step); metrics: ``loss`` (the next-token part) and the MoE figures
+        (``jaxtrain.models.moe.objective``)."""
         model = nnx.merge(graphdef, params)
         chat = self.cfg.data.format == "chat"
         tokens = words & TOKEN_BITS if chat else words
@@ -148,7 +152,7 @@ class Step:
 
     def _accumulated_grads(self, params, model_def, batch):
         """(metrics, mean gradients) over ``train.microbatches`` sequential microbatches of ``batch``; metrics as
-        :meth:`_loss`'s, summed over the microbatches (``loss``: the mean loss).
+        :meth:`_objective`'s, summed over the microbatches (``loss``: the mean loss).
 
         Microbatch i takes rows i, i+k, ...: each device's block of rows splits evenly over the microbatches, so no
         data moves between devices. With ``train.accumulate=unreduced`` each data-parallel group (one device's rows)
@@ -160,7 +164,8 @@ class Step:
         """
         k = self.cfg.train.microbatches
         trained = self._trained_tokens(batch)  # each microbatch's loss is its share of the step's mean
-        grad_fn = jax.value_and_grad(lambda p, d, tokens: self._loss(p, d, tokens, trained, 1 / k), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, d, tokens: self._objective(p, d, tokens, trained, 1 / k),
+                                     has_aux=True)
         micro = self._microbatches(batch)
         lay = self.layout
         dp_axes, dp, mesh = lay.batch_axes, lay.data_parallel, lay.mesh
@@ -216,7 +221,7 @@ class Step:
             loss, grads = jax.value_and_grad(pipelined)(params, model_def, batch)
             metrics = {"loss": loss}
         elif self.cfg.train.microbatches == 1:
-            (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+            (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
                 params, model_def, batch, self._trained_tokens(batch))
         else:
             metrics, grads = self._accumulated_grads(params, model_def, batch)
@@ -236,7 +241,7 @@ class Step:
         model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, nnx.Param)
         if self.layout.stages > 1:
             return self._pipelined_loss(params, model_def, batch)
-        return self._loss(params, model_def, batch, self._trained_tokens(batch))[1]["loss"]
+        return self._loss(params, model_def, batch, self._trained_tokens(batch))
 
     def compile(self, state=None, *, with_eval: bool = True):
         """Ahead-of-time compiled (train_step, eval_step or None) for this state (arrays, or ShapeDtypeStructs with
