@@ -29,7 +29,9 @@ def test_candidates_cover_every_axis_remat_microbatches_and_schedules(make_confi
     cfg = make_config("model.n_layers=4", "train.global_batch=16")
     cands = space.candidates(cfg, 8, 1)
     used = {ax for c in cands for ax, n in c.shape.axis_sizes.items() if n > 1}
-    assert used == set(MESH_AXES)  # context joins when config.MESH_AXES has it
+    assert used == set(MESH_AXES) - {"expert"}  # context joins when config.MESH_AXES has it; expert: MoE models only
+    moe = make_config("model.n_layers=4", "train.global_batch=16", "model.moe.experts=8")
+    assert any(c.shape.size("expert") > 1 for c in space.candidates(moe, 8, 1))
     assert {c.remat for c in cands} == set(space.REMATS)
     assert {c.microbatches for c in cands} == {1, 2, 4, 8, 16}
     assert {c.schedule for c in cands if c.stages > 1} == {"gpipe", "1f1b"}

@@ -6,7 +6,7 @@ from flax import nnx
 
 from jaxtrain.config import Config, ConfigError, dump_yaml, load_config
 from jaxtrain.models.flops import count_params
-from jaxtrain.models.llama import Transformer
+from jaxtrain.models.moe import make_model
 from jaxtrain.parallel.dims import cpu_devices_per_process
 from jaxtrain.parallel.layout import resolve_auto
 from jaxtrain_testing import REPO
@@ -99,11 +99,11 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
 
 
 @pytest.mark.parametrize("name, millions", [("tiny", 0.82), ("125m", 123.6), ("1b", 1235.8), ("7b", 6738.4),
-                                            ("70b", 68976.6)])
+                                            ("70b", 68976.6), ("tiny-moe", 2.594), ("mixtral-8x7b", 46702.8)])
 def test_shipped_configs_build_the_advertised_model(name, millions):
     cfg = load_config(os.path.join(REPO, f"configs/{name}.yaml"))
     with nnx.use_eager_sharding(False):  # no mesh here: only shapes are wanted
-        abstract = nnx.eval_shape(lambda: Transformer(resolve_auto(cfg, "cpu").model, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: make_model(resolve_auto(cfg, "cpu").model, rngs=nnx.Rngs(0)))
     actual = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert actual == count_params(cfg.model)["total"]
     assert actual / 1e6 == pytest.approx(millions, rel=1e-3)

@@ -9,8 +9,8 @@ from jaxtrain.parallel.mesh import build_mesh
 
 def test_fill_axis_takes_the_remaining_devices():
     shape = MeshShape.resolve(load_config(None, ["mesh.ici.tensor=2"]).mesh, 8)
-    assert shape.ici == (1, 1, 4, 1, 2) and shape.dcn == (1, 1, 1, 1, 1)
-    assert shape.axis_sizes == {"data": 1, "stage": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert shape.ici == (1, 1, 4, 1, 1, 2) and shape.dcn == (1, 1, 1, 1, 1, 1)
+    assert shape.axis_sizes == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
 
 
 def test_size_mismatch_is_a_config_error():
@@ -22,7 +22,7 @@ def test_dcn_axis_spans_hosts_and_ici_groups_stay_inside_one():
     # One process emulates 2 hosts of 4 devices: devices 0-3 are "host 0", 4-7 "host 1".
     cfg = load_config(None, ["mesh.dcn.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"])
     mesh, _ = build_mesh(cfg, jax.devices()[:8])
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "tensor": 2}
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     host = ids // 4
     assert (host[0] == 0).all() and (host[1] == 1).all()  # stepping along data (dcn) changes host

@@ -49,7 +49,7 @@ def test_all_expands_to_the_planners_meshes(tmp_path):
     exp = spec.load_experiment(write(tmp_path, {"overrides": ["runtime.cpu_devices=2"], "runs": "all"}))
     names = sorted(r.name for r in spec.expand_runs(exp))
     # a pipeline needs 2 microbatches; context waits until each group holds one sequence (16 here)
-    assert names == sorted(f"{ax}2" for ax in MESH_AXES if ax not in ("stage", "context"))
+    assert names == sorted(f"{ax}2" for ax in MESH_AXES if ax not in ("stage", "context", "expert"))  # expert: MoE
 
 
 def test_measurements_from_summary(tmp_path):

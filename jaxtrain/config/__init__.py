@@ -17,6 +17,7 @@ from jaxtrain.config.tree import (
     DataConfig,
     MeshConfig,
     ModelConfig,
+    MoEConfig,
     RopeScalingConfig,
     RunConfig,
     RuntimeConfig,
@@ -29,5 +30,5 @@ from jaxtrain.config.validate import validate
 from jaxtrain.errors import ConfigError
 
 __all__ = ["FLASH_HEAD_DIMS", "AxisSizes", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig",
-           "ModelConfig", "RopeScalingConfig", "RunConfig", "RuntimeConfig", "TrainConfig", "all_keys",
+           "ModelConfig", "MoEConfig", "RopeScalingConfig", "RunConfig", "RuntimeConfig", "TrainConfig", "all_keys",
            "default_rules", "dump_yaml", "load_config", "to_dict", "unknown_config_key", "validate"]

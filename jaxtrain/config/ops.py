@@ -76,6 +76,11 @@ class ObserveConfig:
     profile_steps: list | None = None
     profile_processes: list | None = None  # process indices that trace; None: all
     signal_profile_steps: int = 5  # steps traced after a SIGUSR1
+    # MoE models (docs/moe.md): warn when one expert of a layer takes at least moe_collapse_share of the layer's
+    # tokens in moe_collapse_steps steps in a row (routing collapse; the uniform share is top_k / experts).
+    # None: halfway between the uniform share and 1.
+    moe_collapse_share: float | None = None
+    moe_collapse_steps: int = 20  # consecutive steps at or above moe_collapse_share before the warning; 0: off
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,3 +155,6 @@ def _validate_observe(o: ObserveConfig) -> None:
             f"observe.profile_processes={pp} must be a list of process indices >= 0, e.g. [0]")
     require(o.signal_profile_steps > 0,
             f"observe.signal_profile_steps={o.signal_profile_steps} must be > 0")
+    share = o.moe_collapse_share
+    require(share is None or 0 < share <= 1, f"observe.moe_collapse_share={share} must be in (0, 1] (or null)")
+    not_negative("observe.moe_collapse_steps", o.moe_collapse_steps, " (0: off)")

@@ -36,16 +36,18 @@ class AxisSizes:
     data: int = 1  # data parallelism: replicas of the parameters, each with its rows of the batch
     stage: int = 1  # pipeline stages: the layer stack is split into this many consecutive groups of devices
     fsdp: int = 1  # fully sharded data parallelism: parameters, gradients and optimizer state sharded (ZeRO-3)
+    expert: int = 1  # expert parallelism: MoE experts split, tokens sent to them by all-to-all (docs/moe.md)
     context: int = 1  # context parallelism: the sequence split, ring attention over it (docs/long-context.md)
     tensor: int = 1  # tensor parallelism: heads and MLP columns split (Megatron); inside a node only
 
 
 def default_rules() -> dict[str, Any]:
     # Parameters are sharded over fsdp (ZeRO-3 style) and tensor (Megatron style); activations' batch dimension
-    # over data and fsdp. Activation names start with "act_" so that an activation's embed dimension stays
-    # replicated while the parameter's embed dimension is fsdp-sharded.
+    # over data, fsdp and expert (outside the MoE layers the expert axis is one more data axis). Activation names
+    # start with "act_" so that an activation's embed dimension stays replicated while the parameter's embed
+    # dimension is fsdp-sharded.
     return {
-        "batch": ["data", "fsdp"],
+        "batch": ["data", "fsdp", "expert"],
         "vocab": "tensor",
         "embed": "fsdp",
         "mlp": "tensor",
@@ -57,6 +59,11 @@ def default_rules() -> dict[str, Any]:
         # The pipeline's per-stage activation buffers [stage, microbatch, seq, embed] (jaxtrain/parallel/pipeline.py).
         "stage": "stage",
         "norm": None,
+        # MoE layers (docs/moe.md): the routed experts' leading dimension, each expert's hidden width, and the dense
+        # layers inside a group of model.moe.every layers (never split: the group is what the scan and stages see).
+        "experts": "expert",
+        "expert_mlp": "tensor",
+        "sublayers": None,
         "act_seq": "context",  # the activations' sequence dimension; ring attention when the context axis > 1
         "act_embed": None,
         "act_mlp": "tensor",
@@ -69,7 +76,7 @@ def default_rules() -> dict[str, Any]:
 @dataclass
 class MeshConfig:
     # Intra-node (NVLink) and inter-node (InfiniBand) parts of each axis; the axis size is ici * dcn.
-    # One of the ten may be -1: it takes whatever the device count leaves.
+    # One of the twelve may be -1: it takes whatever the device count leaves.
     ici: AxisSizes = field(default_factory=lambda: AxisSizes(data=1, stage=1, fsdp=-1, tensor=1))
     dcn: AxisSizes = field(default_factory=AxisSizes)
     rules: dict[str, Any] = field(default_factory=default_rules)  # logical axis -> mesh axis, list of axes, or null
@@ -84,7 +91,7 @@ class MeshConfig:
     auto_trial_steps: int = 6
 
     def sizes(self) -> dict[tuple[str, str], int]:
-        """``{("ici", "data"): 1, ...}``: the ten configured sizes, ``-1`` included."""
+        """``{("ici", "data"): 1, ...}``: the configured sizes (ici and dcn of each axis), ``-1`` included."""
         return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
 
 
@@ -98,6 +105,30 @@ class RopeScalingConfig:
     low_freq_factor: float = 1.0  # wavelengths above original_max_len / low_freq_factor are stretched fully
     high_freq_factor: float = 4.0  # wavelengths below original_max_len / high_freq_factor are kept
     original_max_len: int = 8192  # the context length the model was pre-trained with
+
+
+@dataclass
+class MoEConfig:
+    """Mixture of experts (docs/moe.md): in every ``every``-th layer the SwiGLU MLP becomes ``experts`` routed SwiGLU
+    experts (each token goes to its top_k, weighted by the router) plus ``shared_experts`` always-on ones."""
+
+    experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    top_k: int = 2  # experts each token is sent to (token choice)
+    d_ff: int = 0  # hidden width of each routed expert; 0: model.d_ff
+    shared_experts: int = 0  # always-on experts: one SwiGLU of width shared_experts x d_ff in each MoE layer
+    shared_gate: bool = False  # scale the shared experts' output by sigmoid(x . w) per token (Qwen2-MoE)
+    every: int = 1  # layer i is an MoE layer when (i + 1) % every == 0, the others dense; divides model.n_layers
+    # softmax: top_k of softmax(logits) (Mixtral, Qwen2-MoE); sigmoid: top_k of sigmoid(logits) (DeepSeek-V3)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    normalize: bool = True  # the top_k weights renormalised to sum 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
+    # 0: dropless (every token reaches its experts); > 0: each expert takes at most ceil(capacity_factor x seq_len
+    # x top_k / experts) tokens of a sequence, the rest of its assignments are dropped (counted as moe_dropped)
+    capacity_factor: float = 0.0
+    aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer) in the training loss
+    z_loss: float = 0.0  # weight of the router z-loss (ST-MoE: mean of logsumexp(logits)^2)
+    # How tokens reach experts on other devices of the expert axis: all_to_all (padded to the worst case),
+    # all_gather (every device gathers the axis's tokens, results reduce-scattered back); auto: fewer bytes
+    dispatch: Literal["auto", "all_to_all", "all_gather"] = "auto"
 
 
 @dataclass
@@ -127,12 +158,18 @@ class ModelConfig:
     # GPU of compute capability 8.9+ (Ada, Hopper, Blackwell); XLA:CPU emulates it (for tests, not speed).
     # tensorwise: one current scale per tensor; rowwise: a scale per row and column; delayed: scales from an amax
     # history kept in the train state (Transformer Engine's DelayedScaling).
-    fp8: Literal["none", "tensorwise", "rowwise", "delayed"] = "none"  # FP8 recipe of the projections (docs/fp8.md)
+    fp8: Literal["none", "tensorwise", "rowwise", "delayed"] = "none"
     fp8_amax_history: int = 1024  # model.fp8=delayed: steps of amax history per tensor (TE's amax_history_len)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts; experts=0: dense (docs/moe.md)
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def expert_d_ff(self) -> int:
+        """Hidden width of one routed expert: ``moe.d_ff``, or ``d_ff`` when that is 0."""
+        return self.moe.d_ff or self.d_ff
 
 
 @dataclass

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from jaxtrain.config import locations
 from jaxtrain.config.data_checks import check_data_config
+from jaxtrain.config.moe_checks import check_moe_config
 from jaxtrain.config.ops import fraction as _fraction
 from jaxtrain.config.ops import not_negative as _not_negative
 from jaxtrain.config.ops import positive as _positive
@@ -57,6 +58,7 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.fp8_amax_history", m.fp8_amax_history)
     _positive("model.init_std", m.init_std)
+    check_moe_config(cfg)  # model.moe.*: routing, capacity, layer groups (docs/moe.md)
 
     for name in ("steps", "global_batch", "microbatches", "virtual_stages", "eval_batches", "log_every",
                  "max_nonfinite_steps"):

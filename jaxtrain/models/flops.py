@@ -12,10 +12,29 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Forward: 2 FLOPs per weight of every matmul (the embedding lookup is not a matmul; the output projection is),
     plus attention's two [seq x seq] matmuls, 2 * 2 * seq * heads * head_dim per layer, halved for causal masking.
     The one formula for model FLOPs: MFU, the planner's compute time and the benchmarks all use it.
+    An MoE model counts the weights a token multiplies: its top_k routed experts, the shared ones and the router
+    (:func:`mlp_weights`), not the experts it skips.
     """
     d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
-    matmul_weights = l * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff) + d * cfg.vocab_size
+    matmul_weights = l * d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + mlp_weights(cfg)[1] + d * cfg.vocab_size
     return 3 * (2 * matmul_weights + attention_flops_per_token(cfg, seq_len))
+
+
+def mlp_weights(cfg: ModelConfig) -> tuple[int, int]:
+    """(weights of every layer's MLP, the part one token multiplies). Dense: 3 d_model d_ff per layer, all of it.
+    MoE (``cfg.moe``): each MoE layer (n_layers / every of them) holds E routed experts of 3 d_model d_ff_expert, the
+    shared experts and the router [d_model, E] (and the shared gate); a token multiplies top_k routed experts, the
+    shared ones and the router. The other layers are dense."""
+    d, moe = cfg.d_model, cfg.moe
+    dense = 3 * d * cfg.d_ff
+    if not moe.experts:
+        return cfg.n_layers * dense, cfg.n_layers * dense
+    n_moe = cfg.n_layers // moe.every
+    expert = 3 * d * cfg.expert_d_ff
+    common = d * moe.experts + moe.shared_experts * expert + (d if moe.shared_gate else 0)
+    n_dense = cfg.n_layers - n_moe
+    return (n_dense * dense + n_moe * (moe.experts * expert + common),
+            n_dense * dense + n_moe * (moe.top_k * expert + common))
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -25,21 +44,28 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Analytic parameter counts: total, and the embedding table alone."""
+    """Analytic parameter counts: total, the embedding table alone, the routed experts' weights (0 for a dense
+    model), and the active parameters: those one token's forward uses (an MoE model's top_k experts of each layer
+    instead of all of them; the embedding table counted once)."""
     d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
     attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    mlp = 3 * d * cfg.d_ff
-    per_layer = attn + mlp + 2 * d
+    mlp, active_mlp = mlp_weights(cfg)
     embed = cfg.vocab_size * d
     unembed = 0 if cfg.tie_embeddings else embed
-    return {"total": embed + unembed + l * per_layer + d, "embedding": embed}
+    rest = embed + unembed + l * (attn + 2 * d) + d
+    experts = (l // cfg.moe.every) * cfg.moe.experts * 3 * d * cfg.expert_d_ff if cfg.moe.experts else 0
+    return {"total": rest + mlp, "embedding": embed, "experts": experts, "active": rest + active_mlp}
 
 
 def fp8_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The part of :func:`train_flops_per_token` that ``model.fp8`` multiplies in float8: the attention and MLP
-    projections (q, k, v, o, gate, up, down), forward and backward; 0 with ``model.fp8=none``. The output projection
-    and attention's [seq x seq] matmuls stay in the compute dtype."""
+    projections (q, k, v, o, gate, up, down; an MoE model's dense layers and shared experts), forward and backward; 0
+    with ``model.fp8=none``. The output projection, attention's [seq x seq] matmuls, the router and the routed experts
+    stay in the compute dtype."""
     if cfg.fp8 == "none":
         return 0.0
-    d, hd = cfg.d_model, cfg.resolved_head_dim
-    return 3 * 2 * cfg.n_layers * (d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.d_ff)
+    d, hd, moe = cfg.d_model, cfg.resolved_head_dim, cfg.moe
+    attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    n_moe = cfg.n_layers // moe.every if moe.experts else 0
+    mlp = (cfg.n_layers - n_moe) * 3 * d * cfg.d_ff + n_moe * moe.shared_experts * 3 * d * cfg.expert_d_ff
+    return 3 * 2 * (cfg.n_layers * attn + mlp)

@@ -172,17 +172,21 @@ class Transformer(nnx.Module):
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                                embedding_init=_init(cfg.init_std, ("vocab", "embed")), rngs=rngs)
+        self.blocks = self.stack_layers(cfg, dtype, param_dtype, attention, rngs)
+        self.final_norm = _norm(cfg, dtype, param_dtype, rngs)
+        if not cfg.tie_embeddings:
+            self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                      kernel_init=_init(cfg.init_std, ("embed", "vocab")), rngs=rngs)
 
+    def stack_layers(self, cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs):
+        """The layer stack: ``cfg.n_layers`` blocks created stacked, leading logical axis ``layers`` (the MoE model,
+        ``jaxtrain.models.moe``, stacks groups of layers instead)."""
         @nnx.split_rngs(splits=cfg.n_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs):
             return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
 
-        self.blocks = make_blocks(rngs)
-        self.final_norm = _norm(cfg, dtype, param_dtype, rngs)
-        if not cfg.tie_embeddings:
-            self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-                                      kernel_init=_init(cfg.init_std, ("embed", "vocab")), rngs=rngs)
+        return make_blocks(rngs)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *, positions: jax.Array | None = None,
                  cache: dict | None = None):

@@ -5,8 +5,8 @@
   stages, context, rows per microbatch and group) with the checks that shapes split evenly. No JAX.
 - :mod:`.mesh`: the device mesh; :mod:`.layout`: a config on devices (rules, abstract sharded state, memory need).
 - Parallelism applied to the model: :mod:`.attention` (ring, per-device kernels or XLA's partitioning),
-  :mod:`.context` (ring attention over the context axis), :mod:`.pipeline` and :mod:`.pipeline_1f1b` (the stage
-  axis).
+  :mod:`.context` (ring attention over the context axis), :mod:`.expert` (an MoE model's experts over the expert
+  axis), :mod:`.pipeline` and :mod:`.pipeline_1f1b` (the stage axis).
 
 May import: errors, kernels, config, models and optim (``dims`` imports only errors).
 """

@@ -26,12 +26,15 @@ from jaxtrain.errors import ConfigError
 
 
 class Axis(enum.StrEnum):
-    """The mesh axes, outermost first: devices adjacent in a node differ in tensor first, then context, fsdp, stage,
-    data. A ``str``: ``Axis.FSDP == "fsdp"``, usable wherever JAX takes a mesh axis name."""
+    """The mesh axes, outermost first: devices adjacent in a node differ in tensor first, then context, expert, fsdp,
+    stage, data. A ``str``: ``Axis.FSDP == "fsdp"``, usable wherever JAX takes a mesh axis name."""
 
     DATA = "data"  # data parallelism: replicas of the parameters, each with its rows of the batch
     STAGE = "stage"  # pipeline stages: consecutive groups of layers
     FSDP = "fsdp"  # fully sharded data parallelism: parameters, gradients and optimizer state sharded (ZeRO-3)
+    # Expert parallelism: the MoE layers' experts split over it, tokens sent to their experts' devices (all-to-all);
+    # outside the MoE layers one more axis the batch is split over (docs/moe.md).
+    EXPERT = "expert"
     CONTEXT = "context"  # context parallelism: the sequence split, ring attention over it
     TENSOR = "tensor"  # tensor parallelism: heads and MLP columns split (Megatron); inside a node only
 
@@ -96,7 +99,8 @@ class MeshShape:
 
     @property
     def axis_sizes(self) -> dict[str, int]:
-        """Total size of each mesh axis, e.g. ``{"data": 2, "stage": 1, "fsdp": 4, "context": 1, "tensor": 1}``."""
+        """Total size of each mesh axis, e.g. ``{"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "context": 1,
+        "tensor": 1}``."""
         return {ax: i * d for ax, i, d in zip(MESH_AXES, self.ici, self.dcn)}
 
     def size(self, axis: str) -> int:
@@ -208,6 +212,11 @@ class ParallelDims:
         return self.size(Axis.TENSOR)
 
     @property
+    def expert(self) -> int:
+        """Expert-parallel size: the expert axis (1: every device holds all experts' weights, or its fsdp shards)."""
+        return self.size(Axis.EXPERT)
+
+    @property
     def param_shards(self) -> int:
         """Pieces the largest parameters are cut into: fsdp x tensor x stage (the embedding is not split over
         stages and norms over nothing, so dividing all parameters by this gives a lower bound)."""
@@ -251,6 +260,8 @@ class ParallelDims:
             self._check_context()
         if self.stages > 1:
             self._check_stages()
+        if m.moe.experts or self.expert > 1:
+            self._check_experts()
 
     def _check_context(self) -> None:
         rule, c = self.cfg.mesh.rules.get("act_seq"), self.context
@@ -272,6 +283,27 @@ class ParallelDims:
             rule = self.cfg.mesh.rules.get(logical)
             _require(rule == Axis.STAGE, f"mesh.rules.{logical}={rule!r} must be 'stage' with {stages} pipeline "
                      "stages (the layer stack and the pipeline's buffers are split over the stage axis)")
+
+
+    def _check_experts(self) -> None:
+        """The expert axis and an MoE model (``model.moe``) against each other (docs/moe.md)."""
+        moe, ep, t = self.cfg.model.moe, self.expert, self.cfg.train
+        _require(moe.experts > 0, f"the expert axis has size {ep} but the model is dense (model.moe.experts=0); "
+                 "set model.moe.experts, or use the data axis for a dense model")
+        _require(moe.experts % ep == 0,
+                 f"model.moe.experts={moe.experts} is not divisible by the expert axis size {ep}")
+        rule = rule_axes(self.cfg.mesh.rules.get("experts"))
+        _require(rule in ((), (Axis.EXPERT,)), f"mesh.rules.experts={self.cfg.mesh.rules.get('experts')!r} must "
+                 "be 'expert' (experts split over the expert axis) or null (every device holds all experts)")
+        if ep > 1:
+            _require(rule == (Axis.EXPERT,), f"mesh.rules.experts must be 'expert' with an expert axis of size {ep}")
+            _require(Axis.EXPERT in self.batch_axes, f"mesh.rules.batch={self.cfg.mesh.rules.get('batch')!r} must "
+                     f"include 'expert' with an expert axis of size {ep} (tokens are split over it)")
+        _require(self.stages == 1, f"model.moe cannot run over {self.stages} pipeline stages yet: a stage passes "
+                 "on activations only, not the router's load statistics; use the expert, fsdp and data axes")
+        _require(t.microbatches == 1 or t.accumulate == "sharded", f"model.moe with train.microbatches="
+                 f"{t.microbatches} needs train.accumulate=sharded (the unreduced mode runs each data-parallel "
+                 "group's rows apart, but the experts' dispatch runs across the groups)")
 
 
 def seq_shards(cfg: Any, num_devices: int | None = None) -> int | None:

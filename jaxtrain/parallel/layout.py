@@ -28,10 +28,12 @@ from jaxtrain.config import FLASH_HEAD_DIMS, Config
 from jaxtrain.errors import ConfigError
 from jaxtrain.models.fp8 import check_devices as check_fp8_devices
 from jaxtrain.models.llama import Transformer
+from jaxtrain.models.moe import make_model
 from jaxtrain.optim.state import TrainState, make_optimizer
 from jaxtrain.parallel import context as context_schedule
 from jaxtrain.parallel.attention import MeshAttention
 from jaxtrain.parallel.dims import Axis, MeshShape, ParallelDims, seq_shards
+from jaxtrain.parallel.expert import MeshExperts
 from jaxtrain.parallel.mesh import Rules, build_mesh, rules_from_config
 
 # Head dims cuDNN's fused attention takes on every GPU jaxtrain targets (jax checks: a multiple of 8, at most 128
@@ -309,9 +311,11 @@ class Layout:
 
 
 def _model(cfg: Config, seed: int, interpret_kernels: bool) -> Transformer:
-    """The model, with its attention laid out on the mesh in scope (parallelism applied to the model here)."""
+    """The model, with its attention (and an MoE model's experts) laid out on the mesh in scope (parallelism applied
+    to the model here)."""
     attention = MeshAttention(cfg.model.attention, interpret_kernels)
-    return Transformer(cfg.model, rngs=nnx.Rngs(seed), attention=attention)
+    return make_model(cfg.model, rngs=nnx.Rngs(seed), attention=attention,
+                      experts=MeshExperts(cfg.model.moe.dispatch))
 
 
 def _train_state(cfg: Config, seed: int, interpret_kernels: bool) -> TrainState:

@@ -70,7 +70,9 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     for r in viable:
         guess = (r.memory_guess > budget, r.guess_s, r.cand.label)
         best[layout(r)] = min(best.get(layout(r), guess), guess)
-    viable.sort(key=lambda r: (best[layout(r)], r.cand.microbatches, REMATS.index(r.cand.remat), r.cand.label))
+    # Settings guessed not to fit go last within their layout (an MoE layout's lightest settings need terabytes).
+    viable.sort(key=lambda r: (best[layout(r)], r.memory_guess > budget, r.cand.microbatches,
+                               REMATS.index(r.cand.remat), r.cand.label))
     compiles = hits = bounded = capped = 0
     fitting: list[Row] = []
     progress(f"mesh.auto: {len(rows)} candidates, {len(rows) - len(viable)} over {gb(budget)} a device by their "

@@ -16,6 +16,7 @@ interleaving, the all-to-all that hands out the outputs) is read from the HLO li
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.models.flops import attention_flops_per_token, count_params, fp8_flops_per_token, train_flops_per_token
 from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
+from jaxtrain.parallel.expert import choose_dispatch, chunk_rows, dispatch_bytes
 from jaxtrain.parallel.pipeline import bubble_fraction
 from jaxtrain.planner.collectives import Collective
 
@@ -250,11 +252,19 @@ def _dtype_bytes(name: str) -> int:
     return _BYTES.get(name, 4)  # "auto" before resolution: count float32, the larger
 
 
+def _params_per_shard(cfg: Config, shape: MeshShape) -> float:
+    """Parameters of the largest kind one device holds a share of, over the fsdp x tensor x stage shards: an MoE
+    model's routed experts are split over the expert axis too."""
+    counts = count_params(cfg.model)
+    return counts["total"] - counts["experts"] + counts["experts"] / shape.size(Axis.EXPERT)
+
+
 def state_bytes_lower(cfg: Config, shape: MeshShape) -> float:
     """Parameters and AdamW's two moments (both in param_dtype) per device, every parameter divided by the fsdp x
-    tensor x stage shards: a lower bound (the embedding is not split over stages, norms not at all)."""
+    tensor x stage shards (routed experts also by the expert axis): a lower bound (the embedding is not split over
+    stages, norms not at all)."""
     shards = ParallelDims(cfg, shape).param_shards
-    return 3 * count_params(cfg.model)["total"] * _dtype_bytes(cfg.model.param_dtype) / shards
+    return 3 * _params_per_shard(cfg, shape) * _dtype_bytes(cfg.model.param_dtype) / shards
 
 
 def _rows_and_seq(cfg: Config, shape: MeshShape) -> tuple[float, float]:
@@ -278,6 +288,17 @@ def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
     lower = layers * tokens * m.d_model * act
     scores = m.n_heads / s[Axis.TENSOR] * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
     full_layer = tokens * ((8 * m.d_model + 3 * m.d_ff) / s[Axis.TENSOR] * act + scores)
+    if m.moe.experts:  # an MoE layer: the dispatch buffers and the expert rows' hidden states (float32 gate and up
+        # products, the SwiGLU in the compute dtype, and their gradients), on every row of the padded buffer
+        moe = moe_dispatch(cfg, shape)
+        hidden = 2 * moe["expert_rows"] * m.expert_d_ff / s[Axis.TENSOR] * (8 + act)
+        # XLA's ragged_dot masks the rows once per local expert (docs/moe.md): that many copies of their input; and
+        # one layer's local experts gathered over fsdp, with their float32 gradient, are a layer's worth of weights.
+        local = m.moe.experts // s[Axis.EXPERT]
+        width = max(m.d_model, m.expert_d_ff / s[Axis.TENSOR])
+        masked = 2 * local * moe["expert_rows"] * width * act if local > 1 else 0
+        gathered = local * 3 * m.d_model * m.expert_d_ff / s[Axis.TENSOR] * (act + 4)
+        full_layer += (moe["buffer_bytes"] + hidden + masked + gathered) / m.moe.every
     per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s[Axis.TENSOR] * act,
                  "full": tokens * m.d_model * act}[m.remat]
     logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * 2  # float32 logits and their gradient
@@ -294,7 +315,7 @@ def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     rate of the link its axis crosses, plus the fixed cost per collective."""
     m, s = cfg.model, shape.axis_sizes
     rate = {ax: hw.inter_node_bandwidth if shape.crosses_nodes(ax) else hw.intra_node_bandwidth for ax in s}
-    pbytes = count_params(m)["total"] * _dtype_bytes(m.param_dtype) / (s[Axis.TENSOR] * s[Axis.STAGE])
+    pbytes = _params_per_shard(cfg, shape) * _dtype_bytes(m.param_dtype) / (s[Axis.TENSOR] * s[Axis.STAGE])
     rows, seq = _rows_and_seq(cfg, shape)
     act = _dtype_bytes(m.dtype)
     layers, micro = m.n_layers / s[Axis.STAGE], cfg.train.microbatches
@@ -308,6 +329,12 @@ def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
         d = s[Axis.DATA]
         t += 2 * pbytes / s[Axis.FSDP] * (d - 1) / d / rate[Axis.DATA]
         count += layers
+    if s[Axis.EXPERT] > 1:  # the dense weights' gradients summed over expert too; the tokens' all-to-alls
+        e, moe = s[Axis.EXPERT], moe_dispatch(cfg, shape)
+        dense = (count_params(m)["total"] - count_params(m)["experts"]) * _dtype_bytes(m.param_dtype)
+        t += 2 * dense / (s[Axis.TENSOR] * s[Axis.STAGE] * s[Axis.FSDP]) * (e - 1) / e / rate[Axis.EXPERT]
+        t += 2 * moe["layers"] / s[Axis.STAGE] * micro * moe["bytes_per_layer"] / rate[Axis.EXPERT]
+        count += layers + 4 * moe["layers"] / s[Axis.STAGE] * micro
     if s[Axis.TENSOR] > 1:
         n = s[Axis.TENSOR]
         t += 4 * layers * micro * 2 * rows * seq * m.d_model * act * (n - 1) / n / rate[Axis.TENSOR]
@@ -318,6 +345,34 @@ def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
         t += 3 * layers * micro * (c - 1) * kv / rate[Axis.CONTEXT]  # forward, backward's K/V and their gradients
         count += 3 * layers * micro * (c - 1)
     return t + count * hw.collective_latency
+
+
+def moe_dispatch(cfg: Config, shape: MeshShape) -> dict:
+    """Closed-form figures of an MoE model's dispatch per device, MoE layer and microbatch (``jaxtrain.parallel.
+    expert``): ``kind`` (model.moe.dispatch resolved), ``bytes_per_layer`` (sent in the forward; the backward sends as
+    many), ``buffer_bytes`` (the forward's dispatch buffers: all_to_all's chunks out and in, both ways; all_gather's
+    gathered tokens, expert rows and float32 results), ``expert_rows`` (the rows the device's experts run on: the
+    padded buffer's), ``layers`` (MoE layers in the model)."""
+    m, s = cfg.model, shape.axis_sizes
+    moe, ep, act = m.moe, s[Axis.EXPERT], _dtype_bytes(m.dtype)
+    rows, seq = _rows_and_seq(cfg, shape)
+    tokens = int(rows * seq)
+    slots = math.ceil(moe.capacity_factor * cfg.data.seq_len * moe.top_k / moe.experts) if moe.capacity_factor else 0
+    per_expert = min(tokens, int(rows) * slots) if slots else tokens
+    kind = choose_dispatch(moe.dispatch, tokens, moe.top_k, moe.experts, ep, m.d_model, act, per_expert)
+    chunk = chunk_rows(tokens, moe.top_k, moe.experts, ep, per_expert)
+    if ep == 1:
+        expert_rows = tokens * moe.top_k
+        buffers = expert_rows * m.d_model * act
+    elif kind == "all_to_all":
+        expert_rows = ep * chunk
+        buffers = 4 * expert_rows * m.d_model * act
+    else:
+        expert_rows = chunk_rows(tokens * ep, moe.top_k, moe.experts, ep, per_expert * ep)
+        buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * act
+    return {"kind": kind if ep > 1 else "local", "layers": m.n_layers // moe.every, "buffer_bytes": buffers,
+            "expert_rows": expert_rows,
+            "bytes_per_layer": dispatch_bytes(kind, tokens, moe.top_k, moe.experts, ep, m.d_model, act, per_expert)}
 
 
 def context_parallel(cfg: Config, shape: MeshShape, hw: Hardware) -> dict:

@@ -241,7 +241,7 @@ def model_seconds(cfg, devices: list, points, progress: Callable[[str], None] = 
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from jaxtrain.models.llama import Transformer
+    from jaxtrain.models.moe import make_model
 
     n = len(devices)
     mesh = Mesh(np.array(devices), ("x",))
@@ -251,7 +251,7 @@ def model_seconds(cfg, devices: list, points, progress: Callable[[str], None] = 
         # Every logical axis replicated: each device holds the whole local model.
         with jax.set_mesh(Mesh(np.array(devices[:1]), ("x",))), nnx.logical_axis_rules(
                 [(k, None) for k in cfg.mesh.rules]):
-            graphdef, abstract = nnx.split(nnx.eval_shape(lambda c=local: Transformer(c, rngs=nnx.Rngs(0))))
+            graphdef, abstract = nnx.split(nnx.eval_shape(lambda c=local: make_model(c, rngs=nnx.Rngs(0))))
 
         def one(params, batch, graphdef=graphdef):
             def loss(p):
@@ -291,6 +291,7 @@ def _point(cfg, n: int, remat: str, t: int):
     rows = -(-cfg.train.global_batch * t // n)
     local = dataclasses.replace(m, remat=remat, n_heads=m.n_heads // t, n_kv_heads=m.n_kv_heads // t,
                                 d_ff=m.d_ff // t, head_dim=m.resolved_head_dim,
+                                moe=dataclasses.replace(m.moe, d_ff=m.expert_d_ff // t),
                                 vocab_size=m.vocab_size // t if m.vocab_size % t == 0 else m.vocab_size)
     ref = dataclasses.replace(cfg, model=dataclasses.replace(m, remat=remat), train=dataclasses.replace(
         cfg.train, global_batch=rows * n // t, microbatches=1))

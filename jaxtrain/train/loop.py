@@ -33,6 +33,7 @@ from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.models.flops import count_params, train_flops_per_token
 from jaxtrain.observe import observer as observe
 from jaxtrain.observe.metrics import MetricsWriter, Throughput, summary_line
+from jaxtrain.observe.moe import RoutingWatch
 from jaxtrain.parallel.layout import Layout
 from jaxtrain.train import guards
 from jaxtrain.train.step import Step, compiled_with_microbatches
@@ -186,6 +187,7 @@ class _Loop:
                                 self.layout.num_devices, hardware.peak_flops(jax.devices()[0].device_kind))
         self.nonfinite_first = 0  # the first step of the current run of non-finite steps
         self.eval_set: list[jax.Array] = []
+        self.routing = RoutingWatch(self.cfg)  # MoE models: their gauges and the collapse warning (docs/moe.md)
 
     def run(self, tokens, restored) -> RunResult:
         """Train from ``restored`` (state, its step, the data iterator's state) to ``train.steps``, or to a stop."""
@@ -305,6 +307,7 @@ class _Loop:
         logged = bool(bad) or not (step % t.log_every and step not in (self.start + 1, t.steps)
                                    and eval_state is None)
         self.obs.report(step, m, step_seconds, logged)
+        self.routing.report(step, m, self.obs.metrics)
         if not logged:
             return
         record = {"step": step, **m, **self.speed.step_fields(step_seconds), **self.obs.step_split(step)}

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import Config
 from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
-from jaxtrain.models import fp8
+from jaxtrain.models import fp8, moe
 from jaxtrain.optim.state import make_optimizer
 from jaxtrain.parallel import pipeline, pipeline_1f1b
 from jaxtrain.parallel.layout import Layout
@@ -67,6 +67,12 @@ class Step:
     def _loss(self, params, graphdef, words, trained_tokens):
         """Sum of the trained next-token losses of ``words`` int32 [rows, seq + 1] (flagged token words) divided by
         ``trained_tokens`` (the whole step's count, :meth:`_trained_tokens`)."""
+        return self._objective(params, graphdef, words, trained_tokens)[1]["loss"]
+
+    def _objective(self, params, graphdef, words, trained_tokens, share=1.0):
+        """(what the step minimises, metrics): :meth:`_loss` plus an MoE model's router losses times ``share`` (this
+        part's share of the step); metrics: ``loss`` (the next-token part) and the MoE figures
+        (``jaxtrain.models.moe.objective``)."""
         model = nnx.merge(graphdef, params)
         chat = self.cfg.data.format == "chat"
         tokens = words & TOKEN_BITS if chat else words
@@ -84,10 +90,11 @@ class Step:
             inputs, targets, segments, weights = (None if x is None else jnp.take(x, order, axis=1)
                                                   for x in (inputs, targets, segments, weights))
             positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape)
-        losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs, segments, positions=positions), targets)
+        logits, router_stats = moe.logits_and_stats(model, inputs, segments, positions)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         if weights is not None:
             losses = losses * weights
-        return losses.sum() / trained_tokens
+        return moe.objective(losses.sum() / trained_tokens, router_stats, self.cfg.model.moe, share)
 
     def _pipelined_loss(self, params, graphdef, batch):
         """Mean loss of the global batch through the pipeline (jaxtrain/parallel/pipeline.py), split into
@@ -144,7 +151,8 @@ class Step:
             micro, NamedSharding(self.layout.mesh, PartitionSpec(None, *self.layout.batch_sharding.spec)))
 
     def _accumulated_grads(self, params, model_def, batch):
-        """(mean loss, mean gradients) over ``train.microbatches`` sequential microbatches of ``batch``.
+        """(metrics, mean gradients) over ``train.microbatches`` sequential microbatches of ``batch``; metrics as
+        :meth:`_objective`'s, summed over the microbatches (``loss``: the mean loss).
 
         Microbatch i takes rows i, i+k, ...: each device's block of rows splits evenly over the microbatches, so no
         data moves between devices. With ``train.accumulate=unreduced`` each data-parallel group (one device's rows)
@@ -156,19 +164,22 @@ class Step:
         """
         k = self.cfg.train.microbatches
         trained = self._trained_tokens(batch)  # each microbatch's loss is its share of the step's mean
-        grad_fn = jax.value_and_grad(lambda p, d, tokens: self._loss(p, d, tokens, trained))
+        grad_fn = jax.value_and_grad(lambda p, d, tokens: self._objective(p, d, tokens, trained, 1 / k),
+                                     has_aux=True)
         micro = self._microbatches(batch)
         lay = self.layout
         dp_axes, dp, mesh = lay.batch_axes, lay.data_parallel, lay.mesh
         if self.cfg.train.accumulate == "sharded" or not dp_axes:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            no_metrics = moe.zero_metrics(self.cfg.model)
 
             def accumulate(carry, tokens):
-                loss, grads = grad_fn(params, model_def, tokens)
-                return (carry[0] + loss, fp8.combine(carry[1], grads, _add_float32)), None  # histories: max
+                (_, metrics), grads = grad_fn(params, model_def, tokens)
+                metrics = jax.tree.map(lambda a, m: a + m.astype(jnp.float32), carry[0], metrics)
+                return (metrics, fp8.combine(carry[1], grads, _add_float32)), None  # histories: max
 
-            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), micro)
-            return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            (metrics, grads), _ = jax.lax.scan(accumulate, (no_metrics, zeros), micro)
+            return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
         micro = micro.reshape(k, dp, lay.rows_per_group, -1)  # group g of a microbatch: rows of the g-th device block
         micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, PartitionSpec(None, dp_axes)))
@@ -189,7 +200,8 @@ class Step:
                              params, acc_sharding)
 
         def accumulate(carry, tokens):
-            loss, grads = group_grads(tokens)  # loss [dp], grads [dp, *param] unreduced, one row per group
+            (_, metrics), grads = group_grads(tokens)  # loss [dp], grads [dp, *param] unreduced, one per group
+            loss = metrics["loss"]  # a dense model's (the mesh check refuses this mode for MoE models)
             grads = jax.tree.map(jax.lax.with_sharding_constraint, fp8.combine(carry[1], grads, _add_float32),
                                  acc_sharding)
             return (carry[0] + loss, grads), None
@@ -198,7 +210,7 @@ class Step:
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), fp8.reduce_groups(grads), params)  # histories: max
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, s)),
                              grads, specs)
-        return loss.sum(), grads
+        return {"loss": loss.sum()}, grads
 
     def train_step(self, state, batch):
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
@@ -208,10 +220,13 @@ class Step:
             one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
             pipelined = self._pipelined_1f1b_loss if one_f_one_b else self._pipelined_loss
             loss, grads = jax.value_and_grad(pipelined)(params, model_def, batch)
+            metrics = {"loss": loss}
         elif self.cfg.train.microbatches == 1:
-            loss, grads = jax.value_and_grad(self._loss)(params, model_def, batch, self._trained_tokens(batch))
+            (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
+                params, model_def, batch, self._trained_tokens(batch))
         else:
-            loss, grads = self._accumulated_grads(params, model_def, batch)
+            metrics, grads = self._accumulated_grads(params, model_def, batch)
+            loss = metrics["loss"]
         grads, observed = nnx.split_state(grads, nnx.Param, fp8.Fp8Meta)  # no FP8 history in norm, clip, update
         # A non-finite loss poisons the gradients, so that optax.apply_if_finite skips the step for either cause.
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
@@ -221,8 +236,8 @@ class Step:
         opt.update(train_state.model, grads)
         fp8.record(train_state.model, observed, applied=opt.opt_state.notfinite_count[...] == 0)
         # nonfinite_steps: consecutive steps skipped so far, this one included (0: this step was applied).
-        return nnx.state(train_state), {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr,
-                                        "nonfinite_steps": opt.opt_state.notfinite_count[...]}
+        return nnx.state(train_state), {"loss": metrics.pop("loss"), "grad_norm": grad_norm, "learning_rate": lr,
+                                        "nonfinite_steps": opt.opt_state.notfinite_count[...], **metrics}
 
     def eval_step(self, state, batch):
         """Mean loss on one batch, no update."""

@@ -1,0 +1,36 @@
+"""Checks of the ``model.moe`` section (mixture of experts, docs/moe.md) that need no mesh; the mesh's share (the
+expert axis against the experts, pipelines, accumulation) is :meth:`jaxtrain.parallel.dims.ParallelDims.check`'s."""
+
+from __future__ import annotations
+
+from jaxtrain.config.ops import not_negative, positive, require
+from jaxtrain.config.tree import Config
+
+
+def check_moe_config(cfg: Config) -> None:
+    """Raise ConfigError naming the first bad ``model.moe`` value; nothing to check for a dense model."""
+    m, moe = cfg.model, cfg.model.moe
+    not_negative("model.moe.experts", moe.experts, " (0: a dense model)")
+    if not moe.experts:
+        return
+    require(1 <= moe.top_k <= moe.experts,
+            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.experts={moe.experts}")
+    not_negative("model.moe.d_ff", moe.d_ff, " (0: model.d_ff)")
+    not_negative("model.moe.shared_experts", moe.shared_experts)
+    require(not moe.shared_gate or moe.shared_experts > 0,
+            "model.moe.shared_gate=true needs model.moe.shared_experts > 0 (it gates the shared experts' output)")
+    positive("model.moe.every", moe.every)
+    require(m.n_layers % moe.every == 0, f"model.n_layers={m.n_layers} is not a multiple of model.moe.every="
+            f"{moe.every} (each group of `every` layers ends in one MoE layer)")
+    not_negative("model.moe.capacity_factor", moe.capacity_factor, " (0: dropless)")
+    # ceil() would still give every expert one slot, so a factor this small would silently mean "one slot".
+    require(not 0 < moe.capacity_factor * moe.top_k < 1, f"model.moe.capacity_factor={moe.capacity_factor} gives an "
+            f"expert less than one token's share of slots; use 0 (dropless) or >= {1 / moe.top_k:g}")
+    not_negative("model.moe.aux_loss", moe.aux_loss)
+    not_negative("model.moe.z_loss", moe.z_loss)
+    o = cfg.observe
+    uniform = moe.top_k / moe.experts
+    share = o.moe_collapse_share
+    require(not o.moe_collapse_steps or share is None or share > uniform, f"observe.moe_collapse_share="
+            f"{o.moe_collapse_share} must be above the share of tokens an expert gets when routing is uniform "
+            f"(top_k / experts = {uniform:g}); raise it or set observe.moe_collapse_steps=0")

@@ -1,0 +1,78 @@
+"""Routed SwiGLU experts as one device computes them: assignments sorted by expert, grouped matmuls, results
+gathered back to their tokens and combined with the routing weights. No mesh is named here;
+``jaxtrain.parallel.expert`` sends tokens to the experts of other devices and calls the same pieces.
+
+Expert weights (logical axes in brackets): w_gate, w_up [E, embed, d_ff] (experts, embed, expert_mlp); w_down
+[E, d_ff, embed] (experts, expert_mlp, embed); row e holds expert e (its ``x @ w`` form: Hugging Face's per-expert
+w1, w3, w2 transposed).
+
+:func:`grouped_matmul` is the one place the grouped matmul happens: ``jax.lax.ragged_dot`` here. On XLA:CPU, and in
+XLA:GPU as of jax 0.11.2, ragged_dot becomes a masked dense matmul over all groups (E times the FLOPs of the real
+work; docs/moe.md), so a GPU grouped-GEMM kernel replaces this function there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+# (x, experts, weights, w_gate, w_up, w_down, slots) -> y: x [batch, seq, embed] in the compute dtype; experts int32
+# [batch, seq, top_k] (E: dropped); weights float32 [batch, seq, top_k] (0: dropped); the expert weights as above in
+# the compute dtype; slots: most assignments an expert takes from one sequence (None: dropless), which bounds the
+# dispatch buffers. y [batch, seq, embed] like x: the weighted sum of each token's experts' outputs.
+ExpertsFn = Callable[..., jax.Array]
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of lhs [M, K] in consecutive groups (group g: the next group_sizes[g] rows) times rhs[g] [K, N] -> float32
+    [M, N] (float64 for float64 inputs); rows past sum(group_sizes) give 0. group_sizes int32 [G]."""
+    acc = jnp.promote_types(lhs.dtype, jnp.float32)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """experts int [N] (``num_experts``: dropped) -> (order int32 [N]: the indices grouped by expert, stable, the
+    dropped last; group_sizes int32 [num_experts]: rows of each group)."""
+    order = jnp.argsort(experts, stable=True).astype(jnp.int32)
+    return order, jnp.bincount(experts, length=num_experts).astype(jnp.int32)
+
+
+def grouped_swiglu(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                   group_sizes: jax.Array) -> jax.Array:
+    """SwiGLU of each row with its group's expert: xs [M, embed] sorted by expert, group_sizes int32 [E'] (rows past
+    their sum give 0), weights [E', ...] in xs's dtype -> [M, embed] in xs's dtype (float32 accumulation)."""
+    gate = grouped_matmul(xs, w_gate, group_sizes)
+    up = grouped_matmul(xs, w_up, group_sizes)
+    hidden = (jax.nn.silu(gate) * up).astype(xs.dtype)
+    return grouped_matmul(hidden, w_down, group_sizes).astype(xs.dtype)
+
+
+def combine(ys: jax.Array, weights: jax.Array) -> jax.Array:
+    """ys [T, K, embed] (each assignment's expert output, in token order), weights float32 [T, K] -> [T, embed]: the
+    weighted sum in float32, cast to ys's dtype."""
+    return jnp.einsum("tkd,tk->td", ys.astype(weights.dtype), weights).astype(ys.dtype)
+
+
+def experts_on_tokens(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                      w_down: jax.Array) -> jax.Array:
+    """All experts on one device: x [T, embed], experts int32 [T, K] (E: dropped), weights float32 [T, K], expert
+    weights [E, ...] -> [T, embed]. T x K rows are multiplied, grouped by expert (dropped ones past the groups)."""
+    t, k = experts.shape
+    e = w_gate.shape[0]
+    order, group_sizes = sort_by_expert(experts.reshape(-1), e)
+    ys = grouped_swiglu(jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, group_sizes)
+    # Back through the inverse permutation: the forward stays a gather, its transpose (backward) the scatter.
+    ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
+    return combine(jnp.where((experts < e)[..., None], ys, 0), weights)
+
+
+def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, slots: int | None = None) -> jax.Array:
+    """:data:`ExpertsFn` on the arrays as given (one device, or arrays the caller already split): x [batch, seq,
+    embed] -> [batch, seq, embed]. ``slots`` is not needed: the buffers are the T x K assignments."""
+    b, s, d = x.shape
+    y = experts_on_tokens(x.reshape(b * s, d), experts.reshape(b * s, -1), weights.reshape(b * s, -1),
+                          w_gate, w_up, w_down)
+    return y.reshape(b, s, d)

@@ -1,0 +1,237 @@
+"""Mixture-of-experts decoder (docs/moe.md): the Llama-style decoder whose every ``model.moe.every``-th layer has routed
+experts instead of the SwiGLU MLP.
+
+Structure: the stack is scanned over *groups* of ``every`` layers, ``every - 1`` dense blocks then one MoE block
+(transformers' ``decoder_sparse_step``: layer i is MoE when (i + 1) % every == 0). Parameters, with their logical
+axes (G = n_layers / every groups; the leading ``layers`` axis is the group axis, what the scan and remat see):
+
+    blocks.dense.<Block's parameters>   [G, every - 1, ...]  (layers, sublayers, ...); absent when every == 1
+    blocks.moe.attn_norm, attn, mlp_norm  as a Block's, [G, ...]
+    blocks.moe.mlp.router               [G, embed, E]          (layers, embed, -)           float32 logits
+    blocks.moe.mlp.w_gate, w_up         [G, E, embed, d_ff]    (layers, experts, embed, expert_mlp)
+    blocks.moe.mlp.w_down               [G, E, d_ff, embed]    (layers, experts, expert_mlp, embed)
+    blocks.moe.mlp.shared.{gate,up,down}  an MLP of width shared_experts x d_ff (only with shared experts)
+    blocks.moe.mlp.shared_gate          [G, embed, 1]          (only with model.moe.shared_gate)
+
+Hugging Face layer ``g * every + j`` is ``blocks.dense`` [g, j] for j < every - 1 and ``blocks.moe`` [g] for the
+last; Mixtral's per-expert w1, w3, w2 are ``w_gate[e]``, ``w_up[e]``, ``w_down[e]`` transposed, its gate is
+``router`` transposed. The experts run through the ``experts`` callable the model is built with
+(:data:`jaxtrain.models.experts.ExpertsFn`): on the arrays as given by default; the layout passes
+:class:`jaxtrain.parallel.expert.MeshExperts`, which sends tokens to the devices holding their experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import with_logical_constraint
+
+from jaxtrain.config import ModelConfig, MoEConfig
+from jaxtrain.models import routing
+from jaxtrain.models.attention import REMAT_POLICIES
+from jaxtrain.models.experts import ExpertsFn, local_experts
+from jaxtrain.models.llama import MLP, Attention, AttentionFn, Block, Transformer, _init, _norm
+
+ACT = ("batch", "act_seq", "act_embed")
+
+
+def _param(rngs: nnx.Rngs, std: float, axes: tuple[str | None, ...], shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param(_init(std, axes)(rngs.params(), shape, dtype))
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts (and the shared ones) in place of a block's MLP: x [batch, seq, embed] -> (y like x,
+    :class:`jaxtrain.models.routing.RouterStats`)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, experts: ExpertsFn, rngs: nnx.Rngs):
+        moe, d, f = cfg.moe, cfg.d_model, cfg.expert_d_ff
+        self.moe_cfg, self.dtype, self.experts = moe, dtype, experts
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.router = _param(rngs, cfg.init_std, ("embed", None), (d, moe.experts), param_dtype)
+        self.w_gate = _param(rngs, cfg.init_std, ("experts", "embed", "expert_mlp"), (moe.experts, d, f), param_dtype)
+        self.w_up = _param(rngs, cfg.init_std, ("experts", "embed", "expert_mlp"), (moe.experts, d, f), param_dtype)
+        self.w_down = _param(rngs, out_std, ("experts", "expert_mlp", "embed"), (moe.experts, f, d), param_dtype)
+        shared_cfg = dataclasses.replace(cfg, d_ff=moe.shared_experts * f)
+        self.shared = nnx.data(MLP(shared_cfg, dtype, param_dtype, rngs=rngs) if moe.shared_experts else None)
+        gate = _param(rngs, cfg.init_std, ("embed", None), (d, 1), param_dtype) if moe.shared_gate else None
+        self.shared_gate = nnx.data(gate)
+
+    def __call__(self, x: jax.Array, dropless: bool = False) -> tuple[jax.Array, routing.RouterStats]:
+        """``dropless``: ignore the capacity (decoding: a drop would change what is generated)."""
+        slots = None if dropless else routing.slots_per_expert(x.shape[1], self.moe_cfg)
+        route, stats = routing.route(x, self.router[...], self.moe_cfg, slots)
+        w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
+        y = self.experts(x.astype(self.dtype), route.experts, route.weights, *w, slots)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                gate = jnp.einsum("bsd,do->bso", x, self.shared_gate[...].astype(self.dtype))
+                shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(shared.dtype) * shared
+            y = y + shared
+        return with_logical_constraint(y, ACT), stats
+
+
+class MoEBlock(nnx.Module):
+    """A pre-norm block whose MLP is :class:`MoE`: attention, then the experts, each with its residual."""
+
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, experts: ExpertsFn,
+                 rngs: nnx.Rngs):
+        self.attn_norm = _norm(cfg, dtype, param_dtype, rngs)
+        self.attn = Attention(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+        self.mlp_norm = _norm(cfg, dtype, param_dtype, rngs)
+        self.mlp = MoE(cfg, dtype, param_dtype, experts=experts, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
+                 cache: tuple[jax.Array, jax.Array] | None = None):
+        """x [batch, seq, embed] -> (x, RouterStats, the updated KV cache or None); with a ``cache`` (decoding, as
+        :class:`jaxtrain.models.llama.Attention`) the experts run dropless."""
+        attn = self.attn(self.attn_norm(x), segment_ids, positions, cache)
+        attn, cache = attn if cache is not None else (attn, None)
+        x = with_logical_constraint(x + attn, ACT)
+        y, stats = self.mlp(self.mlp_norm(x), dropless=cache is not None)
+        return with_logical_constraint(x + y, ACT), stats, cache
+
+
+class MoEGroup(nnx.Module):
+    """``every`` consecutive layers: ``every - 1`` dense blocks (stacked, logical axis ``sublayers``), then one
+    :class:`MoEBlock`."""
+
+    def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, experts: ExpertsFn,
+                 rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=max(cfg.moe.every - 1, 1))
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+        def make_dense(rngs):
+            return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+
+        self.dense = nnx.data(make_dense(rngs) if cfg.moe.every > 1 else None)
+        self.moe = MoEBlock(cfg, dtype, param_dtype, attention=attention, experts=experts, rngs=rngs)
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None,
+                 positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """x [batch, seq, embed] -> (x, the MoE layer's RouterStats)."""
+        if self.dense is not None:
+            graphdef, stacked = nnx.split(self.dense)
+            x = jax.lax.scan(lambda h, s: (nnx.merge(graphdef, s)(h, segment_ids, positions), None), x, stacked)[0]
+        x, stats, _ = self.moe(x, segment_ids, positions)
+        return x, stats
+
+    def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
+        """One decoding pass through the group: cache (k, v) [every, batch, max_len, kv_heads, head_dim] -> (x, the
+        updated cache)."""
+        k, v = cache
+        if self.dense is not None:
+            graphdef, stacked = nnx.split(self.dense)
+
+            def body(h, item):
+                layer, k1, v1 = item
+                h, (k1, v1) = nnx.merge(graphdef, layer)(h, None, positions, (k1, v1))
+                return h, (k1, v1)
+
+            x, (kd, vd) = jax.lax.scan(body, x, (stacked, k[:-1], v[:-1]))
+        x, _, (km, vm) = self.moe(x, None, positions, (k[-1], v[-1]))
+        if self.dense is None:
+            return x, (km[None], vm[None])
+        return x, (jnp.concatenate([kd, km[None]]), jnp.concatenate([vd, vm[None]]))
+
+
+class MoETransformer(Transformer):
+    """The decoder with MoE layers (``cfg.moe.experts`` > 0); the same interface as
+    :class:`jaxtrain.models.llama.Transformer`, plus :meth:`forward_with_stats` for training.
+
+    ``experts``: the callable the MoE layers run their experts through (default: :func:`local_experts`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: AttentionFn | None = None,
+                 experts: ExpertsFn | None = None):
+        self.experts_fn = local_experts if experts is None else experts
+        super().__init__(cfg, rngs=rngs, attention=attention)
+
+    def stack_layers(self, cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs):
+        """n_layers / every groups (:class:`MoEGroup`) created stacked, leading logical axis ``layers``."""
+        @nnx.split_rngs(splits=cfg.n_layers // cfg.moe.every)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_groups(rngs):
+            return MoEGroup(cfg, dtype, param_dtype, attention=attention, experts=self.experts_fn, rngs=rngs)
+
+        return make_groups(rngs)
+
+    def layers_with_stats(self, x: jax.Array, segment_ids: jax.Array | None,
+                          positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """The stack, one scan over the groups: x [batch, seq, embed] -> (x, RouterStats stacked [G, ...])."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(h, group_state):
+            return nnx.merge(graphdef, group_state)(h, segment_ids, positions)
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        return jax.lax.scan(body, x, stacked)
+
+    def layers(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None) -> jax.Array:
+        return self.layers_with_stats(x, segment_ids, positions)[0]
+
+    def forward_with_stats(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *,
+                           positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """tokens int [batch, seq] -> (logits float32 [batch, seq, vocab], RouterStats stacked [G, ...])."""
+        x, stats = self.layers_with_stats(self.embed_tokens(tokens), segment_ids, positions)
+        return self.head(x), stats
+
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *, positions: jax.Array | None = None,
+                 cache: dict | None = None):
+        """As :meth:`jaxtrain.models.llama.Transformer.__call__` (the cache [n_layers, ...] too); decoding runs the
+        experts dropless."""
+        if cache is None:
+            return self.head(self.layers(self.embed_tokens(tokens), segment_ids, positions))
+        every = self.cfg.moe.every
+        graphdef, stacked = nnx.split(self.blocks)
+        grouped = [c.reshape(-1, every, *c.shape[1:]) for c in (cache["k"], cache["v"])]
+
+        def body(h, item):
+            group_state, k, v = item
+            return nnx.merge(graphdef, group_state).decode(h, positions, (k, v))
+
+        x, (k, v) = jax.lax.scan(body, self.embed_tokens(tokens), (stacked, *grouped))
+        return self.head(x), {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+
+
+def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs, attention: AttentionFn | None = None,
+               experts: ExpertsFn | None = None) -> Transformer:
+    """The model of ``cfg``: :class:`MoETransformer` when ``cfg.moe.experts`` > 0, else the dense Transformer."""
+    if cfg.moe.experts:
+        return MoETransformer(cfg, rngs=rngs, attention=attention, experts=experts)
+    return Transformer(cfg, rngs=rngs, attention=attention)
+
+
+def logits_and_stats(model: Transformer, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats | None]:
+    """(logits float32 [batch, seq, vocab], RouterStats [G, ...] of an MoE model or None for a dense one)."""
+    if isinstance(model, MoETransformer):
+        return model.forward_with_stats(tokens, segment_ids, positions=positions)
+    return model(tokens, segment_ids, positions=positions), None
+
+
+METRICS = ("moe_balance_loss", "moe_z_loss", "moe_max_load", "moe_top_share", "moe_dropped")  # a step's MoE figures
+
+
+def zero_metrics(cfg: ModelConfig) -> dict[str, jax.Array]:
+    """The metrics :func:`objective` gives for ``cfg``'s model, all zero (float32): where sums over microbatches
+    start."""
+    return {name: jnp.zeros((), jnp.float32) for name in ("loss", *(METRICS if cfg.moe.experts else ()))}
+
+
+def objective(loss: jax.Array, stats: routing.RouterStats | None, moe: MoEConfig,
+              share: float = 1.0) -> tuple[jax.Array, dict[str, Any]]:
+    """(what to minimise, the metrics) of a next-token ``loss`` (this microbatch's part of the step's mean) and the
+    router's statistics: ``share`` x (aux_loss x the load-balancing loss + z_loss x the z-loss) is added, ``share``
+    being this microbatch's part of the step (1 / microbatches). Metrics: ``loss`` (the next-token loss alone),
+    and for an MoE model ``moe_balance_loss``, ``moe_z_loss`` (unweighted) and
+    :func:`jaxtrain.models.routing.load_metrics`, each times ``share`` (summed over microbatches: their mean)."""
+    if stats is None:
+        return loss, {"loss": loss}
+    balance, z = routing.load_balancing_loss(stats), routing.z_loss(stats)
+    total = loss + share * (moe.aux_loss * balance + moe.z_loss * z)
+    figures = {"moe_balance_loss": balance, "moe_z_loss": z, **routing.load_metrics(stats, moe.top_k)}
+    return total, {"loss": loss, **{k: share * v for k, v in figures.items()}}
