@@ -147,6 +147,21 @@ def _fp8_steps(*recipes: str) -> Commands:
     return commands
 
 
+# The 1B with every MLP replaced by 8 experts of half its width, top 2: a token multiplies the dense 1B's weights
+# (same model FLOPs a token), the model holds 3.7B parameters. --smoke: tiny-moe.
+MOE_1B = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.d_ff=4096"]
+
+
+def _moe_steps(*gemms: str) -> Commands:
+    """The 1B MoE step (attention auto) with each ``model.moe.gemm`` named; "" for the config's default."""
+    def commands(ctx: Ctx, name: str) -> list[list[str]]:
+        if ctx.smoke:
+            return [[ctx.py, GPU_STEP, "--config", "tiny-moe", "--steps", "2", "--rows-per-device", "2"]]
+        return [[ctx.py, GPU_STEP, *STEP_1B, "--steps", "5", "model.attention=auto", *MOE_1B,
+                 *([f"model.moe.gemm={g}"] if g else [])] for g in gemms]
+    return commands
+
+
 def _train(impl: str, smoke_skip: str = "") -> Commands:
     def commands(ctx: Ctx, name: str) -> list[list[str]] | str:
         if ctx.smoke and smoke_skip:
@@ -255,6 +270,17 @@ def _step_and_save(sec: Section, rows: list[dict]) -> list[dict]:
     return out
 
 
+def _moe(sec: Section, rows: list[dict]) -> list[dict]:
+    out = []
+    for r in (r for r in rows if r.get("kind") == "step"):
+        mfu = f"MFU {100 * r['mfu']:.1f} % (active FLOPs)" if r.get("mfu") is not None else "MFU -"
+        out.append(dict(what=f"{r['config']} MoE train step ({r['moe_experts']} experts, top {r['moe_top_k']}), "
+                             f"experts' GEMM {r.get('moe_gemm', 'ragged_dot')}, {r['devices']} x {r['device_kind']}",
+                        result=f"{mfu}, {r['step_ms']:.0f} ms/step, {r['tokens_per_s']:,} tokens/s, peak "
+                               f"{r.get('peak_gb')} GB, compile {r['compile_s']} s", figures=r))
+    return out
+
+
 def _train_run(sec: Section, rows: list[dict]) -> list[dict]:
     r = next((r for r in rows if r.get("kind") == "train"), None)
     if r is None:
@@ -322,6 +348,8 @@ SECTIONS = [
     _train_section("triton", 60, smoke_skip="model.attention=triton needs a GPU"),
     Section("step-fp8", "rest", 200, 600, "1B train step, BF16 against FP8 (tensorwise): step time, MFU against both "
             "peaks", _fp8_steps("none", "tensorwise"), headline=_fp8),
+    Section("step-moe", "rest", 120, 600, "1B MoE train step (8 experts of half the MLP, top 2): the experts' "
+            "grouped GEMM as configured", _moe_steps(""), headline=_moe),
     Section("step-fp8-more", "rest", 200, 600, "1B train step, BF16 against FP8 (delayed, rowwise)",
             _fp8_steps("none", "delayed", "rowwise"), headline=_fp8),
 ]

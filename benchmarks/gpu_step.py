@@ -7,7 +7,9 @@ state in its shards, compiles the train step ahead of time, runs it on random to
 (``"kind": "step"``): the resolved attention and dtype, compile seconds, median / min step milliseconds after one
 warm-up step, tokens per second and MFU (``models.flops.train_flops_per_token`` over the device kind's peak from
 ``jaxtrain/configs/hardware``; None for a kind no hardware file lists) and, for ``model.fp8``, the same over the dense
-FP8 peak (``mfu_fp8_peak``), the first and last loss. No data pipeline, no evaluation.
+FP8 peak (``mfu_fp8_peak``), the first and last loss, an MoE model's experts, and memory: the device's peak bytes in
+use (``memory_stats``, where the backend keeps it) beside what the compiled program says it needs (arguments,
+outputs less aliased, temporaries: XLA's ``memory_analysis``, the planner's reading). No data pipeline, no evaluation.
 
 ``--checkpoint-dir DIR`` then saves the trained state twice through jaxtrain's own ``Checkpointer`` (Orbax, async,
 as the training loop saves: parameters, AdamW moments and step, with the fingerprint and JSON metadata), each time
@@ -98,10 +100,29 @@ def main(argv=None) -> int:
                           fp8=lay.cfg.model.fp8, peak_tflops=peak and peak / 1e12,
                           fp8_peak_tflops=fp8_peak and fp8_peak / 1e12,
                           mfu_fp8_peak=None if mfu_fp8 is None else round(mfu_fp8, 4),
-                          loss_first=losses[0], loss_last=losses[-1])), flush=True)
+                          loss_first=losses[0], loss_last=losses[-1], moe_experts=lay.cfg.model.moe.experts,
+                          moe_top_k=lay.cfg.model.moe.top_k if lay.cfg.model.moe.experts else None,
+                          **_memory(train))), flush=True)
     if args.checkpoint_dir:
         return _time_saves(Checkpointer, lay.cfg, args.checkpoint_dir, train, state, batch, step_s)
     return 0
+
+
+def _memory(train) -> dict:
+    """GB: the first device's peak bytes in use so far (None where the backend keeps no statistics) and the compiled
+    step's own account of one device's need."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    try:
+        m = train.memory_analysis()
+        compiled = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                    + m.temp_size_in_bytes) / 1e9
+    except Exception:  # a backend without the analysis
+        compiled = None
+    return dict(peak_gb=None if peak is None else round(peak / 1e9, 2),
+                compiled_gb=None if compiled is None else round(compiled, 2))
 
 
 def _run_steps(train, state, batch, count: int, until=None):
