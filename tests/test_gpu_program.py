@@ -67,7 +67,7 @@ def test_async_all_reduce_counts_once():
               "parameter(1)\n  ROOT %s = bf16[] add(%x, %y)\n}\n\nENTRY %main (p: bf16[14024704]) -> bf16[14024704] "
               f"{{\n  %p = bf16[14024704]{{0}} parameter(0)\n{line}\n  ROOT %d = bf16[14024704]{{0}} "
               "all-reduce-done(%all-reduce-start)\n}\n")  # a line of the 7B HSDP step as XLA:GPU compiled it
-    colls, _ = passes.collectives(module, (8, 1, 8, 1, 1), compiled_for_cpu=False)
+    colls, _ = passes.collectives(module, MeshShape.of({"data": 8, "fsdp": 8}).ici, compiled_for_cpu=False)
     assert [(c.kind, c.bytes, c.groups.shape) for c in colls] == [("all-reduce", 14024704 * 2, (8, 8))]
 
 
@@ -136,13 +136,13 @@ def test_missing_collectives_are_named_per_axis():
 
 
 def test_expected_collectives_from_the_layout():
-    fsdp = MeshShape(ici=(1, 1, 8, 1, 1), dcn=(1,) * 5)
+    fsdp = MeshShape.of({"fsdp": 8})
     assert gpu_program.expected_collectives(fsdp, ("data", "fsdp"), frozenset({"fsdp"})) == {
         (frozenset({"reduce"}), "fsdp"), (frozenset({"gather"}), "fsdp")}
-    pipeline = MeshShape(ici=(1, 1, 2, 1, 4), dcn=(1, 8, 1, 1, 1))
+    pipeline = MeshShape.of({"fsdp": 2, "tensor": 4}, {"stage": 8})
     assert gpu_program.expected_collectives(pipeline, ("data", "fsdp"), frozenset({"fsdp", "tensor", "stage"})) == {
         (frozenset({"reduce"}), "fsdp"), (frozenset({"gather"}), "fsdp"), (frozenset({"reduce"}), "tensor"),
         (frozenset({"permute"}), "stage")}
-    ring = MeshShape(ici=(2, 1, 1, 4, 1), dcn=(1,) * 5)
+    ring = MeshShape.of({"data": 2, "context": 4})
     assert (frozenset({"permute", "gather"}), "context") in gpu_program.expected_collectives(
         ring, ("data", "fsdp"), frozenset())
