@@ -1,0 +1,134 @@
+"""Hugging Face Mixtral checkpoints (``MixtralForCausalLM``) in and out: ``config.json`` <-> the MoE ModelConfig,
+per-expert safetensors tensors <-> the stacked expert parameters of :mod:`jaxtrain.models.moe`.
+
+Mixtral is jaxtrain's MoE model with ``model.moe.every=1`` (every layer routed), softmax routing renormalised over
+the top k, no shared experts: its attention, norms, embeddings and rotary are Llama's (:mod:`.mapping`). Tensors,
+per layer i and expert j, in the layout Hub checkpoints have and transformers' ``save_pretrained`` writes
+(transformers 5 fuses the experts in memory but saves them per expert):
+
+    model.layers.{i}.block_sparse_moe.gate.weight          [E, d]  -> blocks.moe.mlp.router [i]      (transposed)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight [f, d] -> blocks.moe.mlp.w_gate [i, j]   (transposed)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight [f, d] -> blocks.moe.mlp.w_up [i, j]     (transposed)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight [d, f] -> blocks.moe.mlp.w_down [i, j]   (transposed)
+
+Other MoE families are refused with the reason they do not fit (:func:`refuse_unfitting`): Qwen2-MoE's shared
+experts and sigmoid gate exist in jaxtrain (``model.moe.shared_experts``, ``shared_gate``), but its attention has q/k/v
+biases, which jaxtrain's attention projections lack.
+"""
+
+from __future__ import annotations
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import ConfigError
+from jaxtrain.hf import mapping
+
+ARCHITECTURES = ("MixtralForCausalLM",)
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's in-memory names
+
+
+def refuse_unfitting(archs: list, hf: dict) -> None:
+    """ConfigError naming what does not fit for MoE architectures jaxtrain knows of but cannot represent."""
+    if "Qwen2MoeForCausalLM" in archs and hf.get("qkv_bias", True):
+        raise ConfigError("unsupported architecture Qwen2MoeForCausalLM: its attention has q/k/v biases "
+                          "(qkv_bias=true), which jaxtrain's attention projections lack (MoE import: "
+                          f"{', '.join(ARCHITECTURES)})")
+
+
+def model_fields_from_hf(hf: dict) -> dict:
+    """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Mixtral ``config.json``; ConfigError
+    naming the first feature jaxtrain cannot represent (sliding windows, biases, an expert count or top-k out of
+    range, activations other than SiLU)."""
+    mapping.check_common(hf)
+    experts, top_k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or experts < 1:
+        raise ConfigError(f"num_local_experts={experts!r} in config.json must be a positive integer")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok={top_k!r} in config.json must be in 1..{experts} "
+                          "(num_local_experts)")
+    fields = mapping.decoder_fields(hf)
+    fields.update({
+        "model.moe.experts": experts,
+        "model.moe.top_k": top_k,
+        "model.moe.d_ff": hf["intermediate_size"],
+        "model.moe.every": 1,
+        "model.moe.shared_experts": 0,
+        "model.moe.shared_gate": False,
+        "model.moe.router": "softmax",
+        "model.moe.normalize": True,
+        "model.moe.capacity_factor": 0.0,  # Mixtral is dropless
+        # Mixtral's training weight of the load-balancing loss (transformers adds it with output_router_logits).
+        "model.moe.aux_loss": float(hf.get("router_aux_loss_coef", 0.001)),
+        "model.moe.z_loss": 0.0,
+    })
+    return fields
+
+
+def tensor_maps(m: ModelConfig) -> list[mapping.TensorMap]:
+    """Every parameter of the Mixtral-shaped model ``m``, in Hugging Face's usual tensor order."""
+    check_exportable(m)
+    layer = "model.layers.{i}."
+    moe = layer + "block_sparse_moe."
+    path = ("blocks", "moe", "mlp")
+    TM = mapping.TensorMap
+    experts = [
+        # router [d, E] = gate.weight [E, d] transposed; w_gate, w_up [d, f] = w1, w3 [f, d] transposed; w_down
+        # [f, d] = w2 [d, f] transposed.
+        TM(moe + "gate.weight", (*path, "router"), True, (1,), (0,)),
+        TM(moe + "experts.{j}.w1.weight", (*path, "w_gate"), True, (1,), (0,), experts=True),
+        TM(moe + "experts.{j}.w2.weight", (*path, "w_down"), True, (1,), (0,), experts=True),
+        TM(moe + "experts.{j}.w3.weight", (*path, "w_up"), True, (1,), (0,), experts=True),
+    ]
+    before, after = mapping.outer_maps(m)
+    return before + mapping.attention_maps(layer, ("blocks", "moe")) + experts + after
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """ConfigError naming the first setting of ``m`` (an MoE model) that a Mixtral checkpoint cannot hold."""
+    moe = m.moe
+    problems = [
+        (moe.every != 1, f"model.moe.every={moe.every} (Mixtral routes every layer: 1)"),
+        (moe.shared_experts != 0, f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none: 0)"),
+        (moe.router != "softmax", f"model.moe.router={moe.router} (Mixtral's is softmax)"),
+        (not moe.normalize, "model.moe.normalize=false (Mixtral renormalises the top-k weights: true)"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise ConfigError(f"this MoE model has no Hugging Face (Mixtral) form: {what}")
+
+
+def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
+                         max_position_embeddings: int = 2048) -> dict:
+    """The ``config.json`` of a ``MixtralForCausalLM`` with the shapes of the MoE model ``m`` (rotary written both
+    ways, as for Llama: :func:`jaxtrain.hf.mapping.hf_config_from_model`)."""
+    check_exportable(m)
+    rope, scaling = mapping.rope_entries(m)
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.expert_d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": m.norm_eps,
+        "rope_parameters": rope,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": scaling,
+        "sliding_window": None,
+        "tie_word_embeddings": m.tie_embeddings,
+        "attention_dropout": 0.0,
+        "num_local_experts": m.moe.experts,
+        "num_experts_per_tok": m.moe.top_k,
+        "output_router_logits": False,
+        "router_aux_loss_coef": m.moe.aux_loss,
+        "router_jitter_noise": 0.0,
+        "initializer_range": m.init_std,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": m.param_dtype,
+    }
