@@ -147,7 +147,7 @@ def test_generate_is_dropless_whatever_the_capacity(tmp_path):
     hf_model = make_mixtral(tmp_path / "hf", seed=4)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt", "model.moe.capacity_factor=0.5")
     model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
-    toks = tokens((1, 32))
+    toks = tokens((8, 32))
     dropped = jax_logits(cfg, tmp_path / "jt", toks)  # the training forward drops assignments
     assert np.abs(dropped - hf_logits(hf_model, toks)).max() > 1e-2
     res = generate.generate(model, layout, PROMPTS, max_new_tokens=16, eos_ids=(MIXTRAL["eos_token_id"],))
