@@ -156,7 +156,6 @@ def test_generate_is_dropless_whatever_the_capacity(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_cli_from_hf_generate_to_hf(tmp_path):
     """The commands themselves: convert from-hf, generate --prompt-ids (greedy, equal to transformers'), and
     convert to-hf loaded by transformers with equal logits."""
@@ -218,7 +217,6 @@ def test_bad_configs_in_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path):
     for name, src, phrase in _bad_inputs(tmp_path):
         out = tmp_path / f"out_{name.replace(' ', '_')}"
@@ -246,3 +244,20 @@ def test_export_refuses_moe_models_mixtral_cannot_hold(tmp_path):
 def test_llama_mapping_still_refuses_experts_in_a_llama_config():
     with pytest.raises(ConfigError, match="mixture of experts"):
         hf_mapping.model_fields_from_hf({"architectures": ["LlamaForCausalLM"], "num_local_experts": 8})
+
+
+def test_import_reads_transformers_fused_expert_tensors(tmp_path):
+    """A checkpoint holding transformers 5's in-memory names (experts fused into gate_up_proj / down_proj, as a
+    state_dict saved without save_pretrained) imports to the same logits."""
+    from safetensors.torch import save_file
+
+    hf_model = make_mixtral(tmp_path / "hf", seed=6)
+    os.makedirs(tmp_path / "fused")
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "fused" / "model.safetensors"), metadata={"format": "pt"})
+    os.link(tmp_path / "hf" / "config.json", tmp_path / "fused" / "config.json")
+    cfg = import_dir(tmp_path / "fused", tmp_path / "jt", "runtime.cpu_devices=8", "mesh.ici.fsdp=2",
+                     "mesh.ici.expert=2", "mesh.ici.tensor=2")
+    toks = tokens()
+    np.testing.assert_allclose(jax_logits(cfg, tmp_path / "jt", toks), hf_logits(hf_model, toks), atol=1e-4, rtol=0)

@@ -133,7 +133,7 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
     user_cfg = cfg  # config.yaml keeps "auto" choices for the machine that trains
     layout = Layout.build(cfg)
     cfg, abstract = layout.cfg, layout.abstract_params
-    maps = {tm.path: tm for tm in hf.tensor_maps(cfg.model)}
+    maps = {tm.path: tm for tm in hf.tensor_maps(cfg.model, tensors.shapes)}
     hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.tie_embeddings)
 
     def build(path, leaf):

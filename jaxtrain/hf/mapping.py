@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,6 +216,9 @@ class TensorMap:
     next one (one Hugging Face tensor per layer and expert). The per-layer (per-expert) parameter is the Hugging Face
     matrix ``W [rows, cols]`` with its rows split into the parameter axes ``rows`` and its columns into ``cols``
     (row-major), then transposed into the parameter's axis order; a 1-D tensor has ``cols == ()``.
+
+    ``part`` (k, n), for import only: the tensor holds all experts of a layer stacked on its first axis (no ``{j}``
+    in the name; transformers 5's fused layout) and the matrix ``W`` is the k-th of n equal blocks of its rows.
     """
 
     hf: str
@@ -223,6 +227,7 @@ class TensorMap:
     rows: tuple[int, ...]
     cols: tuple[int, ...]
     experts: bool = False
+    part: tuple[int, int] | None = None
 
     @property
     def lead(self) -> int:
@@ -241,6 +246,13 @@ class TensorMap:
         """The Hugging Face tensor's shape for the per-layer parameter shape ``shape``."""
         rows = math.prod(shape[a] for a in self.rows)
         return (rows, math.prod(shape[a] for a in self.cols)) if self.cols else (rows,)
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the stored tensor for the parameter of shape ``shape`` (stacked axes included)."""
+        per = self.hf_shape(shape[self.lead:])
+        if self.part is None:
+            return per
+        return (shape[self.lead - 1], per[0] * self.part[1], *per[1:])
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """Per-layer parameter -> Hugging Face tensor."""
@@ -270,13 +282,14 @@ def outer_maps(m: ModelConfig) -> tuple[list[TensorMap], list[TensorMap]]:
     return [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), False, (0,), (1,))], after
 
 
-def tensor_maps(m: ModelConfig) -> list[TensorMap]:
+def tensor_maps(m: ModelConfig, names: Collection[str] = ()) -> list[TensorMap]:
     """Every parameter of the model, in Hugging Face's usual tensor order (an MoE model's:
-    :func:`jaxtrain.hf.moe_mapping.tensor_maps`)."""
+    :func:`jaxtrain.hf.moe_mapping.tensor_maps`, in the fused layout when ``names``, a checkpoint's tensor names,
+    are in it)."""
     if m.moe.experts:
         from jaxtrain.hf import moe_mapping
 
-        return moe_mapping.tensor_maps(m)
+        return moe_mapping.tensor_maps(m, fused=moe_mapping.is_fused(names))
     layer = "model.layers.{i}."
     mlp = [TensorMap(layer + "mlp.gate_proj.weight", ("blocks", "mlp", "gate", "kernel"), True, (1,), (0,)),
            TensorMap(layer + "mlp.up_proj.weight", ("blocks", "mlp", "up", "kernel"), True, (1,), (0,)),
@@ -354,7 +367,22 @@ class SafetensorsDir:
         it is read, so its pages leave this process's resident memory once the block is copied out."""
         name = tm.name(*key)
         with self._open(self.where[name], framework="numpy") as f:
-            return read_block(tm, f.get_slice(name), shape, index)
+            tensor = f.get_slice(name)
+            if tm.part is not None:
+                tensor = _Part(tensor, key[-1], tm.part[0] * tm.hf_shape(shape)[0])
+            return read_block(tm, tensor, shape, index)
+
+
+class _Part:
+    """Expert ``expert``'s matrix inside a fused tensor [experts, rows, cols], its rows from ``offset`` on: sliced
+    like a 2-D tensor, read lazily from the safetensors slice."""
+
+    def __init__(self, tensor, expert: int, offset: int):
+        self.tensor, self.expert, self.offset = tensor, expert, offset
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        rows, *rest = index if isinstance(index, tuple) else (index,)
+        return self.tensor[(self.expert, slice(self.offset + rows.start, self.offset + rows.stop), *rest)]
 
 
 def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], shapes: dict[tuple[str, ...], tuple[int, ...]],
@@ -364,7 +392,7 @@ def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], shapes: dict[t
     for tm in maps:
         shape = shapes[tm.path]
         for key in tm.keys(shape):
-            name, want = tm.name(*key), tm.hf_shape(shape[tm.lead:])
+            name, want = tm.name(*key), tm.stored_shape(shape)
             expected.add(name)
             if name not in tensors.shapes:
                 raise ConfigError(f"tensor {name!r} is missing from the safetensors files")

@@ -11,12 +11,17 @@ per layer i and expert j, in the layout Hub checkpoints have and transformers' `
     model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight [f, d] -> blocks.moe.mlp.w_up [i, j]     (transposed)
     model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight [d, f] -> blocks.moe.mlp.w_down [i, j]   (transposed)
 
+Import also reads transformers 5's fused names (``mlp.gate.weight``, ``mlp.experts.gate_up_proj [E, 2f, d]``: w1
+then w3 of each expert, ``mlp.experts.down_proj [E, d, f]``), as in a state_dict saved without save_pretrained.
+
 Other MoE families are refused with the reason they do not fit (:func:`refuse_unfitting`): Qwen2-MoE's shared
 experts and sigmoid gate exist in jaxtrain (``model.moe.shared_experts``, ``shared_gate``), but its attention has q/k/v
 biases, which jaxtrain's attention projections lack.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError
@@ -63,21 +68,37 @@ def model_fields_from_hf(hf: dict) -> dict:
     return fields
 
 
-def tensor_maps(m: ModelConfig) -> list[mapping.TensorMap]:
-    """Every parameter of the Mixtral-shaped model ``m``, in Hugging Face's usual tensor order."""
+def is_fused(names: Collection[str]) -> bool:
+    """Whether a checkpoint with tensors ``names`` holds Mixtral's experts fused (transformers 5's in-memory
+    names, e.g. a state_dict saved directly) rather than per expert (what save_pretrained and the Hub have)."""
+    return any(name.endswith(_FUSED) for name in names)
+
+
+def tensor_maps(m: ModelConfig, fused: bool = False) -> list[mapping.TensorMap]:
+    """Every parameter of the Mixtral-shaped model ``m``, in Hugging Face's usual tensor order; ``fused``: the
+    experts as transformers 5 holds them in memory (import only)."""
     check_exportable(m)
     layer = "model.layers.{i}."
-    moe = layer + "block_sparse_moe."
     path = ("blocks", "moe", "mlp")
     TM = mapping.TensorMap
-    experts = [
+    if fused:
+        # gate_up_proj [E, 2f, d]: w1 then w3 of each expert; down_proj [E, d, f]: w2.
+        experts = [
+            TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,)),
+            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_gate"), True, (1,), (0,), True, (0, 2)),
+            TM(layer + "mlp.experts.down_proj", (*path, "w_down"), True, (1,), (0,), True, (0, 1)),
+            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_up"), True, (1,), (0,), True, (1, 2)),
+        ]
+    else:
         # router [d, E] = gate.weight [E, d] transposed; w_gate, w_up [d, f] = w1, w3 [f, d] transposed; w_down
         # [f, d] = w2 [d, f] transposed.
-        TM(moe + "gate.weight", (*path, "router"), True, (1,), (0,)),
-        TM(moe + "experts.{j}.w1.weight", (*path, "w_gate"), True, (1,), (0,), experts=True),
-        TM(moe + "experts.{j}.w2.weight", (*path, "w_down"), True, (1,), (0,), experts=True),
-        TM(moe + "experts.{j}.w3.weight", (*path, "w_up"), True, (1,), (0,), experts=True),
-    ]
+        moe = layer + "block_sparse_moe."
+        experts = [
+            TM(moe + "gate.weight", (*path, "router"), True, (1,), (0,)),
+            TM(moe + "experts.{j}.w1.weight", (*path, "w_gate"), True, (1,), (0,), experts=True),
+            TM(moe + "experts.{j}.w2.weight", (*path, "w_down"), True, (1,), (0,), experts=True),
+            TM(moe + "experts.{j}.w3.weight", (*path, "w_up"), True, (1,), (0,), experts=True),
+        ]
     before, after = mapping.outer_maps(m)
     return before + mapping.attention_maps(layer, ("blocks", "moe")) + experts + after
 
