@@ -21,6 +21,7 @@ from jaxtrain import rundir
 from jaxtrain.checkpoint import format as ckpt
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import mapping as hf
+from jaxtrain.hf import moe_mapping as moe_hf
 
 # ---------------------------------------------------------------------------------------------------------------
 # What a checkpoint says (the format itself, steps and meta, is checkpoint.py's)
@@ -108,7 +109,7 @@ def hf_import_config(src: str, out: str, overrides: list[str]):
     from jaxtrain.config import load_config
 
     hf_cfg = hf.read_hf_config(src)
-    fields = hf.model_fields_from_hf(hf_cfg)
+    fields = moe_hf.model_fields(hf_cfg)
     tensors = hf.SafetensorsDir(src)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out {out!r} already exists and is not an empty directory (nothing is overwritten)")
@@ -133,7 +134,7 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
     user_cfg = cfg  # config.yaml keeps "auto" choices for the machine that trains
     layout = Layout.build(cfg)
     cfg, abstract = layout.cfg, layout.abstract_params
-    maps = {tm.path: tm for tm in hf.tensor_maps(cfg.model, tensors.shapes)}
+    maps = {tm.path: tm for tm in moe_hf.tensor_maps_for(cfg.model, tensors.shapes)}
     hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.tie_embeddings)
 
     def build(path, leaf):
@@ -194,7 +195,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     cfg, abstract = layout.cfg, layout.abstract_params
     shapes = _leaf_shapes(abstract)
     dtypes = {ckpt.leaf_path(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    maps = hf.tensor_maps(cfg.model)
+    maps = moe_hf.tensor_maps_for(cfg.model)  # refuses an MoE model Mixtral cannot hold
     # Parameter by parameter (all layers of q, then of k, ...): each parameter is restored from the checkpoint once.
     # The index maps names to files, so readers do not depend on the order.
     order = [(tm, key) for tm in maps for key in tm.keys(shapes[tm.path])]
@@ -229,10 +230,9 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
         if len(files) > 1:
             with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
-        config = hf.hf_config_from_model(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
-                                         bos_token_id=origin.get("bos_token_id"),
-                                         max_position_embeddings=origin.get("max_position_embeddings")
-                                         or cfg.data.seq_len)
+        config = moe_hf.hf_config(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
+                                  bos_token_id=origin.get("bos_token_id"),
+                                  max_position_embeddings=origin.get("max_position_embeddings") or cfg.data.seq_len)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         tokenizer = tokenizer_source(meta)

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +27,7 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError, one_line
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # Mistral without a sliding window is a Llama
+MOE_ARCHITECTURES = ("MixtralForCausalLM",)  # mapped by jaxtrain.hf.moe_mapping
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 # Hugging Face's default max_shard_size for save_pretrained; published checkpoints use 5 GB shards.
@@ -125,21 +125,15 @@ def decoder_fields(hf: dict) -> dict:
 
 def model_fields_from_hf(hf: dict) -> dict:
     """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Llama (or Mistral without a sliding
-    window) or Mixtral ``config.json`` (:mod:`jaxtrain.hf.moe_mapping`).
+    window) ``config.json``; Mixtral's are :func:`jaxtrain.hf.moe_mapping.model_fields_from_hf`.
 
     Raises ConfigError naming the first unsupported architecture or feature (biases, sliding windows, MoE in a Llama
     config, partial rotary, activations other than SiLU).
     """
-    from jaxtrain.hf import moe_mapping
-
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if any(a in moe_mapping.ARCHITECTURES for a in archs):
-        return moe_mapping.model_fields_from_hf(hf)
-    moe_mapping.refuse_unfitting(archs, hf)
     if not any(a in ARCHITECTURES for a in archs):
-        supported = ARCHITECTURES + moe_mapping.ARCHITECTURES
         raise ConfigError(f"unsupported architecture {', '.join(map(str, archs))} "
-                          f"(supported: {', '.join(supported)})")
+                          f"(supported: {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)})")
     for key in ("num_local_experts", "num_experts"):
         if hf.get(key):
             raise ConfigError(f"unsupported feature: mixture of experts ({key}={hf[key]!r} in config.json)")
@@ -162,17 +156,12 @@ def rope_entries(m: ModelConfig) -> tuple[dict, dict | None]:
 
 def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
                          max_position_embeddings: int = 2048) -> dict:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with the shapes of ``m`` (of a ``MixtralForCausalLM`` for an
-    MoE model: :func:`jaxtrain.hf.moe_mapping.hf_config_from_model`).
+    """The ``config.json`` of a ``LlamaForCausalLM`` with the shapes of the dense model ``m`` (an MoE model's:
+    :func:`jaxtrain.hf.moe_mapping.hf_config_from_model`).
 
     Rotary settings are written both ways, as transformers 5's ``rope_parameters`` and as 4.x's ``rope_theta`` /
     ``rope_scaling``, so that older readers (and serving tools that read the 4.x keys) get the same model.
     """
-    if m.moe.experts:
-        from jaxtrain.hf import moe_mapping
-
-        return moe_mapping.hf_config_from_model(m, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
-                                                max_position_embeddings=max_position_embeddings)
     rope, scaling = rope_entries(m)
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -282,14 +271,9 @@ def outer_maps(m: ModelConfig) -> tuple[list[TensorMap], list[TensorMap]]:
     return [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), False, (0,), (1,))], after
 
 
-def tensor_maps(m: ModelConfig, names: Collection[str] = ()) -> list[TensorMap]:
-    """Every parameter of the model, in Hugging Face's usual tensor order (an MoE model's:
-    :func:`jaxtrain.hf.moe_mapping.tensor_maps`, in the fused layout when ``names``, a checkpoint's tensor names,
-    are in it)."""
-    if m.moe.experts:
-        from jaxtrain.hf import moe_mapping
-
-        return moe_mapping.tensor_maps(m, fused=moe_mapping.is_fused(names))
+def tensor_maps(m: ModelConfig) -> list[TensorMap]:
+    """Every parameter of the dense model ``m``, in Hugging Face's usual tensor order (an MoE model's:
+    :func:`jaxtrain.hf.moe_mapping.tensor_maps`)."""
     layer = "model.layers.{i}."
     mlp = [TensorMap(layer + "mlp.gate_proj.weight", ("blocks", "mlp", "gate", "kernel"), True, (1,), (0,)),
            TensorMap(layer + "mlp.up_proj.weight", ("blocks", "mlp", "up", "kernel"), True, (1,), (0,)),

@@ -27,8 +27,29 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import mapping
 
-ARCHITECTURES = ("MixtralForCausalLM",)
+ARCHITECTURES = mapping.MOE_ARCHITECTURES
 _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's in-memory names
+
+
+def model_fields(hf: dict) -> dict:
+    """ModelConfig field values for any ``config.json`` :mod:`jaxtrain.hf` reads: Mixtral's here, the others'
+    from :func:`jaxtrain.hf.mapping.model_fields_from_hf`; ConfigError naming what does not fit."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if any(a in ARCHITECTURES for a in archs):
+        return model_fields_from_hf(hf)
+    refuse_unfitting(archs, hf)
+    return mapping.model_fields_from_hf(hf)
+
+
+def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping.TensorMap]:
+    """Every parameter of the model ``m``, dense or MoE; ``names``: the tensor names of the checkpoint to read (an
+    MoE import reads the fused layout when they have it)."""
+    return tensor_maps(m, fused=is_fused(names)) if m.moe.experts else mapping.tensor_maps(m)
+
+
+def hf_config(m: ModelConfig, **kw) -> dict:
+    """``config.json`` for the model ``m``, dense (Llama) or MoE (Mixtral); ``kw`` as :func:`hf_config_from_model`."""
+    return hf_config_from_model(m, **kw) if m.moe.experts else mapping.hf_config_from_model(m, **kw)
 
 
 def refuse_unfitting(archs: list, hf: dict) -> None:
