@@ -1,6 +1,7 @@
 """Hugging Face interchange: the mapping between jaxtrain's parameters and a Hugging Face checkpoint's tensors
-(names, layouts, the config fields; :mod:`.mapping`), import and export of safetensors checkpoints with their
-tokenizer files (:mod:`.convert`), and KV-cached greedy or sampled generation from a checkpoint (:mod:`.generate`).
+(names, layouts, the config fields; :mod:`.mapping` for Llama, :mod:`.moe_mapping` for Mixtral), import and export of
+safetensors checkpoints with their tokenizer files (:mod:`.convert`), and KV-cached greedy or sampled generation from
+a checkpoint (:mod:`.generate`).
 
 May import: errors, config, rundir, models, parallel (the layout a model is restored onto) and checkpoint. Never
 torch or transformers: their parity is checked by the tests, not needed at run time.

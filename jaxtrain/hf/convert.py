@@ -9,6 +9,7 @@ into the mesh's shardings and gathers it one layer at a time into safetensors fi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from jaxtrain import rundir
 from jaxtrain.checkpoint import format as ckpt
 from jaxtrain.errors import ConfigError
 from jaxtrain.hf import mapping as hf
+from jaxtrain.hf import moe_mapping as moe_hf
 
 # ---------------------------------------------------------------------------------------------------------------
 # What a checkpoint says (the format itself, steps and meta, is checkpoint.py's)
@@ -107,7 +109,7 @@ def hf_import_config(src: str, out: str, overrides: list[str]):
     from jaxtrain.config import load_config
 
     hf_cfg = hf.read_hf_config(src)
-    fields = hf.model_fields_from_hf(hf_cfg)
+    fields = moe_hf.model_fields(hf_cfg)
     tensors = hf.SafetensorsDir(src)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out {out!r} already exists and is not an empty directory (nothing is overwritten)")
@@ -132,18 +134,19 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
     user_cfg = cfg  # config.yaml keeps "auto" choices for the machine that trains
     layout = Layout.build(cfg)
     cfg, abstract = layout.cfg, layout.abstract_params
-    maps = {tm.path: tm for tm in hf.tensor_maps(cfg.model)}
-    hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.n_layers, cfg.model.tie_embeddings)
+    maps = {tm.path: tm for tm in moe_hf.tensor_maps_for(cfg.model, tensors.shapes)}
+    hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.tie_embeddings)
 
     def build(path, leaf):
         tm = maps[ckpt.leaf_path(path)]
-        per_layer = leaf.shape[1:] if tm.layered else leaf.shape
+        lead, inner = leaf.shape[:tm.lead], leaf.shape[tm.lead:]
 
         def read(index):
-            if not tm.layered:
-                return tensors.read(tm, None, per_layer, index).astype(leaf.dtype)
-            lo, hi = hf._bounds(index[0], leaf.shape[0])
-            return np.stack([tensors.read(tm, i, per_layer, index[1:]).astype(leaf.dtype) for i in range(lo, hi)])
+            # The shard's part of the stacked (layer, expert) axes, one Hugging Face tensor per key.
+            ranges = [range(*hf._bounds(index[a], n)) for a, n in enumerate(lead)]
+            blocks = [tensors.read(tm, tuple(key), inner, index[tm.lead:]).astype(leaf.dtype)
+                      for key in itertools.product(*ranges)]
+            return np.stack(blocks).reshape(*(len(r) for r in ranges), *blocks[0].shape)
 
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, read)
 
@@ -192,16 +195,14 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     cfg, abstract = layout.cfg, layout.abstract_params
     shapes = _leaf_shapes(abstract)
     dtypes = {ckpt.leaf_path(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    maps = hf.tensor_maps(cfg.model)
+    maps = moe_hf.tensor_maps_for(cfg.model)  # refuses an MoE model Mixtral cannot hold
     # Parameter by parameter (all layers of q, then of k, ...): each parameter is restored from the checkpoint once.
     # The index maps names to files, so readers do not depend on the order.
-    order = [(tm, i) for tm in maps for i in (range(cfg.model.n_layers) if tm.layered else [None])]
-    sizes = {}
-    for tm, i in order:
-        shape = shapes[tm.path][1:] if tm.layered else shapes[tm.path]
-        sizes[tm.name(i)] = int(np.prod(tm.hf_shape(shape))) * dtypes[tm.path].itemsize
-    shards = hf.shard_plan([(tm.name(i), sizes[tm.name(i)]) for tm, i in order], max_shard_bytes)
-    by_name = {tm.name(i): (tm, i) for tm, i in order}
+    order = [(tm, key) for tm in maps for key in tm.keys(shapes[tm.path])]
+    sizes = {tm.name(*key): int(np.prod(tm.hf_shape(shapes[tm.path][tm.lead:]))) * dtypes[tm.path].itemsize
+             for tm, key in order}
+    shards = hf.shard_plan([(tm.name(*key), sizes[tm.name(*key)]) for tm, key in order], max_shard_bytes)
+    by_name = {tm.name(*key): (tm, key) for tm, key in order}
 
     origin = hf_origin(meta)
     eos = origin.get("eos_token_id") or [cfg.data.eos_id]
@@ -211,12 +212,11 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
         os.makedirs(out, exist_ok=True)
         cache: dict = {}  # the one parameter currently restored (stacked layers), reused across its layers
 
-        def fetch(tm, i):
+        def fetch(tm, key):
             if cache.get("path") != tm.path:
                 cache.clear()
                 cache.update(path=tm.path, array=ckpt.restore_params(directory, step, abstract, only=tm.path))
-            x = cache["array"][i] if tm.layered else cache["array"]
-            return tm.to_hf(np.asarray(jax.device_get(x)))
+            return tm.to_hf(np.asarray(jax.device_get(cache["array"][key])))
 
         files = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
@@ -230,10 +230,9 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
         if len(files) > 1:
             with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
-        config = hf.hf_config_from_model(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
-                                         bos_token_id=origin.get("bos_token_id"),
-                                         max_position_embeddings=origin.get("max_position_embeddings")
-                                         or cfg.data.seq_len)
+        config = moe_hf.hf_config(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
+                                  bos_token_id=origin.get("bos_token_id"),
+                                  max_position_embeddings=origin.get("max_position_embeddings") or cfg.data.seq_len)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         tokenizer = tokenizer_source(meta)

@@ -14,6 +14,7 @@ permutation; tests/test_hf.py proves it against ``transformers``' logits (and fa
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError, one_line
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # Mistral without a sliding window is a Llama
+MOE_ARCHITECTURES = ("MixtralForCausalLM",)  # mapped by jaxtrain.hf.moe_mapping
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 # Hugging Face's default max_shard_size for save_pretrained; published checkpoints use 5 GB shards.
@@ -73,21 +75,10 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
                                                   "original_max_position_embeddings")}
 
 
-def model_fields_from_hf(hf: dict) -> dict:
-    """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Llama ``config.json``.
-
-    Raises ConfigError naming the first unsupported architecture or feature (biases, sliding windows, MoE, partial
-    rotary, activations other than SiLU).
-    """
-    archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if not any(a in ARCHITECTURES for a in archs):
-        raise ConfigError(f"unsupported architecture {', '.join(map(str, archs))} "
-                          f"(supported: {', '.join(ARCHITECTURES)})")
-    unsupported = [
-        ("attention_bias", "attention biases"), ("mlp_bias", "MLP biases"),
-        ("num_local_experts", "mixture of experts"), ("num_experts", "mixture of experts"),
-    ]
-    for key, what in unsupported:
+def check_common(hf: dict) -> None:
+    """The checks every architecture mapped here shares: ConfigError naming the first feature jaxtrain's decoder
+    lacks (biases, sliding windows, partial rotary, split linear layers, activations other than SiLU)."""
+    for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases")):
         if hf.get(key):
             raise ConfigError(f"unsupported feature: {what} ({key}={hf[key]!r} in config.json)")
     if hf.get("sliding_window") and hf.get("use_sliding_window", True):
@@ -98,6 +89,11 @@ def model_fields_from_hf(hf: dict) -> dict:
         raise ConfigError(f"unsupported feature: partial_rotary_factor={hf['partial_rotary_factor']}")
     if hf.get("pretraining_tp", 1) != 1:
         raise ConfigError(f"unsupported feature: pretraining_tp={hf['pretraining_tp']} (split linear layers)")
+
+
+def decoder_fields(hf: dict) -> dict:
+    """The ModelConfig fields (dotted ``model.*`` keys) of the decoder around the MLPs: vocabulary, widths, heads,
+    rotary, norms, embeddings and dtype, from a Llama-style ``config.json``."""
     need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     missing = [k for k in need if k not in hf]
     if missing:
@@ -127,13 +123,26 @@ def model_fields_from_hf(hf: dict) -> dict:
     return fields
 
 
-def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
-                         max_position_embeddings: int = 2048) -> dict:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with the shapes of ``m``.
+def model_fields_from_hf(hf: dict) -> dict:
+    """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Llama (or Mistral without a sliding
+    window) ``config.json``; Mixtral's are :func:`jaxtrain.hf.moe_mapping.model_fields_from_hf`.
 
-    Rotary settings are written both ways, as transformers 5's ``rope_parameters`` and as 4.x's ``rope_theta`` /
-    ``rope_scaling``, so that older readers (and serving tools that read the 4.x keys) get the same model.
+    Raises ConfigError naming the first unsupported architecture or feature (biases, sliding windows, MoE in a Llama
+    config, partial rotary, activations other than SiLU).
     """
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if not any(a in ARCHITECTURES for a in archs):
+        raise ConfigError(f"unsupported architecture {', '.join(map(str, archs))} "
+                          f"(supported: {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)})")
+    for key in ("num_local_experts", "num_experts"):
+        if hf.get(key):
+            raise ConfigError(f"unsupported feature: mixture of experts ({key}={hf[key]!r} in config.json)")
+    check_common(hf)
+    return decoder_fields(hf)
+
+
+def rope_entries(m: ModelConfig) -> tuple[dict, dict | None]:
+    """(transformers 5's ``rope_parameters``, 4.x's ``rope_scaling`` or None) for ``m``'s rotary settings."""
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     scaling = None
     if m.rope_scaling.type == "llama3":
@@ -142,6 +151,18 @@ def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None
                    "high_freq_factor": m.rope_scaling.high_freq_factor,
                    "original_max_position_embeddings": m.rope_scaling.original_max_len}
         rope = {**scaling, "rope_theta": m.rope_theta}
+    return rope, scaling
+
+
+def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
+                         max_position_embeddings: int = 2048) -> dict:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with the shapes of the dense model ``m`` (an MoE model's:
+    :func:`jaxtrain.hf.moe_mapping.hf_config_from_model`).
+
+    Rotary settings are written both ways, as transformers 5's ``rope_parameters`` and as 4.x's ``rope_theta`` /
+    ``rope_scaling``, so that older readers (and serving tools that read the 4.x keys) get the same model.
+    """
+    rope, scaling = rope_entries(m)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -179,10 +200,14 @@ def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None
 class TensorMap:
     """One Hugging Face tensor family <-> one jaxtrain parameter.
 
-    ``hf``: the tensor name (``{i}``: layer index). ``path``: the parameter's path in the model state. ``layered``:
-    the parameter stacks the layers on a leading axis. The per-layer parameter is the Hugging Face matrix
-    ``W [rows, cols]`` with its rows split into the parameter axes ``rows`` and its columns into ``cols`` (row-major),
-    then transposed into the parameter's axis order; a 1-D tensor has ``cols == ()``.
+    ``hf``: the tensor name (``{i}``: layer index, ``{j}``: expert index). ``path``: the parameter's path in the
+    model state. ``layered``: the parameter stacks the layers on a leading axis; ``experts``: then the experts on the
+    next one (one Hugging Face tensor per layer and expert). The per-layer (per-expert) parameter is the Hugging Face
+    matrix ``W [rows, cols]`` with its rows split into the parameter axes ``rows`` and its columns into ``cols``
+    (row-major), then transposed into the parameter's axis order; a 1-D tensor has ``cols == ()``.
+
+    ``part`` (k, n), for import only: the tensor holds all experts of a layer stacked on its first axis (no ``{j}``
+    in the name; transformers 5's fused layout) and the matrix ``W`` is the k-th of n equal blocks of its rows.
     """
 
     hf: str
@@ -190,14 +215,33 @@ class TensorMap:
     layered: bool
     rows: tuple[int, ...]
     cols: tuple[int, ...]
+    experts: bool = False
+    part: tuple[int, int] | None = None
 
-    def name(self, layer: int | None) -> str:
-        return self.hf.format(i=layer)
+    @property
+    def lead(self) -> int:
+        """How many leading axes of the parameter index Hugging Face tensors (layers, experts)."""
+        return int(self.layered) + int(self.experts)
+
+    def name(self, layer: int | None = None, expert: int | None = None) -> str:
+        return self.hf.format(i=layer, j=expert)
+
+    def keys(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The (layer, expert) indices of the Hugging Face tensors of a parameter of shape ``shape``, in order
+        (``[()]`` for a parameter without stacked axes)."""
+        return list(itertools.product(*(range(n) for n in shape[:self.lead])))
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face tensor's shape for the per-layer parameter shape ``shape``."""
         rows = math.prod(shape[a] for a in self.rows)
         return (rows, math.prod(shape[a] for a in self.cols)) if self.cols else (rows,)
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the stored tensor for the parameter of shape ``shape`` (stacked axes included)."""
+        per = self.hf_shape(shape[self.lead:])
+        if self.part is None:
+            return per
+        return (shape[self.lead - 1], per[0] * self.part[1], *per[1:])
 
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         """Per-layer parameter -> Hugging Face tensor."""
@@ -205,27 +249,37 @@ class TensorMap:
         return np.ascontiguousarray(np.transpose(x, order)).reshape(self.hf_shape(x.shape))
 
 
-def tensor_maps(m: ModelConfig) -> list[TensorMap]:
-    """Every parameter of the model, in Hugging Face's usual tensor order."""
-    layer = "model.layers.{i}."
-    maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), False, (0,), (1,))]
-    maps += [
+def attention_maps(layer: str, block: tuple[str, ...]) -> list[TensorMap]:
+    """A layer's attention and norms: Hugging Face names ``layer`` + ..., parameters under the stacked ``block``."""
+    return [
         # q, k, v: W [heads * head_dim, d_model]; kernel [d_model, heads, head_dim].
-        TensorMap(layer + "self_attn.q_proj.weight", ("blocks", "attn", "q", "kernel"), True, (1, 2), (0,)),
-        TensorMap(layer + "self_attn.k_proj.weight", ("blocks", "attn", "k", "kernel"), True, (1, 2), (0,)),
-        TensorMap(layer + "self_attn.v_proj.weight", ("blocks", "attn", "v", "kernel"), True, (1, 2), (0,)),
+        TensorMap(layer + "self_attn.q_proj.weight", (*block, "attn", "q", "kernel"), True, (1, 2), (0,)),
+        TensorMap(layer + "self_attn.k_proj.weight", (*block, "attn", "k", "kernel"), True, (1, 2), (0,)),
+        TensorMap(layer + "self_attn.v_proj.weight", (*block, "attn", "v", "kernel"), True, (1, 2), (0,)),
         # o: W [d_model, heads * head_dim]; kernel [heads, head_dim, d_model].
-        TensorMap(layer + "self_attn.o_proj.weight", ("blocks", "attn", "o", "kernel"), True, (2,), (0, 1)),
-        TensorMap(layer + "mlp.gate_proj.weight", ("blocks", "mlp", "gate", "kernel"), True, (1,), (0,)),
-        TensorMap(layer + "mlp.up_proj.weight", ("blocks", "mlp", "up", "kernel"), True, (1,), (0,)),
-        TensorMap(layer + "mlp.down_proj.weight", ("blocks", "mlp", "down", "kernel"), True, (1,), (0,)),
-        TensorMap(layer + "input_layernorm.weight", ("blocks", "attn_norm", "scale"), True, (0,), ()),
-        TensorMap(layer + "post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), True, (0,), ()),
+        TensorMap(layer + "self_attn.o_proj.weight", (*block, "attn", "o", "kernel"), True, (2,), (0, 1)),
+        TensorMap(layer + "input_layernorm.weight", (*block, "attn_norm", "scale"), True, (0,), ()),
+        TensorMap(layer + "post_attention_layernorm.weight", (*block, "mlp_norm", "scale"), True, (0,), ()),
     ]
-    maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), False, (0,), ()))
+
+
+def outer_maps(m: ModelConfig) -> tuple[list[TensorMap], list[TensorMap]]:
+    """(the tensors before the layers, those after): embedding; final norm and, untied, the output projection."""
+    after = [TensorMap("model.norm.weight", ("final_norm", "scale"), False, (0,), ())]
     if not m.tie_embeddings:
-        maps.append(TensorMap("lm_head.weight", ("unembed", "kernel"), False, (1,), (0,)))
-    return maps
+        after.append(TensorMap("lm_head.weight", ("unembed", "kernel"), False, (1,), (0,)))
+    return [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), False, (0,), (1,))], after
+
+
+def tensor_maps(m: ModelConfig) -> list[TensorMap]:
+    """Every parameter of the dense model ``m``, in Hugging Face's usual tensor order (an MoE model's:
+    :func:`jaxtrain.hf.moe_mapping.tensor_maps`)."""
+    layer = "model.layers.{i}."
+    mlp = [TensorMap(layer + "mlp.gate_proj.weight", ("blocks", "mlp", "gate", "kernel"), True, (1,), (0,)),
+           TensorMap(layer + "mlp.up_proj.weight", ("blocks", "mlp", "up", "kernel"), True, (1,), (0,)),
+           TensorMap(layer + "mlp.down_proj.weight", ("blocks", "mlp", "down", "kernel"), True, (1,), (0,))]
+    before, after = outer_maps(m)
+    return before + attention_maps(layer, ("blocks",)) + mlp + after
 
 
 def _bounds(s: slice, n: int) -> tuple[int, int]:
@@ -292,22 +346,37 @@ class SafetensorsDir:
             except Exception as e:  # safetensors raises its own error types for a truncated or foreign file
                 raise ConfigError(f"{path} is not a readable safetensors file: {one_line(e)}") from None
 
-    def read(self, tm: TensorMap, layer: int | None, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
-        """:func:`read_block` of ``tm``'s tensor for ``layer``. The file is mapped only while it is read, so its
-        pages leave this process's resident memory once the block is copied out."""
-        name = tm.name(layer)
+    def read(self, tm: TensorMap, key: tuple[int, ...], shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """:func:`read_block` of ``tm``'s tensor for ``key`` (:meth:`TensorMap.keys`). The file is mapped only while
+        it is read, so its pages leave this process's resident memory once the block is copied out."""
+        name = tm.name(*key)
         with self._open(self.where[name], framework="numpy") as f:
-            return read_block(tm, f.get_slice(name), shape, index)
+            tensor = f.get_slice(name)
+            if tm.part is not None:
+                tensor = _Part(tensor, key[-1], tm.part[0] * tm.hf_shape(shape)[0])
+            return read_block(tm, tensor, shape, index)
+
+
+class _Part:
+    """Expert ``expert``'s matrix inside a fused tensor [experts, rows, cols], its rows from ``offset`` on: sliced
+    like a 2-D tensor, read lazily from the safetensors slice."""
+
+    def __init__(self, tensor, expert: int, offset: int):
+        self.tensor, self.expert, self.offset = tensor, expert, offset
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        rows, *rest = index if isinstance(index, tuple) else (index,)
+        return self.tensor[(self.expert, slice(self.offset + rows.start, self.offset + rows.stop), *rest)]
 
 
 def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], shapes: dict[tuple[str, ...], tuple[int, ...]],
-                  n_layers: int, tie_embeddings: bool) -> None:
+                  tie_embeddings: bool) -> None:
     """Every tensor the model needs is there with the shape the config implies, and nothing else is."""
     expected = set()
     for tm in maps:
-        shape = shapes[tm.path][1:] if tm.layered else shapes[tm.path]
-        for i in range(n_layers) if tm.layered else [None]:
-            name, want = tm.name(i), tm.hf_shape(shape)
+        shape = shapes[tm.path]
+        for key in tm.keys(shape):
+            name, want = tm.name(*key), tm.stored_shape(shape)
             expected.add(name)
             if name not in tensors.shapes:
                 raise ConfigError(f"tensor {name!r} is missing from the safetensors files")
@@ -317,7 +386,7 @@ def check_tensors(tensors: SafetensorsDir, maps: list[TensorMap], shapes: dict[t
     for name in tensors.shapes:
         if name in expected or name.endswith(_IGNORED) or (tie_embeddings and name == "lm_head.weight"):
             continue
-        what = "a bias" if name.endswith(".bias") else "a tensor this Llama mapping does not know"
+        what = "a bias" if name.endswith(".bias") else "a tensor this mapping does not know"
         raise ConfigError(f"unsupported feature: tensor {name!r} ({what})")
 
 

@@ -1,0 +1,176 @@
+"""Hugging Face Mixtral checkpoints (``MixtralForCausalLM``) in and out: ``config.json`` <-> the MoE ModelConfig,
+per-expert safetensors tensors <-> the stacked expert parameters of :mod:`jaxtrain.models.moe`.
+
+Mixtral is jaxtrain's MoE model with ``model.moe.every=1`` (every layer routed), softmax routing renormalised over
+the top k, no shared experts: its attention, norms, embeddings and rotary are Llama's (:mod:`.mapping`). Tensors,
+per layer i and expert j, in the layout Hub checkpoints have and transformers' ``save_pretrained`` writes
+(transformers 5 fuses the experts in memory but saves them per expert):
+
+    model.layers.{i}.block_sparse_moe.gate.weight          [E, d]  -> blocks.moe.mlp.router [i]      (transposed)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight [f, d] -> blocks.moe.mlp.w_gate [i, j]   (transposed)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight [f, d] -> blocks.moe.mlp.w_up [i, j]     (transposed)
+    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight [d, f] -> blocks.moe.mlp.w_down [i, j]   (transposed)
+
+Import also reads transformers 5's fused names (``mlp.gate.weight``, ``mlp.experts.gate_up_proj [E, 2f, d]``: w1
+then w3 of each expert, ``mlp.experts.down_proj [E, d, f]``), as in a state_dict saved without save_pretrained.
+
+Other MoE families are refused with the reason they do not fit (:func:`refuse_unfitting`): Qwen2-MoE's shared
+experts and sigmoid gate exist in jaxtrain (``model.moe.shared_experts``, ``shared_gate``), but its attention has q/k/v
+biases, which jaxtrain's attention projections lack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import ConfigError
+from jaxtrain.hf import mapping
+
+ARCHITECTURES = mapping.MOE_ARCHITECTURES
+_FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's in-memory names
+
+
+def model_fields(hf: dict) -> dict:
+    """ModelConfig field values for any ``config.json`` :mod:`jaxtrain.hf` reads: Mixtral's here, the others'
+    from :func:`jaxtrain.hf.mapping.model_fields_from_hf`; ConfigError naming what does not fit."""
+    archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    if any(a in ARCHITECTURES for a in archs):
+        return model_fields_from_hf(hf)
+    refuse_unfitting(archs, hf)
+    return mapping.model_fields_from_hf(hf)
+
+
+def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping.TensorMap]:
+    """Every parameter of the model ``m``, dense or MoE; ``names``: the tensor names of the checkpoint to read (an
+    MoE import reads the fused layout when they have it)."""
+    return tensor_maps(m, fused=is_fused(names)) if m.moe.experts else mapping.tensor_maps(m)
+
+
+def hf_config(m: ModelConfig, **kw) -> dict:
+    """``config.json`` for the model ``m``, dense (Llama) or MoE (Mixtral); ``kw`` as :func:`hf_config_from_model`."""
+    return hf_config_from_model(m, **kw) if m.moe.experts else mapping.hf_config_from_model(m, **kw)
+
+
+def refuse_unfitting(archs: list, hf: dict) -> None:
+    """ConfigError naming what does not fit for MoE architectures jaxtrain knows of but cannot represent."""
+    if "Qwen2MoeForCausalLM" in archs and hf.get("qkv_bias", True):
+        raise ConfigError("unsupported architecture Qwen2MoeForCausalLM: its attention has q/k/v biases "
+                          "(qkv_bias=true), which jaxtrain's attention projections lack (MoE import: "
+                          f"{', '.join(ARCHITECTURES)})")
+
+
+def model_fields_from_hf(hf: dict) -> dict:
+    """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Mixtral ``config.json``; ConfigError
+    naming the first feature jaxtrain cannot represent (sliding windows, biases, an expert count or top-k out of
+    range, activations other than SiLU)."""
+    mapping.check_common(hf)
+    experts, top_k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or experts < 1:
+        raise ConfigError(f"num_local_experts={experts!r} in config.json must be a positive integer")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok={top_k!r} in config.json must be in 1..{experts} "
+                          "(num_local_experts)")
+    fields = mapping.decoder_fields(hf)
+    fields.update({
+        "model.moe.experts": experts,
+        "model.moe.top_k": top_k,
+        "model.moe.d_ff": hf["intermediate_size"],
+        "model.moe.every": 1,
+        "model.moe.shared_experts": 0,
+        "model.moe.shared_gate": False,
+        "model.moe.router": "softmax",
+        "model.moe.normalize": True,
+        "model.moe.capacity_factor": 0.0,  # Mixtral is dropless
+        # Mixtral's training weight of the load-balancing loss (transformers adds it with output_router_logits).
+        "model.moe.aux_loss": float(hf.get("router_aux_loss_coef", 0.001)),
+        "model.moe.z_loss": 0.0,
+    })
+    return fields
+
+
+def is_fused(names: Collection[str]) -> bool:
+    """Whether a checkpoint with tensors ``names`` holds Mixtral's experts fused (transformers 5's in-memory
+    names, e.g. a state_dict saved directly) rather than per expert (what save_pretrained and the Hub have)."""
+    return any(name.endswith(_FUSED) for name in names)
+
+
+def tensor_maps(m: ModelConfig, fused: bool = False) -> list[mapping.TensorMap]:
+    """Every parameter of the Mixtral-shaped model ``m``, in Hugging Face's usual tensor order; ``fused``: the
+    experts as transformers 5 holds them in memory (import only)."""
+    check_exportable(m)
+    layer = "model.layers.{i}."
+    path = ("blocks", "moe", "mlp")
+    TM = mapping.TensorMap
+    if fused:
+        # gate_up_proj [E, 2f, d]: w1 then w3 of each expert; down_proj [E, d, f]: w2.
+        experts = [
+            TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,)),
+            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_gate"), True, (1,), (0,), True, (0, 2)),
+            TM(layer + "mlp.experts.down_proj", (*path, "w_down"), True, (1,), (0,), True, (0, 1)),
+            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_up"), True, (1,), (0,), True, (1, 2)),
+        ]
+    else:
+        # router [d, E] = gate.weight [E, d] transposed; w_gate, w_up [d, f] = w1, w3 [f, d] transposed; w_down
+        # [f, d] = w2 [d, f] transposed.
+        moe = layer + "block_sparse_moe."
+        experts = [
+            TM(moe + "gate.weight", (*path, "router"), True, (1,), (0,)),
+            TM(moe + "experts.{j}.w1.weight", (*path, "w_gate"), True, (1,), (0,), experts=True),
+            TM(moe + "experts.{j}.w2.weight", (*path, "w_down"), True, (1,), (0,), experts=True),
+            TM(moe + "experts.{j}.w3.weight", (*path, "w_up"), True, (1,), (0,), experts=True),
+        ]
+    before, after = mapping.outer_maps(m)
+    return before + mapping.attention_maps(layer, ("blocks", "moe")) + experts + after
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """ConfigError naming the first setting of ``m`` (an MoE model) that a Mixtral checkpoint cannot hold."""
+    moe = m.moe
+    problems = [
+        (moe.every != 1, f"model.moe.every={moe.every} (Mixtral routes every layer: 1)"),
+        (moe.shared_experts != 0, f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none: 0)"),
+        (moe.router != "softmax", f"model.moe.router={moe.router} (Mixtral's is softmax)"),
+        (not moe.normalize, "model.moe.normalize=false (Mixtral renormalises the top-k weights: true)"),
+    ]
+    for bad, what in problems:
+        if bad:
+            raise ConfigError(f"this MoE model has no Hugging Face (Mixtral) form: {what}")
+
+
+def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
+                         max_position_embeddings: int = 2048) -> dict:
+    """The ``config.json`` of a ``MixtralForCausalLM`` with the shapes of the MoE model ``m`` (rotary written both
+    ways, as for Llama: :func:`jaxtrain.hf.mapping.hf_config_from_model`)."""
+    check_exportable(m)
+    rope, scaling = mapping.rope_entries(m)
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.expert_d_ff,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": m.norm_eps,
+        "rope_parameters": rope,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": scaling,
+        "sliding_window": None,
+        "tie_word_embeddings": m.tie_embeddings,
+        "attention_dropout": 0.0,
+        "num_local_experts": m.moe.experts,
+        "num_experts_per_tok": m.moe.top_k,
+        "output_router_logits": False,
+        "router_aux_loss_coef": m.moe.aux_loss,
+        "router_jitter_noise": 0.0,
+        "initializer_range": m.init_std,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": m.param_dtype,
+    }
