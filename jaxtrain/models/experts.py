@@ -16,6 +16,7 @@ partition: the caller runs it on per-device arrays (``jaxtrain.parallel.expert``
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,37 +24,56 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.kernels import gmm_api
+from jaxtrain.models import fp8, fp8_experts
 
 GEMMS = ("xla", "pallas", "triton")  # model.moe.gemm, resolved ("auto": pallas on GPUs, xla elsewhere)
 
 # (x, experts, weights, w_gate, w_up, w_down, slots) -> y: x [batch, seq, embed] in the compute dtype; experts int32
 # [batch, seq, top_k] (E: dropped); weights float32 [batch, seq, top_k] (0: dropped); the expert weights as above in
 # the compute dtype; slots: most assignments an expert takes from one sequence (None: dropless), which bounds the
-# dispatch buffers. y [batch, seq, embed] like x: the weighted sum of each token's experts' outputs.
+# dispatch buffers; keywords fp8 (the experts' FP8 recipe) and fp8_history (its histories [3, 3, H], delayed). y [batch,
+# seq, embed] like x: the weighted sum of each token's experts' outputs.
 ExpertsFn = Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
 class GroupedMatmul:
     """How the routed experts' grouped matmuls run: ``impl`` a resolved ``model.moe.gemm`` (:data:`GEMMS`);
-    ``interpret`` runs the Pallas kernels in Pallas' interpreter (CPU). The kernels need per-device operands."""
+    ``interpret`` runs the Pallas kernels in Pallas' interpreter (CPU). The kernels need per-device operands.
+    ``fp8``: the experts' FP8 recipe (``jaxtrain.models.fp8_experts``; xla only), ``history`` its delayed-scaling
+    histories float32 [3 (gate, up, down), 3, H], ``reduce`` the mesh axes its amaxes are reduced over."""
 
     impl: str = "xla"
     interpret: bool = False
+    fp8: str = "none"
+    history: jax.Array | None = None
+    reduce: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.impl not in GEMMS:
             raise ValueError(f"unknown grouped-matmul impl {self.impl!r}; expected one of {GEMMS}")
+        if self.fp8 != "none" and self.kernel:
+            raise ValueError(f"the {self.impl} grouped-matmul kernel takes no float8 operands (fp8={self.fp8})")
 
     @property
     def kernel(self) -> bool:
         """A custom-call kernel (pallas, triton): per-device arrays only."""
         return self.impl != "xla"
 
-    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def with_fp8(self, recipe: str, history: jax.Array | None, reduce: tuple[str, ...] = ()) -> GroupedMatmul:
+        """This one multiplying through ``recipe`` (histories as the class says); amaxes also reduced over the axes
+        of an enclosing :func:`jaxtrain.models.fp8.amax_over`."""
+        outer = fp8._AMAX_AXES.get()
+        return dataclasses.replace(self, fp8=recipe, history=history, reduce=(*outer, *reduce))
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, which: int = 0) -> jax.Array:
         """Rows of lhs [M, K] in consecutive groups (group g: the next group_sizes[g] rows) times rhs[g] [K, N] ->
         float32 [M, N] (float64 for float64 inputs, xla only); rows past sum(group_sizes) give 0. group_sizes int32
-        [G]. The kernels round their float32 accumulation to lhs's dtype (exact for float32 inputs)."""
+        [G]. The kernels round their float32 accumulation to lhs's dtype (exact for float32 inputs). ``which``: the
+        projection (0 gate, 1 up, 2 down), whose FP8 history is used."""
+        if self.fp8 != "none":
+            history = None if self.history is None else self.history[which]
+            return fp8_experts.grouped_fp8(lhs, rhs, group_sizes, self.fp8, history, self.reduce)
         if self.impl == "xla":
             acc = jnp.promote_types(lhs.dtype, jnp.float32)
             return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)
@@ -76,10 +96,10 @@ def grouped_swiglu(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: ja
     """SwiGLU of each row with its group's expert: xs [M, embed] sorted by expert, group_sizes int32 [E'] (rows past
     their sum give 0), weights [E', ...] in xs's dtype -> [M, embed] in xs's dtype (float32 accumulation), the three
     grouped matmuls through ``gmm``."""
-    gate = gmm(xs, w_gate, group_sizes)
-    up = gmm(xs, w_up, group_sizes)
+    gate = gmm(xs, w_gate, group_sizes, 0)
+    up = gmm(xs, w_up, group_sizes, 1)
     hidden = (jax.nn.silu(gate) * up).astype(xs.dtype)
-    return gmm(hidden, w_down, group_sizes).astype(xs.dtype)
+    return gmm(hidden, w_down, group_sizes, 2).astype(xs.dtype)
 
 
 def combine(ys: jax.Array, weights: jax.Array) -> jax.Array:
@@ -102,10 +122,14 @@ def experts_on_tokens(x: jax.Array, experts: jax.Array, weights: jax.Array, w_ga
 
 
 def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, slots: int | None = None, gmm: GroupedMatmul = XLA_GEMM) -> jax.Array:
+                  w_down: jax.Array, slots: int | None = None, gmm: GroupedMatmul = XLA_GEMM, fp8: str = "none",
+                  fp8_history: jax.Array | None = None) -> jax.Array:
     """:data:`ExpertsFn` on the arrays as given (one device, or arrays the caller already split): x [batch, seq,
-    embed] -> [batch, seq, embed]. ``slots`` is not needed: the buffers are the T x K assignments."""
+    embed] -> [batch, seq, embed]. ``slots`` is not needed: the buffers are the T x K assignments. ``fp8``: the
+    experts' FP8 recipe, ``fp8_history`` its histories [3, 3, H] (:class:`GroupedMatmul`)."""
     b, s, d = x.shape
+    if fp8 != "none":
+        gmm = gmm.with_fp8(fp8, fp8_history)
     y = experts_on_tokens(x.reshape(b * s, d), experts.reshape(b * s, -1), weights.reshape(b * s, -1),
                           w_gate, w_up, w_down, gmm)
     return y.reshape(b, s, d)

@@ -28,6 +28,7 @@ The weights' gradients come from ``shard_map``'s transpose (summed over the toke
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -162,8 +163,11 @@ def dispatch_all_gather(x, experts, weights, w_gate, w_up, w_down, *, axis: str,
     return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 
-def _per_device(x, experts, weights, w_gate, w_up, w_down, *, ep_axis, sum_axes, slots, kind, gmm):
-    """One device's share (inside shard_map): x [b, s, embed] its tokens -> [b, s, embed]."""
+def _per_device(x, experts, weights, w_gate, w_up, w_down, history=None, *, ep_axis, sum_axes, slots, kind, gmm):
+    """One device's share (inside shard_map): x [b, s, embed] its tokens -> [b, s, embed]; ``history``: the FP8
+    histories [3, 3, H] of ``gmm``'s delayed recipe."""
+    if gmm.fp8 != "none":
+        gmm = dataclasses.replace(gmm, history=history)
     b, s, d = x.shape
     k = experts.shape[-1]
     xt, ids, w = x.reshape(b * s, d), experts.reshape(b * s, k), weights.reshape(b * s, k)
@@ -209,11 +213,16 @@ class MeshExperts:
     gemm: str = "xla"
     interpret: bool = False
 
-    def __call__(self, x, experts, weights, w_gate, w_up, w_down, slots: int | None = None) -> jax.Array:
+    def __call__(self, x, experts, weights, w_gate, w_up, w_down, slots: int | None = None, fp8: str = "none",
+                 fp8_history: jax.Array | None = None) -> jax.Array:
+        """:data:`jaxtrain.models.experts.ExpertsFn`; ``fp8``, ``fp8_history``: the experts' FP8 recipe and its
+        histories [3, 3, H] (delayed), amaxes reduced over the mesh axes of the per-device region."""
         gmm = GroupedMatmul(self.gemm, self.interpret)
+        local = partial(local_experts, x, experts, weights, w_gate, w_up, w_down, gmm=gmm, fp8=fp8,
+                        fp8_history=fp8_history)
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:  # no mesh: the arrays are one device's
-            return local_experts(x, experts, weights, w_gate, w_up, w_down, gmm=gmm)
+            return local()
         tokens, w_in, w_out = (_spec(axes) for axes in (("batch", "act_seq"), ("experts", None, "expert_mlp"),
                                                           ("experts", "expert_mlp", None)))
         sizes = dict(mesh.shape)
@@ -221,7 +230,9 @@ class MeshExperts:
         # A kernel runs per device: every axis manual, as for the flash kernels (parallel/attention.py).
         manual = set(mesh.axis_names) - set(mesh.manual_axes) if gmm.kernel else split
         if not manual or math.prod(sizes[a] for a in split) == 1 and not gmm.kernel:
-            return local_experts(x, experts, weights, w_gate, w_up, w_down, gmm=gmm)
+            return local()
+        if fp8 != "none":
+            gmm = gmm.with_fp8(fp8, None, tuple(a for a in mesh.axis_names if a in manual))
         ep_axes, hidden_axes = _names(PartitionSpec(w_in[0])), _names(PartitionSpec(w_in[2]))
         if len(ep_axes) > 1 or (ep_axes and ep_axes[0] not in _names(tokens)):
             raise ValueError(f"the experts' rule names {ep_axes}: one mesh axis the tokens are also split over")
@@ -230,6 +241,9 @@ class MeshExperts:
                        sum_axes=tuple(hidden_axes), gmm=gmm)
         # pallas_call gives its outputs no varying-axes type, so the kernels' body cannot be type-checked (as with
         # the flash kernels'); the replicated weights' gradients are still summed over the token axes.
-        return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, w_in, w_in, w_out),
-                             out_specs=x_spec, axis_names=frozenset(manual), check_vma=not gmm.kernel
-                             )(x, experts, weights, w_gate, w_up, w_down)
+        args, specs = [x, experts, weights, w_gate, w_up, w_down], [x_spec, x_spec, x_spec, w_in, w_in, w_out]
+        if fp8_history is not None:
+            args.append(fp8_history)
+            specs.append(PartitionSpec())
+        return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, axis_names=frozenset(manual),
+                             check_vma=not gmm.kernel)(*args)
