@@ -129,6 +129,8 @@ class MoEConfig:
     # How tokens reach experts on other devices of the expert axis: all_to_all (padded to the worst case),
     # all_gather (every device gathers the axis's tokens, results reduce-scattered back); auto: fewer bytes
     dispatch: Literal["auto", "all_to_all", "all_gather"] = "auto"
+    # routed experts' grouped matmuls: xla (ragged_dot), pallas / triton (kernels, per device); auto: pallas on GPU
+    gemm: Literal["auto", "xla", "pallas", "triton"] = "auto"
 
 
 @dataclass

@@ -6,30 +6,82 @@ Expert weights (logical axes in brackets): w_gate, w_up [E, embed, d_ff] (expert
 [E, d_ff, embed] (experts, expert_mlp, embed); row e holds expert e (its ``x @ w`` form: Hugging Face's per-expert
 w1, w3, w2 transposed).
 
-:func:`grouped_matmul` is the one place the grouped matmul happens: ``jax.lax.ragged_dot`` here. On XLA:CPU, and in
-XLA:GPU as of jax 0.11.2, ragged_dot becomes a masked dense matmul over all groups (E times the FLOPs of the real
-work; docs/moe.md), so a GPU grouped-GEMM kernel replaces this function there.
+:class:`GroupedMatmul` is the one place the grouped matmul happens (``model.moe.gemm``): ``jax.lax.ragged_dot``
+(``xla``), or jaxtrain's grouped-matmul kernels (``pallas``, ``triton``: ``jaxtrain.kernels.gmm_api``). On XLA:CPU,
+and in XLA:GPU as of jax 0.11.2, ragged_dot becomes a masked dense matmul over all groups (E times the FLOPs of the
+real work; docs/moe.md); the kernels do each row's own group's work only. A kernel is a custom call GSPMD cannot
+partition: the caller runs it on per-device arrays (``jaxtrain.parallel.expert`` puts the experts under
+``shard_map`` over every mesh axis for them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.kernels import gmm_api
+from jaxtrain.models import fp8, fp8_experts
+
+GEMMS = ("xla", "pallas", "triton")  # model.moe.gemm, resolved ("auto": pallas on GPUs, xla elsewhere)
+
 # (x, experts, weights, w_gate, w_up, w_down, slots) -> y: x [batch, seq, embed] in the compute dtype; experts int32
 # [batch, seq, top_k] (E: dropped); weights float32 [batch, seq, top_k] (0: dropped); the expert weights as above in
 # the compute dtype; slots: most assignments an expert takes from one sequence (None: dropless), which bounds the
-# dispatch buffers. y [batch, seq, embed] like x: the weighted sum of each token's experts' outputs.
+# dispatch buffers; keywords fp8 (the experts' FP8 recipe) and fp8_history (its histories [3, 3, H], delayed). y [batch,
+# seq, embed] like x: the weighted sum of each token's experts' outputs.
 ExpertsFn = Callable[..., jax.Array]
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows of lhs [M, K] in consecutive groups (group g: the next group_sizes[g] rows) times rhs[g] [K, N] -> float32
-    [M, N] (float64 for float64 inputs); rows past sum(group_sizes) give 0. group_sizes int32 [G]."""
-    acc = jnp.promote_types(lhs.dtype, jnp.float32)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)
+@dataclass(frozen=True)
+class GroupedMatmul:
+    """How the routed experts' grouped matmuls run: ``impl`` a resolved ``model.moe.gemm`` (:data:`GEMMS`);
+    ``interpret`` runs the Pallas kernels in Pallas' interpreter (CPU). The kernels need per-device operands.
+    ``fp8``: the experts' FP8 recipe (``jaxtrain.models.fp8_experts``; xla only), ``history`` its delayed-scaling
+    histories float32 [3 (gate, up, down), 3, H], ``reduce`` the mesh axes its amaxes are reduced over."""
+
+    impl: str = "xla"
+    interpret: bool = False
+    fp8: str = "none"
+    history: jax.Array | None = None
+    reduce: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.impl not in GEMMS:
+            raise ValueError(f"unknown grouped-matmul impl {self.impl!r}; expected one of {GEMMS}")
+        if self.fp8 != "none" and self.kernel:
+            raise ValueError(f"the {self.impl} grouped-matmul kernel takes no float8 operands (fp8={self.fp8})")
+
+    @property
+    def kernel(self) -> bool:
+        """A custom-call kernel (pallas, triton): per-device arrays only."""
+        return self.impl != "xla"
+
+    def with_fp8(self, recipe: str, history: jax.Array | None, reduce: tuple[str, ...] = ()) -> GroupedMatmul:
+        """This one multiplying through ``recipe`` (histories as the class says); amaxes also reduced over the axes
+        of an enclosing :func:`jaxtrain.models.fp8.amax_over`."""
+        outer = fp8._AMAX_AXES.get()
+        return dataclasses.replace(self, fp8=recipe, history=history, reduce=(*outer, *reduce))
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, which: int = 0) -> jax.Array:
+        """Rows of lhs [M, K] in consecutive groups (group g: the next group_sizes[g] rows) times rhs[g] [K, N] ->
+        float32 [M, N] (float64 for float64 inputs, xla only); rows past sum(group_sizes) give 0. group_sizes int32
+        [G]. The kernels round their float32 accumulation to lhs's dtype (exact for float32 inputs). ``which``: the
+        projection (0 gate, 1 up, 2 down), whose FP8 history is used."""
+        if self.fp8 != "none":
+            history = None if self.history is None else self.history[which]
+            return fp8_experts.grouped_fp8(lhs, rhs, group_sizes, self.fp8, history, self.reduce)
+        if self.impl == "xla":
+            acc = jnp.promote_types(lhs.dtype, jnp.float32)
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)
+        out = gmm_api.grouped_matmul(lhs, rhs, group_sizes, impl=self.impl, interpret=self.interpret)
+        return out.astype(jnp.promote_types(lhs.dtype, jnp.float32))
+
+
+XLA_GEMM = GroupedMatmul()  # the default: jax.lax.ragged_dot
 
 
 def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -40,13 +92,14 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
 
 
 def grouped_swiglu(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                   group_sizes: jax.Array) -> jax.Array:
+                   group_sizes: jax.Array, gmm: GroupedMatmul = XLA_GEMM) -> jax.Array:
     """SwiGLU of each row with its group's expert: xs [M, embed] sorted by expert, group_sizes int32 [E'] (rows past
-    their sum give 0), weights [E', ...] in xs's dtype -> [M, embed] in xs's dtype (float32 accumulation)."""
-    gate = grouped_matmul(xs, w_gate, group_sizes)
-    up = grouped_matmul(xs, w_up, group_sizes)
+    their sum give 0), weights [E', ...] in xs's dtype -> [M, embed] in xs's dtype (float32 accumulation), the three
+    grouped matmuls through ``gmm``."""
+    gate = gmm(xs, w_gate, group_sizes, 0)
+    up = gmm(xs, w_up, group_sizes, 1)
     hidden = (jax.nn.silu(gate) * up).astype(xs.dtype)
-    return grouped_matmul(hidden, w_down, group_sizes).astype(xs.dtype)
+    return gmm(hidden, w_down, group_sizes, 2).astype(xs.dtype)
 
 
 def combine(ys: jax.Array, weights: jax.Array) -> jax.Array:
@@ -56,23 +109,27 @@ def combine(ys: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def experts_on_tokens(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                      w_down: jax.Array) -> jax.Array:
+                      w_down: jax.Array, gmm: GroupedMatmul = XLA_GEMM) -> jax.Array:
     """All experts on one device: x [T, embed], experts int32 [T, K] (E: dropped), weights float32 [T, K], expert
     weights [E, ...] -> [T, embed]. T x K rows are multiplied, grouped by expert (dropped ones past the groups)."""
     t, k = experts.shape
     e = w_gate.shape[0]
     order, group_sizes = sort_by_expert(experts.reshape(-1), e)
-    ys = grouped_swiglu(jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, group_sizes)
+    ys = grouped_swiglu(jnp.take(x, order // k, axis=0), w_gate, w_up, w_down, group_sizes, gmm)
     # Back through the inverse permutation: the forward stays a gather, its transpose (backward) the scatter.
     ys = jnp.take(ys, jnp.argsort(order), axis=0).reshape(t, k, -1)
     return combine(jnp.where((experts < e)[..., None], ys, 0), weights)
 
 
 def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, slots: int | None = None) -> jax.Array:
+                  w_down: jax.Array, slots: int | None = None, gmm: GroupedMatmul = XLA_GEMM, fp8: str = "none",
+                  fp8_history: jax.Array | None = None) -> jax.Array:
     """:data:`ExpertsFn` on the arrays as given (one device, or arrays the caller already split): x [batch, seq,
-    embed] -> [batch, seq, embed]. ``slots`` is not needed: the buffers are the T x K assignments."""
+    embed] -> [batch, seq, embed]. ``slots`` is not needed: the buffers are the T x K assignments. ``fp8``: the
+    experts' FP8 recipe, ``fp8_history`` its histories [3, 3, H] (:class:`GroupedMatmul`)."""
     b, s, d = x.shape
+    if fp8 != "none":
+        gmm = gmm.with_fp8(fp8, fp8_history)
     y = experts_on_tokens(x.reshape(b * s, d), experts.reshape(b * s, -1), weights.reshape(b * s, -1),
-                          w_gate, w_up, w_down)
+                          w_gate, w_up, w_down, gmm)
     return y.reshape(b, s, d)

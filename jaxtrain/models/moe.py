@@ -31,7 +31,7 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from jaxtrain.config import ModelConfig, MoEConfig
-from jaxtrain.models import routing
+from jaxtrain.models import fp8, fp8_experts, routing
 from jaxtrain.models.attention import REMAT_POLICIES
 from jaxtrain.models.experts import ExpertsFn, local_experts
 from jaxtrain.models.llama import MLP, Attention, AttentionFn, Block, Transformer, _init, _norm
@@ -59,13 +59,19 @@ class MoE(nnx.Module):
         self.shared = nnx.data(MLP(shared_cfg, dtype, param_dtype, rngs=rngs) if moe.shared_experts else None)
         gate = _param(rngs, cfg.init_std, ("embed", None), (d, 1), param_dtype) if moe.shared_gate else None
         self.shared_gate = nnx.data(gate)
+        self.fp8_recipe = fp8_experts.experts_recipe(cfg)  # the routed experts' (docs/fp8.md)
+        if self.fp8_recipe == "delayed":  # gate, up, down: x, w, g each; the layer stack adds "layers"
+            history = jnp.zeros((3, 3, cfg.fp8_amax_history), jnp.float32)
+            setattr(self, fp8.META_NAME, fp8.Fp8Meta(history, out_sharding=(None, None, None)))
 
     def __call__(self, x: jax.Array, dropless: bool = False) -> tuple[jax.Array, routing.RouterStats]:
         """``dropless``: ignore the capacity (decoding: a drop would change what is generated)."""
         slots = None if dropless else routing.slots_per_expert(x.shape[1], self.moe_cfg)
         route, stats = routing.route(x, self.router[...], self.moe_cfg, slots)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
-        y = self.experts(x.astype(self.dtype), route.experts, route.weights, *w, slots)
+        history = getattr(self, fp8.META_NAME)[...] if self.fp8_recipe == "delayed" else None
+        y = self.experts(x.astype(self.dtype), route.experts, route.weights, *w, slots, fp8=self.fp8_recipe,
+                         fp8_history=history)
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

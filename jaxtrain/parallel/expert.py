@@ -18,21 +18,55 @@ each device routes its own tokens (already routed by the model; the routing arri
 - tensor > 1: every tensor rank holds the same tokens and a slice of each expert's hidden width; their partial
   outputs are summed over ``tensor`` once, after the combine.
 
+The grouped matmuls run as ``model.moe.gemm`` says (:class:`jaxtrain.models.experts.GroupedMatmul`). The kernels
+(pallas, triton) are custom calls GSPMD cannot partition, so with them the ``shard_map`` is over every mesh axis
+(the axes that split neither tokens nor experts replicate; the weights' fsdp shards are gathered on entry), even
+where nothing is split, as :class:`jaxtrain.parallel.attention.MeshAttention` does for the flash kernels.
+
 The weights' gradients come from ``shard_map``'s transpose (summed over the token axes they are replicated on).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import PartitionSpec
 
-from jaxtrain.models.experts import combine, experts_on_tokens, grouped_swiglu, local_experts, sort_by_expert
+from jaxtrain.errors import ConfigError
+from jaxtrain.models.experts import (
+    XLA_GEMM,
+    GroupedMatmul,
+    combine,
+    experts_on_tokens,
+    grouped_swiglu,
+    local_experts,
+    sort_by_expert,
+)
+
+Gemm = Literal["auto", "xla", "pallas", "triton"]  # config.tree.MoEConfig.gemm
+
+
+def resolve_gemm(gemm: Gemm, platform: str) -> Gemm:
+    """``model.moe.gemm`` for devices of ``platform`` (cpu, gpu, tpu): ``auto`` is pallas on GPUs, xla elsewhere;
+    an explicit pallas runs interpreted on CPUs (slowly: for checking, as ``model.attention=pallas`` does). Raises
+    ConfigError where the kernel cannot run: triton off a GPU or without jax-triton, a kernel on TPUs."""
+    if gemm == "auto":
+        return "pallas" if platform == "gpu" else "xla"
+    if gemm == "triton" and platform == "gpu" and importlib.util.find_spec("jax_triton") is None:
+        raise ConfigError("model.moe.gemm=triton needs the jax-triton package, which is not installed (pip install "
+                          "jax-triton); or set model.moe.gemm=pallas or xla")
+    if gemm == "triton" and platform != "gpu" or gemm == "pallas" and platform not in ("gpu", "cpu"):
+        raise ConfigError(f"model.moe.gemm={gemm} does not run on {platform} devices: the triton kernel needs a CUDA "
+                          "GPU, pallas a GPU (or a CPU, interpreted); set model.moe.gemm=xla or auto")
+    return gemm
 
 
 def chunk_rows(tokens: int, top_k: int, experts: int, ep: int, per_expert: int) -> int:
@@ -70,7 +104,8 @@ def _a2a(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.all_to_all(x, axis, 0, 0, tiled=False)
 
 
-def dispatch_all_to_all(x, experts, weights, w_gate, w_up, w_down, *, axis: str, num_experts: int, chunk: int):
+def dispatch_all_to_all(x, experts, weights, w_gate, w_up, w_down, *, axis: str, num_experts: int, chunk: int,
+                        gmm: GroupedMatmul = XLA_GEMM):
     """Padded all-to-all dispatch and combine on one device of the expert ``axis``: x [T, embed], experts int32 [T, K]
     (num_experts: dropped), weights float32 [T, K], this device's experts' weights [E / P, ...] -> [T, embed]."""
     t, k = experts.shape
@@ -86,7 +121,7 @@ def dispatch_all_to_all(x, experts, weights, w_gate, w_up, w_down, *, axis: str,
     valid = j[None, :] < per_dev[:, None]
     send = jnp.where(valid[..., None], jnp.take(x, order[src] // k, axis=0), 0)
     recv = _a2a(send, axis)  # [P (source), chunk, embed]
-    ys = _run_local(recv.reshape(p * chunk, -1), _a2a(dev_counts, axis), chunk, w_gate, w_up, w_down)
+    ys = _run_local(recv.reshape(p * chunk, -1), _a2a(dev_counts, axis), chunk, w_gate, w_up, w_down, gmm)
     back = _a2a(ys.reshape(p, chunk, -1), axis).reshape(p * chunk, -1)
     # The assignment at sorted place i went to slot dest * chunk + i - dev_start[dest]; dropped ones point nowhere.
     n = t * k
@@ -97,18 +132,19 @@ def dispatch_all_to_all(x, experts, weights, w_gate, w_up, w_down, *, axis: str,
     return combine(ys, weights)
 
 
-def _run_local(rows, counts, chunk: int, w_gate, w_up, w_down):
+def _run_local(rows, counts, chunk: int, w_gate, w_up, w_down, gmm: GroupedMatmul):
     """rows [P * chunk, embed]: P chunks, chunk s sorted by local expert with counts[s] [El] rows, padding after ->
     each row's expert output, in the rows' places (padding: 0)."""
     ends = jnp.cumsum(counts, axis=1)
     # The local expert of each row (El: padding): how many of its chunk's group ends lie at or before it.
     ids = jnp.sum(jnp.arange(chunk)[None, :, None] >= ends[:, None, :], axis=-1).reshape(-1)
     perm = jnp.argsort(ids, stable=True)
-    ys = grouped_swiglu(jnp.take(rows, perm, axis=0), w_gate, w_up, w_down, counts.sum(0).astype(jnp.int32))
+    ys = grouped_swiglu(jnp.take(rows, perm, axis=0), w_gate, w_up, w_down, counts.sum(0).astype(jnp.int32), gmm)
     return jnp.take(ys, jnp.argsort(perm), axis=0)
 
 
-def dispatch_all_gather(x, experts, weights, w_gate, w_up, w_down, *, axis: str, num_experts: int, rows: int):
+def dispatch_all_gather(x, experts, weights, w_gate, w_up, w_down, *, axis: str, num_experts: int, rows: int,
+                        gmm: GroupedMatmul = XLA_GEMM):
     """All-gather dispatch, reduce-scatter combine on one device of the expert ``axis`` (arguments as
     :func:`dispatch_all_to_all`); ``rows``: the expert buffer, the most assignments this device's experts can get
     from the axis's P x T tokens."""
@@ -121,20 +157,23 @@ def dispatch_all_gather(x, experts, weights, w_gate, w_up, w_down, *, axis: str,
     key = jnp.where(eg // el == me, eg % el, el)  # other devices' (and dropped) assignments sort last
     order = jnp.argsort(key, stable=True)[:rows]
     group_sizes = jnp.bincount(key, length=el + 1)[:el].astype(jnp.int32)
-    ys = grouped_swiglu(jnp.take(xg, order // k, axis=0), w_gate, w_up, w_down, group_sizes)
+    ys = grouped_swiglu(jnp.take(xg, order // k, axis=0), w_gate, w_up, w_down, group_sizes, gmm)
     w = jnp.where(jnp.arange(rows) < group_sizes.sum(), jnp.take(wg, order), 0.0)
     out = jnp.zeros((xg.shape[0], x.shape[-1]), w.dtype).at[order // k].add(ys.astype(w.dtype) * w[:, None])
     return jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True).astype(x.dtype)
 
 
-def _per_device(x, experts, weights, w_gate, w_up, w_down, *, ep_axis, sum_axes, slots, kind):
-    """One device's share (inside shard_map): x [b, s, embed] its tokens -> [b, s, embed]."""
+def _per_device(x, experts, weights, w_gate, w_up, w_down, history=None, *, ep_axis, sum_axes, slots, kind, gmm):
+    """One device's share (inside shard_map): x [b, s, embed] its tokens -> [b, s, embed]; ``history``: the FP8
+    histories [3, 3, H] of ``gmm``'s delayed recipe."""
+    if gmm.fp8 != "none":
+        gmm = dataclasses.replace(gmm, history=history)
     b, s, d = x.shape
     k = experts.shape[-1]
     xt, ids, w = x.reshape(b * s, d), experts.reshape(b * s, k), weights.reshape(b * s, k)
     ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
     if ep == 1:
-        y = experts_on_tokens(xt, ids, w, w_gate, w_up, w_down)
+        y = experts_on_tokens(xt, ids, w, w_gate, w_up, w_down, gmm)
     else:
         num_experts = w_gate.shape[0] * ep
         per_expert = b * s if slots is None else min(b * s, b * slots)
@@ -142,11 +181,11 @@ def _per_device(x, experts, weights, w_gate, w_up, w_down, *, ep_axis, sum_axes,
         if kind == "all_to_all":
             chunk = chunk_rows(b * s, k, num_experts, ep, per_expert)
             y = dispatch_all_to_all(xt, ids, w, w_gate, w_up, w_down, axis=ep_axis, num_experts=num_experts,
-                                    chunk=chunk)
+                                    chunk=chunk, gmm=gmm)
         else:
             rows = chunk_rows(b * s * ep, k, num_experts, ep, per_expert * ep)
             y = dispatch_all_gather(xt, ids, w, w_gate, w_up, w_down, axis=ep_axis, num_experts=num_experts,
-                                    rows=rows)
+                                    rows=rows, gmm=gmm)
     for axis in sum_axes:  # partial sums of each expert's down projection over its hidden width's slices
         y = jax.lax.psum(y, axis)
     return y.reshape(b, s, d)
@@ -167,25 +206,44 @@ def _names(spec: PartitionSpec) -> list[str]:
 class MeshExperts:
     """The MoE layers' experts on the mesh in scope (``jax.set_mesh``) under the logical rules in scope: a drop-in
     for :func:`jaxtrain.models.experts.local_experts`. ``dispatch``: the resolved or ``auto``
-    ``model.moe.dispatch``."""
+    ``model.moe.dispatch``; ``gemm``: the resolved ``model.moe.gemm``; ``interpret``: the Pallas kernels in Pallas'
+    interpreter (CPU)."""
 
     dispatch: str = "auto"
+    gemm: str = "xla"
+    interpret: bool = False
 
-    def __call__(self, x, experts, weights, w_gate, w_up, w_down, slots: int | None = None) -> jax.Array:
+    def __call__(self, x, experts, weights, w_gate, w_up, w_down, slots: int | None = None, fp8: str = "none",
+                 fp8_history: jax.Array | None = None) -> jax.Array:
+        """:data:`jaxtrain.models.experts.ExpertsFn`; ``fp8``, ``fp8_history``: the experts' FP8 recipe and its
+        histories [3, 3, H] (delayed), amaxes reduced over the mesh axes of the per-device region."""
+        gmm = GroupedMatmul(self.gemm, self.interpret)
+        local = partial(local_experts, x, experts, weights, w_gate, w_up, w_down, gmm=gmm, fp8=fp8,
+                        fp8_history=fp8_history)
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty:
-            return local_experts(x, experts, weights, w_gate, w_up, w_down)
+        if mesh.empty:  # no mesh: the arrays are one device's
+            return local()
         tokens, w_in, w_out = (_spec(axes) for axes in (("batch", "act_seq"), ("experts", None, "expert_mlp"),
                                                           ("experts", "expert_mlp", None)))
         sizes = dict(mesh.shape)
-        manual = {a for spec in (tokens, w_in) for a in _names(spec)} - set(mesh.manual_axes)
-        if math.prod(sizes[a] for a in manual) == 1:
-            return local_experts(x, experts, weights, w_gate, w_up, w_down)
+        split = {a for spec in (tokens, w_in) for a in _names(spec)} - set(mesh.manual_axes)
+        # A kernel runs per device: every axis manual, as for the flash kernels (parallel/attention.py).
+        manual = set(mesh.axis_names) - set(mesh.manual_axes) if gmm.kernel else split
+        if not manual or math.prod(sizes[a] for a in split) == 1 and not gmm.kernel:
+            return local()
+        if fp8 != "none":
+            gmm = gmm.with_fp8(fp8, None, tuple(a for a in mesh.axis_names if a in manual))
         ep_axes, hidden_axes = _names(PartitionSpec(w_in[0])), _names(PartitionSpec(w_in[2]))
         if len(ep_axes) > 1 or (ep_axes and ep_axes[0] not in _names(tokens)):
             raise ValueError(f"the experts' rule names {ep_axes}: one mesh axis the tokens are also split over")
         x_spec = PartitionSpec(*tokens, None)
         body = partial(_per_device, ep_axis=ep_axes[0] if ep_axes else None, slots=slots, kind=self.dispatch,
-                       sum_axes=tuple(hidden_axes))
-        return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, w_in, w_in, w_out),
-                             out_specs=x_spec, axis_names=frozenset(manual))(x, experts, weights, w_gate, w_up, w_down)
+                       sum_axes=tuple(hidden_axes), gmm=gmm)
+        # pallas_call gives its outputs no varying-axes type, so the kernels' body cannot be type-checked (as with
+        # the flash kernels'); the replicated weights' gradients are still summed over the token axes.
+        args, specs = [x, experts, weights, w_gate, w_up, w_down], [x_spec, x_spec, x_spec, w_in, w_in, w_out]
+        if fp8_history is not None:
+            args.append(fp8_history)
+            specs.append(PartitionSpec())
+        return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, axis_names=frozenset(manual),
+                             check_vma=not gmm.kernel)(*args)

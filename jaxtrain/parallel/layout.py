@@ -33,7 +33,7 @@ from jaxtrain.optim.state import TrainState, make_optimizer
 from jaxtrain.parallel import context as context_schedule
 from jaxtrain.parallel.attention import MeshAttention
 from jaxtrain.parallel.dims import Axis, MeshShape, ParallelDims, seq_shards
-from jaxtrain.parallel.expert import MeshExperts
+from jaxtrain.parallel.expert import MeshExperts, resolve_gemm
 from jaxtrain.parallel.mesh import Rules, build_mesh, rules_from_config
 
 # Head dims cuDNN's fused attention takes on every GPU jaxtrain targets (jax checks: a multiple of 8, at most 128
@@ -53,7 +53,8 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
     else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
     checking, not speed; cuDNN has no float32 kernel). Concrete values pass through unchanged, so resolving twice is
-    harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
+    harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError. ``model.moe.gemm``:
+    :func:`jaxtrain.parallel.expert.resolve_gemm`.
     """
     m = cfg.model
     dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
@@ -77,7 +78,8 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
                 # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
                 # tiles and wgmma counts for sm_90a (docs/kernels.md).
                 attention = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention))
+    moe = dataclasses.replace(m.moe, gemm=resolve_gemm(m.moe.gemm, platform)) if m.moe.experts else m.moe
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention, moe=moe))
 
 
 @dataclass(frozen=True)
@@ -315,7 +317,7 @@ def _model(cfg: Config, seed: int, interpret_kernels: bool) -> Transformer:
     to the model here)."""
     attention = MeshAttention(cfg.model.attention, interpret_kernels)
     return make_model(cfg.model, rngs=nnx.Rngs(seed), attention=attention,
-                      experts=MeshExperts(cfg.model.moe.dispatch))
+                      experts=MeshExperts(cfg.model.moe.dispatch, cfg.model.moe.gemm, interpret_kernels))
 
 
 def _train_state(cfg: Config, seed: int, interpret_kernels: bool) -> TrainState:

@@ -150,7 +150,8 @@ def _flops_and_rate(cfg: Config, shape: MeshShape, hw: Hardware, eff: float) -> 
 
 
 def fp8_share(cfg: Config) -> float:
-    """The share of the model FLOPs that model.fp8 multiplies in float8 (the attention and MLP projections)."""
+    """The share of the model FLOPs that model.fp8 multiplies in float8 (the attention and MLP projections, and the
+    routed experts with model.moe.gemm=xla)."""
     return fp8_flops_per_token(cfg.model, cfg.data.seq_len) / train_flops_per_token(cfg.model, cfg.data.seq_len)
 
 

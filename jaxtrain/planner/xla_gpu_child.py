@@ -37,12 +37,17 @@ def as_compiled(cfg, num_devices: int):
     capability), so jaxtrain's Pallas kernel, the same tiles, is compiled in their place."""
     from jaxtrain.parallel.layout import resolve_auto
 
+    notes = []
+    if cfg.model.moe.gemm == "triton":  # before resolving, which asks for jax-triton
+        moe = dataclasses.replace(cfg.model.moe, gemm="pallas")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+        notes.append("model.moe.gemm=triton compiled as pallas: Triton kernels compile only on a GPU")
     cfg = resolve_auto(cfg, "gpu", num_devices)
-    if cfg.model.attention != "triton":
-        return cfg, ""
-    return (dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas")),
-            "model.attention=triton compiled as pallas: Triton kernels compile only on a GPU; the Pallas kernel has "
-            "the same tiles (docs/kernels.md)")
+    if cfg.model.attention == "triton":
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="pallas"))
+        notes.append("model.attention=triton compiled as pallas: Triton kernels compile only on a GPU; the Pallas "
+                     "kernel has the same tiles (docs/kernels.md)")
+    return cfg, "; ".join(notes)
 
 
 def main(request_path: str) -> dict:

@@ -31,6 +31,7 @@ from jaxtrain.cluster import process as runtime
 from jaxtrain.config import Config, dump_yaml, hardware, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.models.flops import count_params, train_flops_per_token
+from jaxtrain.models.fp8_experts import precision_note
 from jaxtrain.observe import observer as observe
 from jaxtrain.observe.metrics import MetricsWriter, Throughput, summary_line
 from jaxtrain.observe.moe import RoutingWatch
@@ -86,6 +87,9 @@ def _start(cfg: Config, devices: list | None, prebuilt: tuple | None = None) -> 
              f"{jax.devices()[0].device_kind} device(s); model {count_params(m)['total'] / 1e6:.2f}M parameters, "
              f"compute {m.dtype}, params {m.param_dtype}, attention {m.attention}; global batch "
              f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens{'' if prebuilt else ' ...'}")
+    note = precision_note(m)  # FP8 that leaves the routed experts in 16 bits is said, never silent
+    if note:
+        log.info(note)
     # XLA compiles on one core without holding the GIL: the loop's own imports meanwhile take another.
     imports = threading.Thread(target=_import_loop_modules, name="jaxtrain-imports", daemon=True)
     imports.start()
