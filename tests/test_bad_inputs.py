@@ -149,6 +149,8 @@ FAST = {
 }
 
 AFTER_JAX = {
+    "triton attention off a GPU": ([*T, "model.attention=triton", "model.head_dim=32"],
+                                   "model.attention=triton runs on a CUDA GPU, not on cpu devices"),
     "empty .bin": ([*T, "data.source=empty.bin"], "data.source 'empty.bin' is empty"),
     "odd-length .bin": ([*T, "data.source=odd.bin"], "has 3 bytes, not a multiple of 2"),
     ".npy that is not an array file": ([*T, "data.source=text.npy"], "is not a NumPy .npy array file"),

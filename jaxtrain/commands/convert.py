@@ -4,19 +4,20 @@ import re
 
 
 def add_arguments(p):
-    p.description = "Convert Hugging Face Llama checkpoints (safetensors + config.json) to and from jaxtrain's."
+    p.description = ("Convert Hugging Face Llama and Mixtral checkpoints (safetensors + config.json) to and from "
+                     "jaxtrain's.")
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION", parser_class=type(p))
     sub.required = True
     a = sub.add_parser("from-hf", help="import a local Hugging Face model directory as a jaxtrain checkpoint",
-                       description="Import a local Hugging Face Llama directory (config.json + *.safetensors, "
-                       "nothing is downloaded): writes DIR/config.yaml, an Orbax checkpoint DIR/checkpoints/0 "
-                       "(usable as checkpoint.init_from or generate --checkpoint DIR) and the tokenizer files. "
-                       "Overrides (key=value) set the mesh the parameters are sharded for, e.g. runtime.cpu_devices=8 "
-                       "mesh.ici.fsdp=8, or model.param_dtype=float32.")
+                       description="Import a local Hugging Face Llama or Mixtral directory (config.json + "
+                       "*.safetensors, nothing is downloaded): writes DIR/config.yaml, an Orbax checkpoint "
+                       "DIR/checkpoints/0 (usable as checkpoint.init_from or generate --checkpoint DIR) and the "
+                       "tokenizer files. Overrides (key=value) set the mesh the parameters are sharded for, e.g. "
+                       "runtime.cpu_devices=8 mesh.ici.fsdp=8, or model.param_dtype=float32.")
     a.add_argument("src", help="Hugging Face model directory")
     a.add_argument("--out", required=True, help="new output directory")
     a.add_argument("overrides", nargs="*", metavar="key=value")
-    b = sub.add_parser("to-hf", help="export a jaxtrain checkpoint as a Hugging Face Llama directory",
+    b = sub.add_parser("to-hf", help="export a jaxtrain checkpoint as a Hugging Face Llama or Mixtral directory",
                        description="Export a checkpoint (a run directory, its checkpoints directory, one step, or "
                        "a convert from-hf output) as config.json + safetensors shards (+ index) + tokenizer files, "
                        "loadable with transformers' AutoModelForCausalLM.from_pretrained.")

@@ -64,6 +64,9 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
             f"model.attention=cudnn cannot take a sharded sequence: mesh.rules.act_seq="
             f"{cfg.mesh.rules.get('act_seq')!r} cuts it into {shards} slices and cuDNN refuses that at compile "
             "time; set mesh.rules.act_seq=null or model.attention=xla")
+    if m.attention == "triton" and platform != "gpu":
+        raise ConfigError(f"model.attention=triton runs on a CUDA GPU, not on {platform} devices; use pallas (on CPU "
+                          "interpreted, for checking), xla, or auto")
     attention = m.attention
     if attention == "auto":
         attention = "xla"
