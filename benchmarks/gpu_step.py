@@ -102,6 +102,7 @@ def main(argv=None) -> int:
                           mfu_fp8_peak=None if mfu_fp8 is None else round(mfu_fp8, 4),
                           loss_first=losses[0], loss_last=losses[-1], moe_experts=lay.cfg.model.moe.experts,
                           moe_top_k=lay.cfg.model.moe.top_k if lay.cfg.model.moe.experts else None,
+                          moe_gemm=lay.cfg.model.moe.gemm if lay.cfg.model.moe.experts else None,
                           **_memory(train))), flush=True)
     if args.checkpoint_dir:
         return _time_saves(Checkpointer, lay.cfg, args.checkpoint_dir, train, state, batch, step_s)
