@@ -236,8 +236,9 @@ def _grouped_gemm(sec: Section, rows: list[dict]) -> list[dict]:
             shapes.setdefault((r["projection"], r["routing"], r["m"], r["k"], r["n"], r["experts"]), []).append(r)
     out = []
     for (proj, routing, m, k, n, experts), mine in shapes.items():
-        parts = [f"{r['impl']} {r['fwdbwd_tflops']:.3g}" + (f" ({r['fwdbwd_vs_xla']:.2f}x xla)" if r.get(
-            "fwdbwd_vs_xla") and r["impl"] != "xla" else "") if r["status"] == "ok" else
+        base = next((r for r in mine if r["impl"] == "xla" and r["status"] == "ok"), None)
+        parts = [f"{r['impl']} {r['fwdbwd_tflops']:.3g}" + (f" ({r['fwdbwd_tflops'] / base['fwdbwd_tflops']:.2f}x xla)"
+                 if base and r["impl"] != "xla" else "") if r["status"] == "ok" else
             f"{r['impl']} {str(r['status'])[:60]}" for r in mine]
         out.append(dict(what=f"grouped GEMM {proj} [{m}, {k}] x [{experts}, {k}, {n}] {routing}, fwd+bwd TFLOP/s",
                         result="; ".join(parts), figures={r["impl"]: r for r in mine}))
