@@ -53,7 +53,7 @@ def _main(*args):
     (["--wheels", "/nonexistent/wheels"], "--wheels '/nonexistent/wheels' is not a directory"),
     (["--fast"], "unknown argument '--fast'; valid: "),
     (["--quick", "--budget", "400"], "--budget 400 is over quick mode's 300 s"),
-    (["--budget", "20"], "--budget 20 is below the set-up's 40 s"),
+    (["--budget", "20"], "--budget 20 is below the set-up's 30 s"),
     (["--quick", "--rest"], "not allowed with argument --quick"),
     (["--sections", "step-auto,nope"], "unknown section(s) nope; valid: setup, kernel-tests"),
     (["--quick", "--sections", "bench,step-xla"], "--sections: step-xla not in quick mode; leave out --quick"),
