@@ -137,12 +137,43 @@ def make_hf_model(path, seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(**{**HF_BASE, **overrides})
     model = transformers.LlamaForCausalLM(cfg).eval()
+    randomize_norms(model)
+    model.save_pretrained(path)
+    return model
+
+
+def randomize_norms(model) -> None:
+    """Norm scales of a transformers model drawn from U(0.5, 1.5), so that a misplaced one changes the logits."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return model
+
+
+def hf_logits(model, tokens):
+    """float32 logits (a NumPy array) of a transformers model on int ``tokens`` [batch, seq]."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
+
+
+def jax_logits(cfg, directory, tokens):
+    """Logits (a NumPy array) of the checkpoint in ``directory``, restored on ``cfg``'s mesh, on int ``tokens``
+    [batch, seq]."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxtrain.checkpoint import format as ckpt
+    from jaxtrain.hf import convert
+
+    model, layout = convert.load_model(cfg, *ckpt.resolve(str(directory)))
+    with jax.set_mesh(layout.mesh), nnx.logical_axis_rules(layout.rules):
+        return np.asarray(nnx.jit(lambda m, t: m(t))(model, np.asarray(tokens, np.int32)))
 
 
 def import_dir(src, out, *overrides):

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError  # noqa: E402
 from jaxtrain.hf import convert  # noqa: E402
-from jaxtrain_testing import HF_BASE, import_dir, make_hf_model, run_cli  # noqa: E402
+from jaxtrain_testing import HF_BASE, hf_logits, import_dir, jax_logits, make_hf_model, run_cli  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -30,17 +30,6 @@ CASES = {
 }
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
-
-
-def jax_logits(cfg, directory, tokens) -> np.ndarray:
-    from flax import nnx
-
-    model, layout = convert.load_model(cfg, *ckpt.resolve(str(directory)))
-    with jax.set_mesh(layout.mesh), nnx.logical_axis_rules(layout.rules):
-        return np.asarray(nnx.jit(lambda m, t: m(t))(model, np.asarray(tokens, np.int32)))
 
 
 def tokens(vocab, shape=(2, 24), seed=1):

@@ -6,7 +6,6 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # never reach a hub, whatever the machine's settings
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -17,7 +16,7 @@ from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.hf import convert, generate  # noqa: E402
 from jaxtrain.hf import mapping as hf_mapping  # noqa: E402
-from jaxtrain_testing import import_dir, run_cli  # noqa: E402
+from jaxtrain_testing import hf_logits, import_dir, jax_logits, randomize_norms, run_cli  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -34,10 +33,7 @@ def make_mixtral(path, seed=0, **overrides):
     torch.manual_seed(seed)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**MIXTRAL, **overrides})).eval()
     model.set_experts_implementation("eager")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    randomize_norms(model)
     model.save_pretrained(path)
     return model
 
@@ -50,17 +46,6 @@ def load_hf(path):
     return model.eval()
 
 
-def hf_logits(model, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return model(input_ids=torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.float().numpy()
-
-
-def jax_logits(cfg, directory, tokens) -> np.ndarray:
-    from flax import nnx
-
-    model, layout = convert.load_model(cfg, *ckpt.resolve(str(directory)))
-    with jax.set_mesh(layout.mesh), nnx.logical_axis_rules(layout.rules):
-        return np.asarray(nnx.jit(lambda m, t: m(t))(model, np.asarray(tokens, np.int32)))
 
 
 def hf_greedy(model, prompt, n):

@@ -162,13 +162,20 @@ def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None
     Rotary settings are written both ways, as transformers 5's ``rope_parameters`` and as 4.x's ``rope_theta`` /
     ``rope_scaling``, so that older readers (and serving tools that read the 4.x keys) get the same model.
     """
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **decoder_config_entries(m, m.d_ff, max_position_embeddings),
+            "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
+            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+
+
+def decoder_config_entries(m: ModelConfig, intermediate_size: int, max_position_embeddings: int) -> dict:
+    """The ``config.json`` entries Llama and Mixtral share: the decoder's shapes, rotary settings, norm, tying and
+    initialisation, and the parameters' dtype."""
     rope, scaling = rope_entries(m)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
-        "intermediate_size": m.d_ff,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
         "num_key_value_heads": m.n_kv_heads,
@@ -180,14 +187,9 @@ def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None
         "rope_theta": m.rope_theta,
         "rope_scaling": scaling,
         "tie_word_embeddings": m.tie_embeddings,
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "initializer_range": m.init_std,
         "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
         "dtype": m.param_dtype,
     }
 

@@ -143,34 +143,8 @@ def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None
     """The ``config.json`` of a ``MixtralForCausalLM`` with the shapes of the MoE model ``m`` (rotary written both
     ways, as for Llama: :func:`jaxtrain.hf.mapping.hf_config_from_model`)."""
     check_exportable(m)
-    rope, scaling = mapping.rope_entries(m)
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "intermediate_size": m.expert_d_ff,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.resolved_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": m.norm_eps,
-        "rope_parameters": rope,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": scaling,
-        "sliding_window": None,
-        "tie_word_embeddings": m.tie_embeddings,
-        "attention_dropout": 0.0,
-        "num_local_experts": m.moe.experts,
-        "num_experts_per_tok": m.moe.top_k,
-        "output_router_logits": False,
-        "router_aux_loss_coef": m.moe.aux_loss,
-        "router_jitter_noise": 0.0,
-        "initializer_range": m.init_std,
-        "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "dtype": m.param_dtype,
-    }
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            **mapping.decoder_config_entries(m, m.expert_d_ff, max_position_embeddings),
+            "sliding_window": None, "num_local_experts": m.moe.experts, "num_experts_per_tok": m.moe.top_k,
+            "output_router_logits": False, "router_aux_loss_coef": m.moe.aux_loss, "router_jitter_noise": 0.0,
+            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
