@@ -337,7 +337,7 @@ SECTIONS = [
         "pallas", 10, smoke_skip="interpreted on CPU; train-pallas runs it"), headline=_step_and_save),
     Section("step-fp8", "rest", 120, 600, "1B train step, BF16 against FP8 (tensorwise): step time, MFU against both "
             "peaks", _fp8_steps("none", "tensorwise"), headline=_fp8),
-    Section("step-moe", "rest", 100, 600, "1B MoE train step (8 experts of half the MLP, top 2): the experts' "
+    Section("step-moe", "rest", 100, 300, "1B MoE train step (8 experts of half the MLP, top 2): the experts' "
             "grouped GEMM by XLA (ragged_dot) and by the Pallas kernel", _moe_steps("xla", "pallas"), headline=_moe),
     Section("kernel-tests-more", "rest", 110, 900, "kernel tests: float32 values and gradients, document masks, remat",
             _kernel_tests(MORE_TESTS), rows=run.junit_rows, headline=_tests),
@@ -346,7 +346,7 @@ SECTIONS = [
             _bench(dict(head_dims="128", groups="1,8", masks="causal,doc"),
                    dict(head_dims="64", groups="4", masks="doc"), smoke=dict(masks="doc", groups=2)),
             rows=run.bench_rows, headline=_attention),
-    Section("bench-gmm", "rest", 150, 600, "grouped GEMM (MoE experts) TFLOP/s vs ragged_dot and a dense one-hot "
+    Section("bench-gmm", "rest", 150, 300, "grouped GEMM (MoE experts) TFLOP/s vs ragged_dot and a dense one-hot "
             "einsum: Mixtral-sized, bfloat16", _gmm_bench, headline=_grouped_gemm),
     _train_section("auto", 60, smoke_skip="auto is xla on CPU; train-xla runs it"),
     Section("step-xla", "rest", 70, 60, "1B train step with XLA's attention", _step(
