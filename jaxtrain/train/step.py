@@ -97,8 +97,14 @@ class Step:
         return moe.objective(losses.sum() / trained_tokens, router_stats, self.cfg.model.moe, share)
 
     def _pipelined_loss(self, params, graphdef, batch):
-        """Mean loss of the global batch through the pipeline (jaxtrain/parallel/pipeline.py), split into
-        ``train.microbatches`` microbatches the way accumulation splits it (microbatch i: rows i, i+k, ...).
+        """Mean loss of the global batch through the pipeline (:meth:`_pipelined_objective`'s ``loss``)."""
+        return self._pipelined_objective(params, graphdef, batch)[1]["loss"]
+
+    def _pipelined_objective(self, params, graphdef, batch):
+        """(what the step minimises, metrics) of the global batch through the pipeline
+        (jaxtrain/parallel/pipeline.py), split into ``train.microbatches`` microbatches the way accumulation splits
+        it (microbatch i: rows i, i+k, ...); metrics as :meth:`_accumulated_grads`' (an MoE model's router losses
+        from each microbatch's statistics over all its layers, each counting 1/k).
 
         The embedding is looked up on every stage (a gather: cheap, and it spares sending inputs to stage 0); the
         final norm, output projection and loss run once per microbatch, each stage taking its share."""
@@ -109,7 +115,7 @@ class Step:
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
         inputs, targets, segments = self._context_order(inputs, targets, segments)
-        hidden = pipeline.pipelined_layers(model, inputs, segments, self.layout)
+        hidden, router_stats = pipeline.pipelined_layers(model, inputs, segments, self.layout)
         # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
         stages = self.layout.stages
         shares = hidden.reshape(stages, k // stages, *hidden.shape[1:])
@@ -118,7 +124,13 @@ class Step:
         def share_loss(h, tgt):
             return jax.vmap(lambda h1, t1: cross_entropy(model.head(h1), t1))(h, tgt).sum()
 
-        return jax.vmap(share_loss, spmd_axis_name=self.layout.stage_axis)(shares, targets).sum() / k
+        loss = jax.vmap(share_loss, spmd_axis_name=self.layout.stage_axis)(shares, targets).sum() / k
+        if router_stats is None:
+            return loss, {"loss": loss}
+        # Microbatch i's router losses and figures from its own statistics [G, ...], times 1/k, summed.
+        router, figures = jax.vmap(lambda s: moe.objective(jnp.zeros((), jnp.float32), s, self.cfg.model.moe,
+                                                           1 / k))(router_stats)
+        return loss + router.sum(), {**{name: v.sum() for name, v in figures.items()}, "loss": loss}
 
     def _pipelined_1f1b_loss(self, params, graphdef, batch):
         """The mean loss of :meth:`_pipelined_loss` through the 1F1B schedule (parallel/pipeline_1f1b.py): the same
@@ -218,9 +230,12 @@ class Step:
         model_def, params = nnx.split(train_state.model, fp8.DIFFERENTIATED)  # FP8 histories: observed amaxes
         if self.layout.stages > 1:
             one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
-            pipelined = self._pipelined_1f1b_loss if one_f_one_b else self._pipelined_loss
-            loss, grads = jax.value_and_grad(pipelined)(params, model_def, batch)
-            metrics = {"loss": loss}
+            if one_f_one_b:
+                loss, grads = jax.value_and_grad(self._pipelined_1f1b_loss)(params, model_def, batch)
+                metrics = {"loss": loss}
+            else:
+                (loss, metrics), grads = jax.value_and_grad(self._pipelined_objective, has_aux=True)(
+                    params, model_def, batch)
         elif self.cfg.train.microbatches == 1:
             (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
                 params, model_def, batch, self._trained_tokens(batch))
