@@ -24,7 +24,8 @@ LAYOUTS = {
     "stage2 x data2 x tensor2, virtual 2, remat full": ["mesh.ici.stage=2", "mesh.ici.data=2", "mesh.ici.fsdp=1",
                                                         "mesh.ici.tensor=2", "model.n_layers=8",
                                                         "train.virtual_stages=2", "model.remat=full"],
-    "stage4 x fsdp2, shared experts, capacity 1.0": ["mesh.ici.stage=4", "mesh.ici.fsdp=2", "model.n_layers=8", "train.microbatches=4", "train.global_batch=16",
+    "stage4 x fsdp2, shared experts, capacity 1.0": ["mesh.ici.stage=4", "mesh.ici.fsdp=2", "model.n_layers=8",
+                                                     "train.microbatches=4", "train.global_batch=16",
                                                      "model.moe.shared_experts=1", "model.moe.capacity_factor=1.0"],
 }
 FAST_LAYOUT = "stage2 x fsdp4"

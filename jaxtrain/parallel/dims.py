@@ -309,8 +309,8 @@ class ParallelDims:
             _require(t.pipeline_schedule != "1f1b", f"model.moe cannot run over {self.stages} pipeline stages with "
                      "train.pipeline_schedule=1f1b yet (its backward is written by hand and carries no router "
                      "losses); use train.pipeline_schedule=gpipe")
-        # (The pipeline runs its own microbatches, whatever train.accumulate says.)
-        _require(t.microbatches == 1 or t.accumulate == "sharded" or self.stages > 1, f"model.moe with train.microbatches="
+        pipelined = self.stages > 1  # the pipeline runs its own microbatches, whatever train.accumulate says
+        _require(t.microbatches == 1 or t.accumulate == "sharded" or pipelined, f"model.moe with train.microbatches="
                  f"{t.microbatches} needs train.accumulate=sharded (the unreduced mode runs each data-parallel "
                  "group's rows apart, but the experts' dispatch runs across the groups)")
 

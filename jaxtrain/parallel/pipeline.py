@@ -147,12 +147,7 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     s_n, m_n = stages, x.shape[0]
     ring = [(i, (i + 1) % s_n) for i in range(s_n)]
 
-    def run_pass(chunks, v, h, side_m):
-        weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
-        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with FP8 histories
-
-    policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
-    run_pass = jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
+    run_pass = _pass_function(stage_fn, remat_policy)
 
     def local(chunks, x, side, meta):
         me = jax.lax.axis_index(stage_axis)
@@ -192,17 +187,37 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
         # per device ([1, M, virtual, 1, per chunk, ...]) and are summed over the batch groups outside.
         return shares[0], jax.tree.map(lambda a: a[None, :, :, None], stats)
 
-    stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
-    rows = PartitionSpec(None, batch_axes or None)
-    out, stats = jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows,
-                                                PartitionSpec(batch_axes or None, None, stage_axis)),
-                               out_specs=(PartitionSpec(stage_axis, batch_axes or None),
-                                          PartitionSpec(batch_axes or None, None, None, stage_axis)),
-                               axis_names=frozenset(stage_names + tuple(batch_axes)),
-                               check_vma=False)(chunks, x, side, _meta_per_group(meta, batch_axes))
+    out, stats = _on_each_device(local, chunks, x, side, meta, stage_axis, batch_axes)
     if not with_stats:
         return out
     return out, jax.tree.map(lambda a: a.sum(0).reshape(m_n, -1, *a.shape[5:]), stats)
+
+
+def _pass_function(stage_fn: Callable, remat_policy: Callable | None) -> Callable:
+    """run_pass(chunks [virtual, ...], v, h, side_m): ``stage_fn`` on pass ``v``'s chunk under the remat policy,
+    the chunk re-selected in the backward rather than kept (a copy of the weights per iteration would make memory
+    grow with the microbatches)."""
+    def run_pass(chunks, v, h, side_m):
+        weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
+        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with FP8 histories
+
+    policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
+    return jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
+
+
+def _on_each_device(local: Callable, chunks: Any, x: jax.Array, side: Any, meta: Any, stage_axis,
+                    batch_axes: tuple[str, ...]) -> tuple[jax.Array, Any]:
+    """:func:`circular`'s loop ``local`` under ``shard_map`` over the stage and batch axes: (outputs [M,
+    microbatch, ...] split over stage and the rows over the batch axes, stats [groups, M, virtual, stages, ...] or
+    None, one row per batch group)."""
+    stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
+    rows = PartitionSpec(None, batch_axes or None)
+    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows,
+                                          PartitionSpec(batch_axes or None, None, stage_axis)),
+                         out_specs=(PartitionSpec(stage_axis, batch_axes or None),
+                                    PartitionSpec(batch_axes or None, None, None, stage_axis)),
+                         axis_names=frozenset(stage_names + tuple(batch_axes)),
+                         check_vma=False)(chunks, x, side, _meta_per_group(meta, batch_axes))
 
 
 def _stats_buffer(run_pass: Callable, chunks: Any, meta: Any, h: jax.Array, side: Any, m_n: int,
@@ -286,7 +301,8 @@ def chunk_function(graphdef, layout, remat: str = "none", with_stats: bool = Fal
     """stage_fn(chunk state, h [rows, seq, embed], segment ids [rows, seq] or None) -> h: the layers of one chunk
     (``graphdef``: one layer of the stack) as a scan, under the layout's local rules (the batch axes belong to the
     schedule's loop). ``remat`` other than "none": each layer under that ``jax.checkpoint`` policy. ``with_stats``:
-    a layer returns (h, stats) (an MoE group), and stage_fn returns (h, the stats stacked [layers in the chunk, ...])."""
+    a layer returns (h, stats) (an MoE group), and stage_fn returns (h, the stats stacked [layers in the chunk,
+    ...])."""
     def body(h, layer_state, segments, positions):
         out = nnx.merge(graphdef, layer_state)(h, segments, positions)
         return out if with_stats else (out, None)
