@@ -1,7 +1,7 @@
-"""MoE models over pipeline stages (GPipe): the pipelined objective, its router-loss metrics and every parameter
-gradient equal the unpipelined step's with the same microbatches on one device, whose router losses come from each
-microbatch's own statistics over all its MoE layers, each counting 1 / microbatches (jaxtrain/train/step.py). The
-combinations still refused (1F1B, the expert axis with stages): tests/test_bad_inputs.py."""
+"""MoE models over pipeline stages (GPipe and 1F1B): the pipelined objective, its router-loss metrics and every
+parameter gradient equal the unpipelined step's with the same microbatches on one device, whose router losses come
+from each microbatch's own statistics over all its MoE layers, each counting 1 / microbatches
+(jaxtrain/train/step.py). The combination still refused (the expert axis with stages): tests/test_bad_inputs.py."""
 
 import jax
 import numpy as np
@@ -27,6 +27,16 @@ LAYOUTS = {
     "stage4 x fsdp2, shared experts, capacity 1.0": ["mesh.ici.stage=4", "mesh.ici.fsdp=2", "model.n_layers=8",
                                                      "train.microbatches=4", "train.global_batch=16",
                                                      "model.moe.shared_experts=1", "model.moe.capacity_factor=1.0"],
+    "1f1b stage2 x fsdp4": ["mesh.ici.stage=2", "mesh.ici.fsdp=4", "train.pipeline_schedule=1f1b"],
+    "1f1b stage2 x data2 x tensor2, virtual 2, remat full": ["mesh.ici.stage=2", "mesh.ici.data=2", "mesh.ici.fsdp=1",
+                                                             "mesh.ici.tensor=2", "model.n_layers=8",
+                                                             "train.virtual_stages=2", "model.remat=full",
+                                                             "train.pipeline_schedule=1f1b"],
+    "1f1b stage4 x fsdp2, shared experts, capacity 1.0": ["mesh.ici.stage=4", "mesh.ici.fsdp=2", "model.n_layers=8",
+                                                          "train.microbatches=4", "train.global_batch=16",
+                                                          "model.moe.shared_experts=1",
+                                                          "model.moe.capacity_factor=1.0",
+                                                          "train.pipeline_schedule=1f1b"],
 }
 FAST_LAYOUT = "stage2 x fsdp4"
 
@@ -42,7 +52,9 @@ def _metrics_and_grads(overrides, n):
     def objective(state, batch):
         model_def, params = nnx.split(nnx.merge(lay.graphdef, state).model, fp8.DIFFERENTIATED)
         if lay.stages > 1:
-            (_, metrics), grads = jax.value_and_grad(step._pipelined_objective, has_aux=True)(params, model_def, batch)
+            one_f_one_b = lay.cfg.train.pipeline_schedule == "1f1b"
+            objective = step._pipelined_1f1b_objective if one_f_one_b else step._pipelined_objective
+            (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, model_def, batch)
             return metrics, grads
         return step._accumulated_grads(params, model_def, batch)
 
@@ -80,7 +92,7 @@ def _assert_equal(got, want):
                                     for n in LAYOUTS])
 def test_pipelined_moe_objective_and_gradients_equal_one_device(layout):
     overrides = LAYOUTS[layout]
-    sizes = [o for o in overrides if not o.startswith("mesh.")]
+    sizes = [o for o in overrides if not o.startswith(("mesh.", "train.pipeline_schedule"))]
     want = _metrics_and_grads(["mesh.ici.fsdp=1", "train.accumulate=sharded", *sizes], 1)
     _assert_equal(_metrics_and_grads(overrides, 8), want)
     # The router losses are per microbatch: the whole batch's statistics in one product give another balance loss.

@@ -306,9 +306,6 @@ class ParallelDims:
             _require(ep == 1, f"the expert axis (size {ep}) cannot be combined with {self.stages} pipeline stages "
                      "yet: the pipeline's loop gathers every expert on each device; use expert=1 with stages, or "
                      "stage=1")
-            _require(t.pipeline_schedule != "1f1b", f"model.moe cannot run over {self.stages} pipeline stages with "
-                     "train.pipeline_schedule=1f1b yet (its backward is written by hand and carries no router "
-                     "losses); use train.pipeline_schedule=gpipe")
         pipelined = self.stages > 1  # the pipeline runs its own microbatches, whatever train.accumulate says
         _require(t.microbatches == 1 or t.accumulate == "sharded" or pipelined, f"model.moe with train.microbatches="
                  f"{t.microbatches} needs train.accumulate=sharded (the unreduced mode runs each data-parallel "
