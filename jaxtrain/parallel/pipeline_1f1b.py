@@ -245,11 +245,13 @@ class _Stage:
         d_chunks = self.add_chunk_grads(d_chunks, d_chunk, v_b)
         d_rest = _add(_add(d_rest, d_r_head), d_r_embed)
         s_n = self.s_n
+        forward_ring = [(i, (i + 1) % s_n) for i in range(s_n)]
+        backward_ring = [((i + 1) % s_n, i) for i in range(s_n)]
         # Named, so that the program's two rings can be told apart (with two stages both are the same pairs).
         with jax.named_scope("forward_ring"):
-            h_ring = jax.lax.ppermute(out, self.stage_axis, perm=[(i, (i + 1) % s_n) for i in range(s_n)])
+            h_ring = jax.lax.ppermute(out, self.stage_axis, perm=forward_ring)
         with jax.named_scope("backward_ring"):
-            ct_ring = jax.lax.ppermute(d_in, self.stage_axis, perm=[((i + 1) % s_n, i) for i in range(s_n)])
+            ct_ring = jax.lax.ppermute(d_in, self.stage_axis, perm=backward_ring)
         return (h_ring, ct_ring, saved, _add(losses, loss_m), d_chunks, d_rest, stats), None
 
     def add_chunk_grads(self, d_chunks, d_chunk, v_b):
