@@ -139,7 +139,7 @@ def test_toy_stack_loss_and_gradients_match_numpy_float64(stages, virtual, micro
         def loss_fn(rest, h, tgt):  # this device's rows: their mean
             return 0.5 * ((h @ rest["proj"] - tgt) ** 2).sum() / h.shape[0]
 
-        loss, d_chunks, d_rest = pipeline_1f1b.loss_and_grads(
+        loss, d_chunks, d_rest, _ = pipeline_1f1b.loss_and_grads(  # no router statistics: None
             _stage_fn, _embed, loss_fn, chunks, {"table": table, "proj": proj}, tokens, targets, side,
             stages=stages, virtual=virtual, stage_axis="stage", batch_axes=("fsdp",))
         # Back to model order through the transpose of the chunk arrangement.

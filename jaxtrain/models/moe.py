@@ -241,3 +241,13 @@ def objective(loss: jax.Array, stats: routing.RouterStats | None, moe: MoEConfig
     total = loss + share * (moe.aux_loss * balance + moe.z_loss * z)
     figures = {"moe_balance_loss": balance, "moe_z_loss": z, **routing.load_metrics(stats, moe.top_k)}
     return total, {"loss": loss, **{k: share * v for k, v in figures.items()}}
+
+
+def router_loss_part(sums: routing.RouterStats, counts: jax.Array, tokens: jax.Array, moe: MoEConfig,
+                     share: float) -> jax.Array:
+    """Some rows' part of one microbatch's ``share`` x (aux_loss x balance + z_loss x z-loss) (:func:`objective`),
+    the parts of all its rows adding up to it: ``sums`` the rows' statistics summed over every MoE layer (prob_sum
+    [E], z_sum []), ``counts`` float32 [E] and ``tokens`` [] those of all the microbatch's rows and layers (no
+    gradient: the balance loss is linear in the probabilities given the counts)."""
+    balance = counts.shape[-1] * jnp.sum(counts / tokens * (sums.prob_sum / tokens))
+    return share * (moe.aux_loss * balance + moe.z_loss * sums.z_sum / tokens)

@@ -276,6 +276,9 @@ class ParallelDims:
         chunks = stages * t.virtual_stages
         _require(m.n_layers % chunks == 0, f"model.n_layers={m.n_layers} does not split into {stages} stages x "
                  f"train.virtual_stages={t.virtual_stages}; make n_layers a multiple of {chunks}")
+        groups = m.n_layers // max(m.moe.every, 1) if m.moe.experts else m.n_layers  # the stack's scanned unit
+        _require(groups % chunks == 0, f"model.n_layers / model.moe.every = {groups} layer groups do not split into "
+                 f"{stages} stages x train.virtual_stages={t.virtual_stages}; make it a multiple of {chunks}")
         _require(t.microbatches >= stages and t.microbatches % stages == 0,
                  f"train.microbatches={t.microbatches} must be a multiple of the {stages} pipeline stages (each stage "
                  "needs a microbatch in flight; the loss is split over stages by microbatch)")
@@ -299,9 +302,12 @@ class ParallelDims:
             _require(rule == (Axis.EXPERT,), f"mesh.rules.experts must be 'expert' with an expert axis of size {ep}")
             _require(Axis.EXPERT in self.batch_axes, f"mesh.rules.batch={self.cfg.mesh.rules.get('batch')!r} must "
                      f"include 'expert' with an expert axis of size {ep} (tokens are split over it)")
-        _require(self.stages == 1, f"model.moe cannot run over {self.stages} pipeline stages yet: a stage passes "
-                 "on activations only, not the router's load statistics; use the expert, fsdp and data axes")
-        _require(t.microbatches == 1 or t.accumulate == "sharded", f"model.moe with train.microbatches="
+        if self.stages > 1:
+            _require(ep == 1, f"the expert axis (size {ep}) cannot be combined with {self.stages} pipeline stages "
+                     "yet: the pipeline's loop gathers every expert on each device; use expert=1 with stages, or "
+                     "stage=1")
+        pipelined = self.stages > 1  # the pipeline runs its own microbatches, whatever train.accumulate says
+        _require(t.microbatches == 1 or t.accumulate == "sharded" or pipelined, f"model.moe with train.microbatches="
                  f"{t.microbatches} needs train.accumulate=sharded (the unreduced mode runs each data-parallel "
                  "group's rows apart, but the experts' dispatch runs across the groups)")
 

@@ -50,6 +50,7 @@ from jaxtrain.models.experts import (
     local_experts,
     sort_by_expert,
 )
+from jaxtrain.parallel.mesh import without_axes
 
 Gemm = Literal["auto", "xla", "pallas", "triton"]  # config.tree.MoEConfig.gemm
 
@@ -223,8 +224,11 @@ class MeshExperts:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:  # no mesh: the arrays are one device's
             return local()
-        tokens, w_in, w_out = (_spec(axes) for axes in (("batch", "act_seq"), ("experts", None, "expert_mlp"),
-                                                          ("experts", "expert_mlp", None)))
+        # Axes already manual (an enclosing shard_map: the pipeline's loop over stage and the batch axes, where
+        # the experts are not split, dims.py) are this device's already: the specs name only the others.
+        tokens, w_in, w_out = (without_axes(_spec(axes), mesh.manual_axes)
+                               for axes in (("batch", "act_seq"), ("experts", None, "expert_mlp"),
+                                            ("experts", "expert_mlp", None)))
         sizes = dict(mesh.shape)
         split = {a for spec in (tokens, w_in) for a in _names(spec)} - set(mesh.manual_axes)
         # A kernel runs per device: every axis manual, as for the flash kernels (parallel/attention.py).

@@ -114,10 +114,10 @@ def arrange_chunks(stack: jax.Array, stages: int, virtual: int, stage_axis: str 
 def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, x: jax.Array, side: Any, *,
              stages: int, virtual: int, stage_axis: str | tuple[str, ...], batch_axes: tuple[str, ...] = (),
              embed: Callable[[jax.Array], jax.Array] | None = None, remat_policy: Callable | None = None,
-             meta: Any = None) -> jax.Array:
+             meta: Any = None, with_stats: bool = False) -> Any:
     """Run ``x`` through all chunks in order, pipelined. Returns the outputs [M, microbatch, ...], M split over the
     stage axis (stage ``j`` holds microbatches ``j * M / stages`` onwards) and the microbatch rows over
-    ``batch_axes``.
+    ``batch_axes``; with ``with_stats``, (outputs, stats) (below).
 
     stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [microbatch, ...] (this device's rows).
     chunks: pytree of [virtual, stages, ...] (:func:`arrange_chunks`), split over ``stage_axis`` on dim 1 and not
@@ -133,6 +133,10 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     meta: pytree of [virtual, stages, ...] like chunks, or None: FP8 amax histories (jaxtrain.models.fp8), given to
         stage_fn beside the chunk's weights as (weights, meta); their cotangents (observed amaxes) are combined by
         max over the iterations and the batch groups, never summed, and the amaxes reduced over the batch axes.
+    with_stats: stage_fn returns (h, stats), stats a pytree of per-layer sums over this device's rows with leading
+        axis [layers per chunk] (an MoE stack's router statistics). Each stage adds its passes' stats into a buffer
+        per microbatch; returned as [M, virtual * stages * layers per chunk, ...] (the layers in model order),
+        summed over the batch groups: each microbatch's statistics of every layer, as without a pipeline.
 
     The loop runs on each device's own shard: ``shard_map`` over the stage axis and the batch axes (the other axes,
     tensor, stay with the partitioner; inside, ``stage_fn`` must not name the batch axes). So every move along
@@ -143,12 +147,7 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     s_n, m_n = stages, x.shape[0]
     ring = [(i, (i + 1) % s_n) for i in range(s_n)]
 
-    def run_pass(chunks, v, h, side_m):
-        weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
-        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with FP8 histories
-
-    policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
-    run_pass = jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
+    run_pass = _pass_function(stage_fn, remat_policy)
 
     def local(chunks, x, side, meta):
         me = jax.lax.axis_index(stage_axis)
@@ -157,7 +156,7 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
         x = x if embed is None else embed(x)
 
         def iteration(carry, t):
-            h, buf, meta = carry  # FP8 histories in the carry: cotangents meet by max (closed over: summed)
+            h, buf, meta, stats = carry  # FP8 histories in the carry: cotangents meet by max (closed over: summed)
             meta, meta_now = fp8.max_split(meta) if meta is not None else (None, None)
             w = t - me  # this stage's work item: microbatch w % M on pass w // M (outside [0, M * virtual): idle)
             # Stage 0 reads its next work item from its buffer (fresh inputs, or microbatches back from the last
@@ -166,30 +165,76 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
             side_m = None if side is None else jax.tree.map(lambda a: a[w % m_n], side)
             v = jnp.clip(w // m_n, 0, virtual - 1)
             h = run_pass(chunks if meta is None else (chunks, meta_now), v, h, side_m)
+            if with_stats:
+                h, stats = h[0], _record(stats, h[1], w, v, m_n, virtual)
             h = jax.lax.ppermute(h, stage_axis, perm=ring)  # the ring step: stage s's output to stage s + 1
             # What reaches stage 0 from the last stage (work item t - stages + 1, once there is one) waits in the
             # buffer slot of its microbatch, whose previous occupant entered the pipeline stages - 1 iterations ago.
             slot = (t - s_n + 1) % m_n
             keep = (me == 0) & (t - s_n + 1 >= 0)
             buf = buf.at[slot].set(jnp.where(keep, h, buf[slot]))
-            return (h, buf, meta), None
+            return (h, buf, meta, stats), None
 
         # Every stage keeps a buffer of the microbatches' size (x); only stage 0's is read, and at the end it holds
         # every microbatch's final output.
         steps = jnp.arange(iterations(s_n, m_n, virtual))
+        stats = _stats_buffer(run_pass, chunks, meta, x[0], side, m_n, virtual) if with_stats else None
         with fp8.amax_over(tuple(batch_axes)):  # FP8 amaxes of the whole microbatch, not of this device's rows
-            (_, buf, _), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x, meta), steps)
+            (_, buf, _, stats), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x, meta, stats), steps)
         # Hand stage j its share of microbatches, so that the output layer and the loss run once, split over stages.
         shares = jax.lax.all_to_all(buf.reshape(s_n, m_n // s_n, *x.shape[1:]), stage_axis, 0, 0)
-        return shares[0]  # [M / stages, microbatch, ...] from stage 0 (the other stages sent their unused buffers)
+        # [M / stages, microbatch, ...] from stage 0 (the other stages sent their unused buffers); the stats leave
+        # per device ([1, M, virtual, 1, per chunk, ...]) and are summed over the batch groups outside.
+        return shares[0], jax.tree.map(lambda a: a[None, :, :, None], stats)
 
+    out, stats = _on_each_device(local, chunks, x, side, meta, stage_axis, batch_axes)
+    if not with_stats:
+        return out
+    return out, jax.tree.map(lambda a: a.sum(0).reshape(m_n, -1, *a.shape[5:]), stats)
+
+
+def _pass_function(stage_fn: Callable, remat_policy: Callable | None) -> Callable:
+    """run_pass(chunks [virtual, ...], v, h, side_m): ``stage_fn`` on pass ``v``'s chunk under the remat policy,
+    the chunk re-selected in the backward rather than kept (a copy of the weights per iteration would make memory
+    grow with the microbatches)."""
+    def run_pass(chunks, v, h, side_m):
+        weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
+        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with FP8 histories
+
+    policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
+    return jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
+
+
+def _on_each_device(local: Callable, chunks: Any, x: jax.Array, side: Any, meta: Any, stage_axis,
+                    batch_axes: tuple[str, ...]) -> tuple[jax.Array, Any]:
+    """:func:`circular`'s loop ``local`` under ``shard_map`` over the stage and batch axes: (outputs [M,
+    microbatch, ...] split over stage and the rows over the batch axes, stats [groups, M, virtual, stages, ...] or
+    None, one row per batch group)."""
     stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
     rows = PartitionSpec(None, batch_axes or None)
     return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows,
                                           PartitionSpec(batch_axes or None, None, stage_axis)),
-                         out_specs=PartitionSpec(stage_axis, batch_axes or None),
+                         out_specs=(PartitionSpec(stage_axis, batch_axes or None),
+                                    PartitionSpec(batch_axes or None, None, None, stage_axis)),
                          axis_names=frozenset(stage_names + tuple(batch_axes)),
                          check_vma=False)(chunks, x, side, _meta_per_group(meta, batch_axes))
+
+
+def _stats_buffer(run_pass: Callable, chunks: Any, meta: Any, h: jax.Array, side: Any, m_n: int,
+                  virtual: int) -> Any:
+    """Zeros for the stats of every microbatch and pass on this stage: leaves [M, virtual, per chunk, ...] (the
+    shapes of one pass's stats, ``run_pass`` traced abstractly)."""
+    side_0 = None if side is None else jax.tree.map(lambda a: a[0], side)
+    weights = chunks if meta is None else (chunks, fp8.max_split(meta)[1])
+    _, one = jax.eval_shape(run_pass, weights, 0, h, side_0)
+    return jax.tree.map(lambda a: jnp.zeros((m_n, virtual, *a.shape), a.dtype), one)
+
+
+def _record(buffer: Any, stats: Any, w: jax.Array, v: jax.Array, m_n: int, virtual: int) -> Any:
+    """``stats`` of work item ``w`` (pass ``v``) added at [microbatch w % M, v] of ``buffer``; nothing for an idle
+    iteration (w outside [0, M * virtual))."""
+    busy = (w >= 0) & (w < m_n * virtual)
+    return jax.tree.map(lambda b, s: b.at[w % m_n, v].add(jnp.where(busy, s, jnp.zeros_like(s))), buffer, stats)
 
 
 def _meta_per_group(meta: Any, batch_axes: tuple[str, ...]) -> Any:
@@ -200,10 +245,12 @@ def _meta_per_group(meta: Any, batch_axes: tuple[str, ...]) -> Any:
     return fp8.max_fan_out(meta, math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes))
 
 
-def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, layout) -> jax.Array:
-    """A Transformer's embedding and layer stack over the pipeline stages: tokens int [M, microbatch, seq] -> the
+def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, layout) -> tuple[jax.Array, Any]:
+    """A Transformer's embedding and layer stack over the pipeline stages: tokens int [M, microbatch, seq] -> (the
     hidden states its layers give each microbatch, [M, microbatch, seq, embed] with M split over the stages
-    (logical ``stage``). ``segment_ids`` int [M, microbatch, seq] or None. ``layout``: the run's
+    (logical ``stage``); an MoE model's router statistics per microbatch, ``RouterStats`` [M, G, ...] summed over
+    each microbatch's rows (G the layer groups, as the unpipelined model's scan stacks them), or None for a dense
+    model). ``segment_ids`` int [M, microbatch, seq] or None. ``layout``: the run's
     :class:`jaxtrain.parallel.layout.Layout` (stages, the stage and batch axes, the rules inside the loop).
 
     The stack's parameters (logical ``layers`` split over stages) are gathered over the batch axes once per step
@@ -215,7 +262,8 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     stacked, histories = nnx.split_state(stacked, nnx.Not(fp8.Fp8Meta), fp8.Fp8Meta)  # FP8: combined by max
     chunks = stack_chunks(stacked, layout)
     meta = stack_chunks(histories, layout) if jax.tree.leaves(histories) else None
-    chunk_fn = chunk_function(graphdef, layout)
+    with_stats = bool(model.cfg.moe.experts)  # an MoE group returns (h, its RouterStats)
+    chunk_fn = chunk_function(graphdef, layout, with_stats=with_stats)
 
     def stage_fn(weights, h, side):
         return chunk_fn(weights if meta is None else nnx.merge_state(*weights), h, side)
@@ -225,9 +273,10 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
             return model.embed_tokens(tokens)
 
     policy = REMAT_POLICIES[model.cfg.remat] if model.cfg.remat != "none" else None
-    return circular(stage_fn, chunks, tokens, segment_ids, stages=layout.stages,
-                    virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                    batch_axes=layout.batch_axes, embed=embed, remat_policy=policy, meta=meta)
+    out = circular(stage_fn, chunks, tokens, segment_ids, stages=layout.stages,
+                   virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
+                   batch_axes=layout.batch_axes, embed=embed, remat_policy=policy, meta=meta, with_stats=with_stats)
+    return out if with_stats else (out, None)
 
 
 def stack_chunks(stacked: Any, layout) -> Any:
@@ -248,12 +297,15 @@ def stack_chunks(stacked: Any, layout) -> Any:
     return jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
 
 
-def chunk_function(graphdef, layout, remat: str = "none") -> Callable[[Any, jax.Array, Any], jax.Array]:
+def chunk_function(graphdef, layout, remat: str = "none", with_stats: bool = False) -> Callable:
     """stage_fn(chunk state, h [rows, seq, embed], segment ids [rows, seq] or None) -> h: the layers of one chunk
     (``graphdef``: one layer of the stack) as a scan, under the layout's local rules (the batch axes belong to the
-    schedule's loop). ``remat`` other than "none": each layer under that ``jax.checkpoint`` policy."""
+    schedule's loop). ``remat`` other than "none": each layer under that ``jax.checkpoint`` policy. ``with_stats``:
+    a layer returns (h, stats) (an MoE group), and stage_fn returns (h, the stats stacked [layers in the chunk,
+    ...])."""
     def body(h, layer_state, segments, positions):
-        return nnx.merge(graphdef, layer_state)(h, segments, positions), None
+        out = nnx.merge(graphdef, layer_state)(h, segments, positions)
+        return out if with_stats else (out, None)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
@@ -262,6 +314,7 @@ def chunk_function(graphdef, layout, remat: str = "none") -> Callable[[Any, jax.
         # side: segment ids or None; with a context axis (segment ids or None, rotary positions) (step.py)
         segments, positions = side if isinstance(side, tuple) else (side, None)
         with nnx.logical_axis_rules(layout.local_rules):
-            return jax.lax.scan(lambda h, layer: body(h, layer, segments, positions), h, chunk)[0]
+            h, stats = jax.lax.scan(lambda h, layer: body(h, layer, segments, positions), h, chunk)
+            return (h, stats) if with_stats else h
 
     return stage_fn

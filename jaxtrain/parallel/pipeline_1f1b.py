@@ -18,6 +18,13 @@ carry. The forward and the backward sit in ``lax.cond``: a stage with nothing to
 half, so the step takes ``(M V + S - 1)`` forward+backward times: the bubble is GPipe's,
 ``(S - 1) / (M V + S - 1)`` (:func:`jaxtrain.parallel.pipeline.bubble_fraction`).
 
+An MoE stack's router losses (``router_fn``) are each microbatch's, from its statistics over all its layers: the
+balance loss's gradient with respect to one layer's router probabilities needs the microbatch's top-k counts over
+every layer, known once its last pass leaves the last stage, which is where its backward starts. So each pass adds
+its layers' sums to a running sum that travels the forward ring with the activations; the last stage's head sums
+the counts over the batch groups and adds the router loss, and the running sum's cotangent (the same for every
+layer) travels the backward ring with the activations' cotangent.
+
 :func:`loss_and_grads` names no model; :func:`pipelined_loss` runs a Transformer through it, differentiable
 (``jax.custom_vjp``) so that the train step takes ``jax.value_and_grad`` of it as of any loss.
 """
@@ -86,6 +93,11 @@ def _add_pass(acc, d, v, virtual: int):
     return jax.tree_util.tree_map_with_path(one, acc, d)
 
 
+def _record(stats, pass_stats, f_ok, v_f, m_f):
+    """A forward pass's router statistics per layer added at [its microbatch, its pass] (nothing when idle)."""
+    return jax.tree.map(lambda b, a: b.at[m_f, v_f].add(jnp.where(f_ok, a, jnp.zeros_like(a))), stats, pass_stats)
+
+
 def _reduce_chunks(d_chunks, batch_axes, groups):
     """The chunks' gradients summed over the batch groups (FP8 histories' cotangents: max), per group's mean."""
     def one(path, g):
@@ -100,10 +112,11 @@ class _Stage:
     on this device, and the halves of one iteration: the forward of one work item, the loss head on the last
     stage, the backward of another work item. ``fns``: (stage_fn, embed_fn, loss_fn) of :func:`loss_and_grads`."""
 
-    def __init__(self, fns: tuple[Callable, Callable, Callable], chunks: Any, rest: Any, tokens: jax.Array,
-                 targets: jax.Array, side: Any, *, stages: int, virtual: int, stage_axis: str,
+    def __init__(self, fns: tuple[Callable, Callable, Callable, Callable | None], chunks: Any, rest: Any,
+                 tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int, stage_axis: str,
                  batch_axes: tuple[str, ...]):
-        self.stage_fn, self.embed_fn, self.loss_fn = fns
+        self.stage_fn, self.embed_fn, self.loss_fn, self.router_fn = fns
+        self.batch_axes, self.stage_axis = batch_axes, stage_axis
         self.rest, self.tokens, self.targets, self.side = rest, tokens, targets, side
         self.s_n, self.v_n = stages, virtual
         self.items = tokens.shape[0] * virtual
@@ -113,6 +126,35 @@ class _Stage:
         self.groups = jax.lax.psum(1, batch_axes) if batch_axes else 1
         h_shape = jax.eval_shape(self.embed_fn, rest, tokens[0])
         self.h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
+        self.stats_zero = None  # one pass's router statistics per layer [layers in the chunk, ...] (MoE)
+        if self.router_fn is not None:
+            self.stats_zero = _zeros(jax.eval_shape(self.stage_fn, self.chunk(0), self.h_zero, self.side_of(0))[1])
+        # What travels the rings: the activations, and with router statistics their sums over the layers so far.
+        self.x_zero = self.h_zero if self.router_fn is None else (self.h_zero, _zeros(self.layer_sum(self.stats_zero)))
+
+    def stats_buffer(self, microbatches: int):
+        """Zeros for this stage's router statistics of every microbatch and pass: [M, virtual, layers, ...]."""
+        return jax.tree.map(lambda a: jnp.zeros((microbatches, self.v_n, *a.shape), a.dtype), self.stats_zero)
+
+    @staticmethod
+    def layer_sum(stats):
+        return jax.tree.map(lambda a: a.sum(0), stats)
+
+    def run(self, chunk, x, side_m):
+        """One pass: x (h, or (h, the statistics' sums so far)) -> (output like x, this pass's statistics per layer
+        or None)."""
+        if self.router_fn is None:
+            return self.stage_fn(chunk, x, side_m), None
+        h, stats = self.stage_fn(chunk, x[0], side_m)
+        return (h, jax.tree.map(jnp.add, x[1], self.layer_sum(stats))), stats
+
+    def hidden(self, x):
+        return x if self.router_fn is None else x[0]
+
+    def with_sums(self, h):
+        """Activations h entering the stack (or recomputed from their saved input): the sums start at zero (they
+        enter a pass additively, so a backward's recomputation needs none)."""
+        return h if self.router_fn is None else (h, self.x_zero[1])
 
     def chunk(self, v):
         """One pass's chunk: a static index, so that no copy of the stage's weights is made per iteration."""
@@ -123,30 +165,48 @@ class _Stage:
 
     def forward(self, t, h_ring, saved):
         """Forward half of iteration ``t``: work item ``t - me``, its input fresh from the embedding (stage 0, pass
-        0) or from the ring, kept in its slot of ``saved``. Returns (output, saved, (ok, pass, microbatch))."""
+        0) or from the ring, kept in its slot of ``saved``. Returns (output, saved, (ok, pass, microbatch), the
+        pass's router statistics per layer or None)."""
         me, items, s_n, v_n = self.me, self.items, self.s_n, self.v_n
         w = t - me
         f_ok = (w >= 0) & (w < items)
         w = jnp.clip(w, 0, items - 1)
         v_f, m_f = forward_item(w, s_n, v_n)
-        h = jax.lax.cond(f_ok & (me == 0) & (v_f == 0), lambda: self.embed_fn(self.rest, self.tokens[m_f]),
-                         lambda: h_ring)
+        x = jax.lax.cond(f_ok & (me == 0) & (v_f == 0),
+                         lambda: self.with_sums(self.embed_fn(self.rest, self.tokens[m_f])), lambda: h_ring)
         slot = w % self.slots
-        saved = saved.at[slot].set(jnp.where(f_ok, h, saved[slot]))
-        out = jax.lax.cond(f_ok, lambda: self.stage_fn(self.chunk(v_f), h, self.side_of(m_f)), lambda: self.h_zero)
-        return out, saved, (f_ok, v_f, m_f)
+        saved = saved.at[slot].set(jnp.where(f_ok, self.hidden(x), saved[slot]))
+        out, stats = jax.lax.cond(f_ok, lambda: self.run(self.chunk(v_f), x, self.side_of(m_f)),
+                                  lambda: (self.x_zero, self.stats_zero))
+        return out, saved, (f_ok, v_f, m_f), stats
 
     def head(self, out, f_ok, v_f, m_f):
-        """The last stage ends a microbatch's last pass: its loss, the gradient of the loss head's parameters, and
-        the cotangent that starts the backward (zeros on the other stages and passes)."""
+        """The last stage ends a microbatch's last pass: its loss (what is minimised, and its next-token part), the
+        gradient of the loss head's parameters, and the cotangent that starts the backward (zeros on the other
+        stages and passes). With router statistics the microbatch's sums over all layers have arrived with ``out``;
+        the top-k counts and tokens are summed over the batch groups first (no gradient; every device, every
+        iteration, so that the collective sits outside the conditional)."""
+        totals = None
+        if self.router_fn is not None:
+            totals = (out[1].counts, out[1].tokens)
+            totals = jax.lax.psum(totals, self.batch_axes) if self.batch_axes else totals
+
+        def loss_of(r, o):
+            loss = self.loss_fn(r, self.hidden(o), self.targets[m_f])
+            if self.router_fn is None:
+                return loss, loss
+            # Each group's part of the router loss; the loop's sums over groups are divided by groups (the rows'
+            # means), hence the factor.
+            return loss + self.groups * self.router_fn(o[1], totals), loss
 
         def head():
-            loss_m, vjp = jax.vjp(lambda r, o: self.loss_fn(r, o, self.targets[m_f]), self.rest, out)
-            d_r, d_out = vjp(jnp.ones_like(loss_m))
-            return loss_m.astype(jnp.float32), d_r, d_out
+            total, vjp, loss_m = jax.vjp(loss_of, self.rest, out, has_aux=True)
+            d_r, d_out = vjp(jnp.ones_like(total))
+            return (total.astype(jnp.float32), loss_m.astype(jnp.float32)), d_r, d_out
 
         ends = f_ok & (self.me == self.s_n - 1) & (v_f == self.v_n - 1)
-        return jax.lax.cond(ends, head, lambda: (jnp.zeros((), jnp.float32), _zeros(self.rest), self.h_zero))
+        zero = jnp.zeros((), jnp.float32)
+        return jax.lax.cond(ends, head, lambda: ((zero, zero), _zeros(self.rest), self.x_zero))
 
     def backward(self, t, ct_head, ct_ring, saved):
         """Backward half of iteration ``t``: work item u, recomputed from its saved input; the cotangent from the
@@ -157,21 +217,42 @@ class _Stage:
         b_ok = (u >= 0) & (u < items)
         u = jnp.clip(u, 0, items - 1)
         v_b, m_b, w_b = backward_item(u, s_n, v_n)
-        ct = jnp.where((me == s_n - 1) & (v_b == v_n - 1), ct_head, ct_ring)
+        head_ct = (me == s_n - 1) & (v_b == v_n - 1)
+        ct = jax.tree.map(lambda a, b: jnp.where(head_ct, a, b), ct_head, ct_ring)
 
         def backward():
-            _, vjp = jax.vjp(lambda c, x: self.stage_fn(c, x, self.side_of(m_b)), self.chunk(v_b),
-                             saved[w_b % self.slots])
+            _, vjp = jax.vjp(lambda c, x: self.run(c, x, self.side_of(m_b))[0], self.chunk(v_b),
+                             self.with_sums(saved[w_b % self.slots]))
             return vjp(ct)
 
-        d_chunk, d_in = jax.lax.cond(b_ok, backward, lambda: (_zeros(self.chunk(v_b)), self.h_zero))
+        d_chunk, d_in = jax.lax.cond(b_ok, backward, lambda: (_zeros(self.chunk(v_b)), self.x_zero))
 
         # Stage 0 ends a microbatch's first pass: the cotangent reaches the embedding.
         def embed_grad():
-            return jax.vjp(lambda r: self.embed_fn(r, self.tokens[m_b]), self.rest)[1](d_in)[0]
+            return jax.vjp(lambda r: self.embed_fn(r, self.tokens[m_b]), self.rest)[1](self.hidden(d_in))[0]
 
         d_r_embed = jax.lax.cond(b_ok & (me == 0) & (v_b == 0), embed_grad, lambda: _zeros(self.rest))
         return d_chunk, d_in, d_r_embed, v_b
+
+    def iteration(self, carry, t):
+        """Iteration ``t`` of the loop (``lax.scan``'s body): a forward, the loss head, a backward, the two rings."""
+        h_ring, ct_ring, saved, losses, d_chunks, d_rest, stats = carry
+        out, saved, forwarded, pass_stats = self.forward(t, h_ring, saved)
+        if stats is not None:
+            stats = _record(stats, pass_stats, *forwarded)
+        loss_m, d_r_head, ct_head = self.head(out, *forwarded)
+        d_chunk, d_in, d_r_embed, v_b = self.backward(t, ct_head, ct_ring, saved)
+        d_chunks = self.add_chunk_grads(d_chunks, d_chunk, v_b)
+        d_rest = _add(_add(d_rest, d_r_head), d_r_embed)
+        s_n = self.s_n
+        forward_ring = [(i, (i + 1) % s_n) for i in range(s_n)]
+        backward_ring = [((i + 1) % s_n, i) for i in range(s_n)]
+        # Named, so that the program's two rings can be told apart (with two stages both are the same pairs).
+        with jax.named_scope("forward_ring"):
+            h_ring = jax.lax.ppermute(out, self.stage_axis, perm=forward_ring)
+        with jax.named_scope("backward_ring"):
+            ct_ring = jax.lax.ppermute(d_in, self.stage_axis, perm=backward_ring)
+        return (h_ring, ct_ring, saved, _add(losses, loss_m), d_chunks, d_rest, stats), None
 
     def add_chunk_grads(self, d_chunks, d_chunk, v_b):
         """``d_chunk`` (of pass ``v_b``) added into the float32 sums of every pass's chunk gradients (FP8
@@ -181,70 +262,76 @@ class _Stage:
 
 def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, chunks: Any, rest: Any,
                    tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int,
-                   stage_axis: str, batch_axes: tuple[str, ...] = ()) -> tuple[jax.Array, Any, Any]:
-    """(loss, d_chunks, d_rest) of one step through the 1F1B schedule.
+                   stage_axis: str, batch_axes: tuple[str, ...] = (), router_fn: Callable | None = None) -> tuple:
+    """(loss, d_chunks, d_rest, (next-token loss, router statistics) or None) of one step through the 1F1B
+    schedule.
 
-    stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [rows, ...] (this device's rows).
+    stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [rows, ...] (this device's rows); with
+        ``router_fn``, -> (h, router statistics per layer [layers in the chunk, ...], sums over the rows).
     embed_fn(rest, tokens_m) -> h: the pipeline's input of one microbatch (stage 0, pass 0).
     loss_fn(rest, h, targets_m) -> scalar: one microbatch's share of the loss from the last stage's output on its
         last pass (this device's rows).
+    router_fn(sums, (counts, tokens)) -> scalar, or None: an MoE stack's router loss of one microbatch, this
+        device's part (the parts add up over the batch groups), from its rows' statistics summed over every layer
+        (they travel the forward ring with the activations, their cotangents the backward ring) and the top-k
+        counts and tokens of all the microbatch's rows (no gradient).
     chunks: pytree of [virtual, stages, ...] (:func:`jaxtrain.parallel.pipeline.arrange_chunks`) split over
         ``stage_axis`` on dim 1, not over ``batch_axes``. rest: pytree of the parameters embed_fn and loss_fn use, not
         split over the stage or batch axes.
     tokens, targets: [M, rows, ...] (M a multiple of ``stages``); side: pytree of [M, rows, ...] or None; rows split
         over ``batch_axes``.
 
-    Returns the loss (sum over microbatches of loss_fn, mean over the batch groups) and its gradients with respect
-    to ``chunks`` (float32, split like chunks) and ``rest`` (float32, replicated). The gradients are summed over the
-    batch axes (and, for ``rest``, the stages) once, after the loop.
+    Returns the loss (sum over microbatches of loss_fn and router_fn, mean over the batch groups) and its gradients
+    with respect to ``chunks`` (float32, split like chunks) and ``rest`` (float32, replicated). The gradients are
+    summed over the batch axes (and, for ``rest``, the stages) once, after the loop. With ``router_fn`` also the
+    loss_fn part alone and the statistics per microbatch and layer [M, L, ...] summed over the rows (as
+    :func:`jaxtrain.parallel.pipeline.circular` gives them).
     """
-    s_n = stages
-    forward_ring = [(i, (i + 1) % s_n) for i in range(s_n)]
-    backward_ring = [((i + 1) % s_n, i) for i in range(s_n)]
+    s_n, m_n = stages, tokens.shape[0]
     reduce_axes = (stage_axis, *batch_axes)
 
     def local(chunks, rest, tokens, targets, side):
-        stage = _Stage((stage_fn, embed_fn, loss_fn), chunks, rest, tokens, targets, side, stages=stages,
+        stage = _Stage((stage_fn, embed_fn, loss_fn, router_fn), chunks, rest, tokens, targets, side, stages=stages,
                        virtual=virtual, stage_axis=stage_axis, batch_axes=batch_axes)
-        groups, h_zero = stage.groups, stage.h_zero
+        groups, x_zero = stage.groups, stage.x_zero
 
-        def iteration(carry, t):
-            h_ring, ct_ring, saved, loss, d_chunks, d_rest = carry
-            out, saved, forwarded = stage.forward(t, h_ring, saved)
-            loss_m, d_r_head, ct_head = stage.head(out, *forwarded)
-            d_chunk, d_in, d_r_embed, v_b = stage.backward(t, ct_head, ct_ring, saved)
-            d_chunks = stage.add_chunk_grads(d_chunks, d_chunk, v_b)
-            d_rest = _add(_add(d_rest, d_r_head), d_r_embed)
-            # Named, so that the program's two rings can be told apart (with two stages both are the same pairs).
-            with jax.named_scope("forward_ring"):
-                h_ring = jax.lax.ppermute(out, stage_axis, perm=forward_ring)
-            with jax.named_scope("backward_ring"):
-                ct_ring = jax.lax.ppermute(d_in, stage_axis, perm=backward_ring)
-            return (h_ring, ct_ring, saved, loss + loss_m, d_chunks, d_rest), None
-
-        carry = (h_zero, h_zero, jnp.zeros((stage.slots, *h_zero.shape), h_zero.dtype), jnp.zeros((), jnp.float32),
-                 _f32_zeros(stage.chunks), _f32_zeros(rest))
-        steps = jnp.arange(iterations(s_n, tokens.shape[0], virtual))
+        stats = None if stage.stats_zero is None else _f32_zeros(stage.stats_buffer(m_n))
+        carry = (x_zero, x_zero, jnp.zeros((stage.slots, *stage.h_zero.shape), stage.h_zero.dtype),
+                 (jnp.zeros((), jnp.float32),) * 2, _f32_zeros(stage.chunks), _f32_zeros(rest), stats)
+        steps = jnp.arange(iterations(s_n, m_n, virtual))
         with fp8.amax_over(tuple(batch_axes)):  # FP8 amaxes of the whole microbatch, not of this device's rows
-            (_, _, _, loss, d_chunks, d_rest), _ = jax.lax.scan(iteration, carry, steps)
+            (_, _, _, losses, d_chunks, d_rest, stats), _ = jax.lax.scan(stage.iteration, carry, steps)
         # The sums over devices, once per step: the loss and the embedding/head gradients live on one stage each.
-        loss = jax.lax.psum(loss, reduce_axes) / groups
+        losses = jax.tree.map(lambda a: jax.lax.psum(a, reduce_axes) / groups, losses)
         d_rest = jax.tree.map(lambda g: jax.lax.psum(g, reduce_axes) / groups, d_rest)
         d_chunks = _reduce_chunks(d_chunks, batch_axes, groups)
-        return loss, d_chunks, d_rest
+        return losses, d_chunks, d_rest, jax.tree.map(lambda a: a[None, :, :, None], stats)
 
+    (loss, next_token), d_chunks, d_rest, stats = _on_each_device(local, stage_axis, batch_axes)(
+        chunks, rest, tokens, targets, side)
+    if router_fn is None:
+        return loss, d_chunks, d_rest, None
+    return loss, d_chunks, d_rest, (next_token, jax.tree.map(lambda a: a.sum(0).reshape(m_n, -1, *a.shape[5:]),
+                                                             stats))
+
+
+def _on_each_device(local: Callable, stage_axis: str, batch_axes: tuple[str, ...]) -> Callable:
+    """:func:`loss_and_grads`' loop ``local(chunks, rest, tokens, targets, side)`` under ``shard_map`` over the stage
+    and batch axes; its router statistics leave one row per batch group ([groups, M, virtual, stages, ...])."""
     rows = PartitionSpec(None, batch_axes or None)
-    stage_names = (stage_axis, *batch_axes)
     return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), PartitionSpec(), rows, rows, rows),
-                         out_specs=(PartitionSpec(), PartitionSpec(None, stage_axis), PartitionSpec()),
-                         axis_names=frozenset(stage_names), check_vma=False)(chunks, rest, tokens, targets, side)
+                         out_specs=(PartitionSpec(), PartitionSpec(None, stage_axis), PartitionSpec(),
+                                    PartitionSpec(batch_axes or None, None, None, stage_axis)),
+                         axis_names=frozenset((stage_axis, *batch_axes)), check_vma=False)
 
 
 def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: jax.Array | None, layout,
-                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array], router_fn: Callable | None = None) -> Any:
     """A Transformer's mean loss over M microbatches through the 1F1B schedule, differentiable in the model's
     parameters. tokens, targets int [M, microbatch, seq]; segment_ids int [M, microbatch, seq] or None.
     loss_fn(logits float32 [rows, seq, vocab], targets [rows, seq]) -> the mean loss of those rows.
+    router_fn: an MoE model's (:func:`loss_and_grads`); then returns (the loss with the router losses, (the
+    next-token loss, RouterStats [M, G, ...] per microbatch and layer group)), the second without gradient.
 
     The layer stack's parameters are arranged into chunks as the GPipe schedule arranges them
     (:func:`jaxtrain.parallel.pipeline.stack_chunks`); the other parameters (embedding, final norm, output projection)
@@ -256,7 +343,7 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
     stack, rest, other = states
     blocks_def = nnx.graphdef(model.blocks)  # one stacked layer's structure, as pipeline.pipelined_layers merges it
     abstract_stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
-    stage_fn = pipeline.chunk_function(blocks_def, layout, model.cfg.remat)
+    stage_fn = pipeline.chunk_function(blocks_def, layout, model.cfg.remat, with_stats=router_fn is not None)
 
     def view(r):  # the model with these non-stack parameters (the stack is never read outside the loop's chunks)
         return nnx.merge(graphdef, abstract_stack, r, other)
@@ -271,17 +358,19 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
 
     schedule = partial(loss_and_grads, stage_fn, embed_fn, head_loss, stages=layout.stages,
                        virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                       batch_axes=layout.batch_axes)
+                       batch_axes=layout.batch_axes, router_fn=router_fn)
 
     @jax.custom_vjp
     def run(chunks, rest, tokens, targets, segments):
-        return schedule(chunks, rest, tokens, targets, segments)[0]
+        loss, _, _, aux = schedule(chunks, rest, tokens, targets, segments)
+        return loss, aux
 
     def run_fwd(chunks, rest, tokens, targets, segments):
-        loss, d_chunks, d_rest = schedule(chunks, rest, tokens, targets, segments)
-        return loss, (d_chunks, d_rest, chunks, rest)
+        loss, d_chunks, d_rest, aux = schedule(chunks, rest, tokens, targets, segments)
+        return (loss, aux), (d_chunks, d_rest, chunks, rest)
 
-    def run_bwd(res, g):
+    def run_bwd(res, cotangents):
+        g = cotangents[0]  # the next-token loss and the statistics are figures to log: no gradient flows from them
         d_chunks, d_rest, chunks, rest = res
         # FP8 histories' cotangents are observed amaxes, not scaled by the loss's cotangent
         cast = partial(jax.tree_util.tree_map_with_path,
@@ -290,4 +379,7 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
         return cast(d_chunks, chunks), cast(d_rest, rest), None, None, jax.tree.map(lambda _: None, segment_ids)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(pipeline.stack_chunks(stack["blocks"], layout), rest, tokens, targets, segment_ids)
+    loss, aux = run(pipeline.stack_chunks(stack["blocks"], layout), rest, tokens, targets, segment_ids)
+    if router_fn is None:
+        return loss
+    return loss, jax.lax.stop_gradient(aux)

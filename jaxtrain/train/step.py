@@ -97,8 +97,14 @@ class Step:
         return moe.objective(losses.sum() / trained_tokens, router_stats, self.cfg.model.moe, share)
 
     def _pipelined_loss(self, params, graphdef, batch):
-        """Mean loss of the global batch through the pipeline (jaxtrain/parallel/pipeline.py), split into
-        ``train.microbatches`` microbatches the way accumulation splits it (microbatch i: rows i, i+k, ...).
+        """Mean loss of the global batch through the pipeline (:meth:`_pipelined_objective`'s ``loss``)."""
+        return self._pipelined_objective(params, graphdef, batch)[1]["loss"]
+
+    def _pipelined_objective(self, params, graphdef, batch):
+        """(what the step minimises, metrics) of the global batch through the pipeline
+        (jaxtrain/parallel/pipeline.py), split into ``train.microbatches`` microbatches the way accumulation splits
+        it (microbatch i: rows i, i+k, ...); metrics as :meth:`_accumulated_grads`' (an MoE model's router losses
+        from each microbatch's statistics over all its layers, each counting 1/k).
 
         The embedding is looked up on every stage (a gather: cheap, and it spares sending inputs to stage 0); the
         final norm, output projection and loss run once per microbatch, each stage taking its share."""
@@ -109,7 +115,7 @@ class Step:
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
         inputs, targets, segments = self._context_order(inputs, targets, segments)
-        hidden = pipeline.pipelined_layers(model, inputs, segments, self.layout)
+        hidden, router_stats = pipeline.pipelined_layers(model, inputs, segments, self.layout)
         # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
         stages = self.layout.stages
         shares = hidden.reshape(stages, k // stages, *hidden.shape[1:])
@@ -118,18 +124,38 @@ class Step:
         def share_loss(h, tgt):
             return jax.vmap(lambda h1, t1: cross_entropy(model.head(h1), t1))(h, tgt).sum()
 
-        return jax.vmap(share_loss, spmd_axis_name=self.layout.stage_axis)(shares, targets).sum() / k
+        loss = jax.vmap(share_loss, spmd_axis_name=self.layout.stage_axis)(shares, targets).sum() / k
+        if router_stats is None:
+            return loss, {"loss": loss}
+        router, figures = self._router_losses(router_stats)
+        return loss + router, {**figures, "loss": loss}
 
-    def _pipelined_1f1b_loss(self, params, graphdef, batch):
-        """The mean loss of :meth:`_pipelined_loss` through the 1F1B schedule (parallel/pipeline_1f1b.py): the same
-        microbatches, the loss computed inside the loop by the last stage, the gradients written by hand there."""
+    def _router_losses(self, router_stats):
+        """(the router losses, the MoE metrics) of a pipelined step from RouterStats [k, G, ...] per microbatch:
+        microbatch i's from its own statistics, times 1/k, summed (as :meth:`_accumulated_grads` sums them)."""
+        k = self.cfg.train.microbatches
+        router, figures = jax.vmap(lambda s: moe.objective(jnp.zeros((), jnp.float32), s, self.cfg.model.moe,
+                                                           1 / k))(router_stats)
+        return router.sum(), {name: v.sum() for name, v in figures.items() if name != "loss"}
+
+    def _pipelined_1f1b_objective(self, params, graphdef, batch):
+        """:meth:`_pipelined_objective` through the 1F1B schedule (parallel/pipeline_1f1b.py): the same
+        microbatches, the loss computed inside the loop by the last stage, the gradients written by hand there; an
+        MoE model's router losses per microbatch, as there."""
         micro = self._microbatches(batch)
         inputs, segments = micro[:, :, :-1], None
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
         inputs, targets, segments = self._context_order(inputs, micro[:, :, 1:], segments)
-        return pipeline_1f1b.pipelined_loss(nnx.merge(graphdef, params), inputs, targets, segments,
-                                            self.layout, cross_entropy)
+        model = nnx.merge(graphdef, params)
+        if not self.cfg.model.moe.experts:
+            loss = pipeline_1f1b.pipelined_loss(model, inputs, targets, segments, self.layout, cross_entropy)
+            return loss, {"loss": loss}
+        moe_cfg, k = self.cfg.model.moe, self.cfg.train.microbatches
+        total, (loss, router_stats) = pipeline_1f1b.pipelined_loss(
+            model, inputs, targets, segments, self.layout, cross_entropy,
+            lambda sums, totals: moe.router_loss_part(sums, *totals, moe_cfg, 1 / k))
+        return total, {**self._router_losses(router_stats)[1], "loss": loss}
 
     def _context_order(self, inputs, targets, segments):
         """The pipeline's int32 [M, rows, seq] inputs, targets and segment ids in the context axis's zigzag order,
@@ -218,9 +244,8 @@ class Step:
         model_def, params = nnx.split(train_state.model, fp8.DIFFERENTIATED)  # FP8 histories: observed amaxes
         if self.layout.stages > 1:
             one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
-            pipelined = self._pipelined_1f1b_loss if one_f_one_b else self._pipelined_loss
-            loss, grads = jax.value_and_grad(pipelined)(params, model_def, batch)
-            metrics = {"loss": loss}
+            pipelined = self._pipelined_1f1b_objective if one_f_one_b else self._pipelined_objective
+            (loss, metrics), grads = jax.value_and_grad(pipelined, has_aux=True)(params, model_def, batch)
         elif self.cfg.train.microbatches == 1:
             (loss, metrics), grads = jax.value_and_grad(self._objective, has_aux=True)(
                 params, model_def, batch, self._trained_tokens(batch))
