@@ -176,6 +176,19 @@ def jax_logits(cfg, directory, tokens):
         return np.asarray(nnx.jit(lambda m, t: m(t))(model, np.asarray(tokens, np.int32)))
 
 
+def config_variant(good, directory, edit):
+    """A copy of the Hugging Face directory ``good`` at ``directory``: its safetensors hard-linked, its config.json
+    changed by ``edit(dict)``; returns ``directory``."""
+    os.makedirs(directory)
+    os.link(os.path.join(good, "model.safetensors"), os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(good, "config.json")) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return directory
+
+
 def import_dir(src, out, *overrides):
     """``convert.import_hf`` of the Hugging Face directory ``src`` into ``out``; returns the imported config."""
     from jaxtrain.hf import convert

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError  # noqa: E402
 from jaxtrain.hf import convert  # noqa: E402
-from jaxtrain_testing import HF_BASE, hf_logits, import_dir, jax_logits, make_hf_model, run_cli  # noqa: E402
+from jaxtrain_testing import HF_BASE, config_variant, hf_logits, import_dir, jax_logits, make_hf_model, run_cli  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -180,12 +180,7 @@ def _bad_inputs(tmp):
     cases.append(("missing shard", tmp / "missing_shard", f"shard {gone!r}"))
 
     def variant(name, edit):
-        os.makedirs(tmp / name)
-        os.link(tmp / "good" / "model.safetensors", tmp / name / "model.safetensors")
-        cfg = json.load(open(tmp / "good" / "config.json"))
-        edit(cfg)
-        json.dump(cfg, open(tmp / name / "config.json", "w"))
-        return tmp / name
+        return config_variant(tmp / "good", tmp / name, edit)
 
     cases.append(("shape disagrees", variant("shape", lambda c: c.update(intermediate_size=80)),
                   "model.layers.0.mlp.gate_proj.weight has shape [64, 32] but config.json implies [80, 32]"))

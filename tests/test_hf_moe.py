@@ -16,7 +16,7 @@ from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.hf import convert, generate  # noqa: E402
 from jaxtrain.hf import mapping as hf_mapping  # noqa: E402
-from jaxtrain_testing import hf_logits, import_dir, jax_logits, randomize_norms, run_cli  # noqa: E402
+from jaxtrain_testing import config_variant, hf_logits, import_dir, jax_logits, randomize_norms, run_cli  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -176,12 +176,7 @@ def _bad_inputs(tmp):
     cases = [("qwen2-moe", tmp / "qwen2_moe", "Qwen2MoeForCausalLM: its attention has q/k/v biases")]
 
     def variant(name, edit):
-        os.makedirs(tmp / name)
-        os.link(tmp / "good" / "model.safetensors", tmp / name / "model.safetensors")
-        cfg = json.load(open(tmp / "good" / "config.json"))
-        edit(cfg)
-        json.dump(cfg, open(tmp / name / "config.json", "w"))
-        return tmp / name
+        return config_variant(tmp / "good", tmp / name, edit)
 
     cases.append(("sliding window", variant("window", lambda c: c.update(sliding_window=16)),
                   "sliding-window attention (sliding_window=16)"))
