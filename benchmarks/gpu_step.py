@@ -114,16 +114,12 @@ def _memory(train) -> dict:
     step's own account of one device's need."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
-    try:
-        m = train.memory_analysis()
-        compiled = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                    + m.temp_size_in_bytes) / 1e9
-    except Exception:  # a backend without the analysis
-        compiled = None
+    from jaxtrain.parallel.layout import compiled_need
+
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    need = compiled_need(train)  # the planner's reading of the same program
     return dict(peak_gb=None if peak is None else round(peak / 1e9, 2),
-                compiled_gb=None if compiled is None else round(compiled, 2))
+                compiled_gb=None if need is None else round(need.total / 1e9, 2))
 
 
 def _run_steps(train, state, batch, count: int, until=None):
