@@ -18,9 +18,8 @@ PACKAGE = os.path.join(REPO, "jaxtrain")
 MAX_LINES, MAX_KERNEL_LINES, MAX_FUNCTION_LINES = 500, 600, 80
 
 # Rooms from the bottom up; a room may import its own modules and those of rooms on lower floors only. A room is a
-# package or top-level module of jaxtrain (``jaxtrain.parallel.dims`` and ``jaxtrain.kernels.bench`` are rooms of
-# their own: the device-free parallel facts sit below the config that reads them; the kernels' benchmark reads the
-# data package to attend over real documents, so it sits above the kernels it measures).
+# package or top-level module of jaxtrain (``jaxtrain.parallel.dims`` is a room of its own: the device-free parallel
+# facts sit below the config that reads them).
 FLOORS = [
     {"jaxtrain", "errors", "log"},  # the package's __init__ (its version), error types, log lines
     {"kernels"},  # flash attention kernels: nothing of jaxtrain
@@ -34,7 +33,7 @@ FLOORS = [
     {"checkpoint", "data", "observe"},
     {"train"},  # the step and the loop
     {"planner"},
-    {"health", "sweep", "hf", "kernels.bench"},
+    {"health", "sweep", "hf"},
     {"commands"},
     {"cli"},
     {"__main__"},
@@ -70,7 +69,7 @@ def _imports(name: str, path: str, known: set[str]) -> set[str]:
 def _room(module: str) -> str:
     """The room of a module: its package or top-level module under jaxtrain (or a room named in FLOORS)."""
     rest = module.removeprefix("jaxtrain").removeprefix(".")
-    for special in ("parallel.dims", "kernels.bench"):
+    for special in ("parallel.dims",):
         if rest == special:
             return special
     return rest.split(".")[0] if rest else "jaxtrain"
@@ -136,6 +135,15 @@ def test_every_room_is_on_a_floor():
 def test_rooms_import_only_rooms_below_them():
     bad = _upward_imports(_modules())
     assert not bad, "imports against the floors (tests/test_structure.py FLOORS):\n" + "\n".join(bad)
+
+
+def test_the_kernels_import_nothing_else_of_jaxtrain():
+    """``jaxtrain.kernels`` is a leaf that another project could vendor: its modules (benchmarks included: their
+    callers read the data) import only ``jaxtrain.kernels``."""
+    modules = _modules()
+    bad = [f"{name} imports {target}" for name, path in sorted(modules.items()) if name.startswith("jaxtrain.kernels")
+           for target in sorted(_imports(name, path, set(modules))) if not target.startswith("jaxtrain.kernels")]
+    assert not bad, "the kernels import the rest of jaxtrain:\n" + "\n".join(bad)
 
 
 def test_the_floor_check_sees_an_upward_import(tmp_path):

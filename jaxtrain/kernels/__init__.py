@@ -11,8 +11,9 @@ attention); see ``jaxtrain.kernels.api``. ``python -m jaxtrain.kernels.bench`` t
 ``jaxtrain.kernels.gmm_api``. ``python -m jaxtrain.kernels.gmm_bench`` times it against ragged_dot and a dense
 one-hot einsum.
 
-May import: nothing of jaxtrain (a leaf that other projects could vendor), except the attention benchmark, which
-reads the data package for real documents.
+May import: nothing of jaxtrain (a leaf that other projects could vendor), benchmarks included: the attention
+benchmark's document-mask report takes its segment ids from its caller (``benchmarks/tile_skip.py`` reads the
+embedded corpus).
 """
 
 from jaxtrain.kernels.api import flash_attention, flash_attention_bwd, flash_attention_fwd

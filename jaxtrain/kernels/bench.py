@@ -240,21 +240,12 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
 
 
-def tile_skip_report(seq: int, head_dims=(64, 128)) -> list[dict]:
-    """Document masking on the embedded corpus: how many causal tiles each kernel computes at ``seq`` when tiles
-    whose query and key documents differ are skipped. Windows and segment ids as jaxtrain's training makes them
-    (byte-level, NUL-separated documents; a segment ends with its NUL); tiles are the bfloat16 defaults."""
-    from jaxtrain.data import EOS, embedded_corpus
+def tile_skip_report(segments: np.ndarray, head_dims=(64, 128)) -> list[dict]:
+    """Document masking: how many causal tiles each kernel computes over ``segments`` (int [windows, seq], the
+    segment ids of packed documents) when tiles whose query and key documents differ are skipped; tiles are the
+    bfloat16 defaults. The caller reads the documents (``benchmarks/tile_skip.py``: the embedded corpus)."""
     from jaxtrain.kernels import tiling
 
-    tokens = np.frombuffer(embedded_corpus(), np.uint8).astype(np.int32)
-    n = (len(tokens) - 1) // seq
-    inputs = np.stack([tokens[i * seq: i * seq + seq] for i in range(n)])  # Windows(seq)[i][:-1]
-    is_eos = (inputs == EOS).astype(np.int32)
-    segments = np.cumsum(is_eos, axis=1) - is_eos  # as step.document_segments
-    doc_lengths = np.diff(np.flatnonzero(np.concatenate([[1], tokens == EOS, [1]])))
-    print(f"embedded corpus: {len(tokens)} tokens, {len(doc_lengths)} documents (median length "
-          f"{int(np.median(doc_lengths))}, mean {doc_lengths.mean():.0f}), {n} windows of {seq}")
     rows = []
     for d in head_dims:
         for kind in tiling.KINDS:
@@ -290,8 +281,6 @@ def parse_args(argv):
                    help="compare gradients with the float32 reference up to this seq (its S x S memory grows)")
     p.add_argument("--time-budget", type=float, default=540.0,
                    help="seconds; rows not started when it is spent are recorded as skipped")
-    p.add_argument("--tile-skip", type=int, default=None, metavar="SEQ",
-                   help="only report the document-mask tile skipping on the embedded corpus at this seq (no GPU)")
     return p.parse_args(argv)
 
 
@@ -374,10 +363,6 @@ def _run_shape(shape: Shape, rows: list[dict], args, sweep: dict, header: str, s
 
 def main(argv=None) -> list[dict]:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.tile_skip is not None:
-        if args.tile_skip < 1:
-            raise SystemExit(f"jaxtrain.kernels.bench: --tile-skip {args.tile_skip} must be a positive sequence length")
-        return tile_skip_report(args.tile_skip)
     gpu = _has_gpu()
     if not gpu and not args.smoke:
         raise SystemExit("jaxtrain.kernels.bench: no GPU visible to JAX (backend: "
