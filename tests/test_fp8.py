@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxtrain.models import fp8
+from jaxtrain.models import fp8, sidestate
 
 U32 = 2.0**-24  # float32 unit roundoff
 R8, R5 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -196,24 +196,25 @@ def test_delayed_agrees_with_flax_fp8_scaled_dot_general():
 def test_histories_combine_by_max_and_the_rest_by_sum():
     tree = {"w": jnp.array([1.0, 2.0]), "q": {fp8.META_NAME: jnp.array([[3.0, 0.0]])}}
     other = {"w": jnp.array([0.5, 0.5]), "q": {fp8.META_NAME: jnp.array([[1.0, 0.0]])}}
-    out = fp8.combine(tree, other)
+    out = sidestate.combine(tree, other)
     np.testing.assert_array_equal(out["w"], [1.5, 2.5])
     np.testing.assert_array_equal(out["q"][fp8.META_NAME], [[3.0, 0.0]])
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), tree, other)
-    red = fp8.reduce_groups(stacked)
+    red = sidestate.reduce_groups(stacked)
     np.testing.assert_array_equal(red["w"], [1.5, 2.5])
     np.testing.assert_array_equal(red["q"][fp8.META_NAME], [[3.0, 0.0]])
 
 
-def test_max_split_and_fan_out_take_the_max_of_their_uses_cotangents():
+def test_split_carry_and_fan_out_take_the_max_of_their_uses_cotangents():
     def two_uses(m):
-        a, b = fp8.max_split(m)
+        a, b = sidestate.split_carry({fp8.META_NAME: m})
+        a, b = a[fp8.META_NAME], b[fp8.META_NAME]
         return jnp.sum(a * jnp.array([3.0, 1.0])) + jnp.sum(b * jnp.array([2.0, 5.0]))
 
     np.testing.assert_array_equal(jax.grad(two_uses)(jnp.zeros(2)), [3.0, 5.0])  # a sum would give [5, 6]
 
     def fanned(m):
-        return jnp.sum(fp8.max_fan_out(m, 3) * jnp.array([[1.0], [4.0], [2.0]]))
+        return jnp.sum(sidestate.fan_out({fp8.META_NAME: m}, 3)[fp8.META_NAME] * jnp.array([[1.0], [4.0], [2.0]]))
 
     np.testing.assert_array_equal(jax.grad(fanned)(jnp.zeros(2)), [4.0, 4.0])  # a sum would give [7, 7]
 

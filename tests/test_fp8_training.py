@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain.models import fp8
+from jaxtrain.models import sidestate
 from jaxtrain.train import loop
 from jaxtrain.train import step as step_lib
 
@@ -30,7 +30,7 @@ STEPS = 3
 
 def _histories(state) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.asarray(a) for p, a in jax.tree_util.tree_leaves_with_path(state)
-            if fp8.is_meta_path(p)}
+            if sidestate.rule_of(p) is not None}
 
 
 def _train(make_config, recipe: str, overrides: list[str], n_devices: int):
@@ -109,7 +109,7 @@ def _final_histories(run_dir, step):
 
     saved = saved_tree(str(run_dir / "checkpoints" / str(step)))
     return sorted(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]
-                  if fp8.is_meta_path(p))
+                  if sidestate.rule_of(p) is not None)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+from flax import nnx
 
 from jaxtrain import __version__, rundir
 from jaxtrain.checkpoint import local as checkpoint_local
@@ -44,7 +45,6 @@ from jaxtrain.checkpoint.orbax_io import (
 )
 from jaxtrain.config import Config, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError
-from jaxtrain.models.fp8 import with_fresh_histories, without_histories
 
 _META_FILE = os.path.join(META, "metadata")  # the JsonCheckpointHandler's file
 _STATE_METADATA = os.path.join(STATE, "_METADATA")  # the PyTree handler's tree of array metadata
@@ -181,8 +181,22 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
     return source
 
 
+def params_only(model_state: Any) -> Any:
+    """A model's state (an nnx.State) with its parameters alone: what a parameters-only restore reads; any other
+    state of the model (observed state, e.g. FP8 amax histories) is the fresh run's own."""
+    return nnx.filter_state(model_state, nnx.Param) if isinstance(model_state, nnx.State) else model_state
+
+
+def with_fresh_rest(fresh_model_state: Any, restored: Any) -> Any:
+    """Restored parameters with a fresh model state's other variables (none elsewhere): a fine-tuning run's start."""
+    if not isinstance(fresh_model_state, nnx.State):
+        return restored
+    rest = nnx.filter_state(fresh_model_state, nnx.Not(nnx.Param))
+    return nnx.merge_state(rest, restored) if jax.tree.leaves(rest) else restored
+
+
 def _target(source: RestoreSource, abstract_state: Any) -> Any:
-    return abstract_state if source.kind == "resume" else {"model": without_histories(abstract_state["model"])}
+    return abstract_state if source.kind == "resume" else {"model": params_only(abstract_state["model"])}
 
 
 def _damaged(source: RestoreSource, step: int, damage: str, tried: list[str]) -> None:
@@ -329,12 +343,12 @@ def _read_step(manager, source: RestoreSource, step: int, abstract_state: Any, f
     # Parameters only: read the model subtree, keep the fresh optimizer state.
     # restore_args carry the target shardings: without them Orbax restores onto the mesh that saved the
     # checkpoint (e.g. an import sharded fsdp=8), which the train step compiled for this mesh then rejects.
-    params = without_histories(abstract_state["model"])  # FP8 histories start afresh (models/fp8.py)
+    params = params_only(abstract_state["model"])  # the rest (FP8 amax histories) starts afresh
     out = manager.restore(step, args=ocp.args.Composite(state=partial_restore({"model": params}),
                                                       meta=ocp.args.JsonRestore()))
     _verify({"model": out["state"]["model"]}, out["meta"])
     state = fresh_state()
-    state["model"] = with_fresh_histories(state["model"], out["state"]["model"])
+    state["model"] = with_fresh_rest(state["model"], out["state"]["model"])
     return state, 0, None
 
 

@@ -19,8 +19,9 @@ A *scale* is the dequantisation factor ``amax / max`` (448 for e4m3, 57344 for e
   checkpointed with it. The first step, with an empty history, scales by the current amax (TE's scale 1 would flush
   gradients of 1e-5 to zero). The history's "gradient" is what the step observed: zeros but column 0, the amaxes
   of x, w and g (Flax's overwrite-with-gradient route, the only one out of a backward pass); the train step combines
-  these with max over microbatches, data-parallel groups and pipeline iterations (:func:`combine`), never a sum,
-  and pushes the result into the history (:func:`push_observed`). A use whose output gradient is all zero observes
+  these with max over microbatches, data-parallel groups and pipeline iterations, never a sum (the history is
+  observed state: its rule is declared in :mod:`jaxtrain.models.sidestate`), and pushes the result into the history
+  (:func:`push_observed`). A use whose output gradient is all zero observes
   nothing (a pipeline's idle iterations).
 
 Current-scaling amaxes are those of the whole tensor the program computes on: GSPMD reduces a sharded tensor's
@@ -29,8 +30,8 @@ over data-parallel groups) the caller names the axes to reduce over with :func:`
 the numbers, do not depend on the layout.
 
 The model gives its attention and MLP projections an :class:`Fp8Dot` each as their ``dot_general`` (:func:`use_fp8`);
-embeddings, norms and the output projection stay in the compute dtype. The pipelines combine the histories'
-cotangents by max through :func:`max_split` (a loop carry) and :func:`max_fan_out` (one copy per batch group). This
+embeddings, norms and the output projection stay in the compute dtype. The step and the pipelines combine the
+histories' cotangents through :mod:`jaxtrain.models.sidestate`. This
 module names no mesh axis.
 """
 
@@ -319,64 +320,3 @@ def check_devices(recipe: str, devices: list) -> None:
                           "model.fp8=none")
     raise ConfigError(f"model.fp8={recipe} runs on NVIDIA GPUs of compute capability 8.9 or later (and emulated on "
                       f"CPUs), not on {dev.platform} devices ({dev.device_kind}); set model.fp8=none")
-
-
-# ---------------------------------------------------------------------------------------------------- state
-# What the train step differentiates: the parameters and the histories (whose "gradients" are observed amaxes).
-DIFFERENTIATED = nnx.Any(nnx.Param, Fp8Meta)
-
-
-def record(model: nnx.Module, observed: Any, applied: jax.Array) -> None:
-    """Push a step's combined observed amaxes (``observed``: the histories' part of the gradient tree) into the
-    model's histories, in place; a skipped step (``applied`` false: non-finite loss or gradients) keeps them."""
-    histories = nnx.state(model, Fp8Meta)
-    if jax.tree.leaves(histories):
-        nnx.update(model, jax.tree.map(lambda h, o: jnp.where(applied, push_observed(h, o), h), histories, observed))
-
-
-def without_histories(model_state: Any) -> Any:
-    """A model's state (an nnx.State) without its FP8 histories: what a parameters-only restore reads."""
-    return nnx.filter_state(model_state, nnx.Not(Fp8Meta)) if isinstance(model_state, nnx.State) else model_state
-
-
-def with_fresh_histories(fresh_model_state: Any, restored: Any) -> Any:
-    """Restored parameters with a fresh model state's FP8 histories (none elsewhere): a fine-tuning run's start."""
-    if not isinstance(fresh_model_state, nnx.State) or not jax.tree.leaves(nnx.state(fresh_model_state, Fp8Meta)):
-        return restored
-    return nnx.merge_state(nnx.filter_state(fresh_model_state, Fp8Meta), restored)
-
-
-def is_meta_path(path) -> bool:
-    """Whether a pytree key path leads into an FP8 history (a state leaf under :data:`META_NAME`)."""
-    return any(getattr(k, "key", getattr(k, "name", None)) == META_NAME for k in path)
-
-
-def combine(acc: Any, new: Any, add=jnp.add) -> Any:
-    """Two gradient trees combined leaf by leaf: FP8 histories' cotangents (observed amaxes) by max, the rest by
-    ``add`` (default +)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, a, g: jnp.maximum(a, g.astype(a.dtype)) if is_meta_path(p) else add(a, g), acc, new)
-
-
-def reduce_groups(tree: Any, axis: int = 0) -> Any:
-    """A tree of per-group gradients reduced over ``axis``: histories' cotangents by max, the rest by sum."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, g: g.max(axis) if is_meta_path(p) else g.sum(axis), tree)
-
-
-@jax.custom_vjp
-def max_split(tree: Any) -> tuple[Any, Any]:
-    """(tree, tree): two uses of one value whose cotangents combine by max (the histories' rule), not by +."""
-    return tree, tree
-
-
-max_split.defvjp(lambda t: ((t, t), None), lambda _, cts: (jax.tree.map(jnp.maximum, *cts),))
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def max_fan_out(tree: Any, n: int) -> Any:
-    """Each leaf broadcast to [n, ...]: n uses whose cotangents combine by max over the new axis."""
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), tree)
-
-
-max_fan_out.defvjp(lambda t, n: (max_fan_out(t, n), None), lambda n, _, ct: (jax.tree.map(lambda a: a.max(0), ct),))

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxtrain.models import fp8
+from jaxtrain.models import sidestate
 from jaxtrain.models.attention import REMAT_POLICIES
 from jaxtrain.parallel.mesh import without_axes
 
@@ -130,11 +130,12 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     embed: applied to x on each stage before the loop (e.g. token ids -> embeddings), so that what enters is
         integers: had the embeddings come in, their gradient would be summed over stages (an all-reduce the size of
         the local batch's activations) although only stage 0 uses them.
-    meta: pytree of [virtual, stages, ...] like chunks, or None: FP8 amax histories (jaxtrain.models.fp8), given to
-        stage_fn beside the chunk's weights as (weights, meta); their cotangents (observed amaxes) are combined by
-        max over the iterations and the batch groups, never summed, and the amaxes reduced over the batch axes.
+    meta: pytree of [virtual, stages, ...] like chunks, or None: the layers' observed state
+        (jaxtrain.models.sidestate), given to stage_fn beside the chunk's weights as (weights, meta); their
+        cotangents (the observations) are combined by their rule over the iterations and the batch groups, never
+        summed, and the model's observations reduced over the batch axes.
     with_stats: stage_fn returns (h, stats), stats a pytree of per-layer sums over this device's rows with leading
-        axis [layers per chunk] (an MoE stack's router statistics). Each stage adds its passes' stats into a buffer
+        axis [layers per chunk] (the statistics the model collects). Each stage adds its passes' stats into a buffer
         per microbatch; returned as [M, virtual * stages * layers per chunk, ...] (the layers in model order),
         summed over the batch groups: each microbatch's statistics of every layer, as without a pipeline.
 
@@ -152,12 +153,12 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     def local(chunks, x, side, meta):
         me = jax.lax.axis_index(stage_axis)
         chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [virtual, ...]: this stage's chunk for each pass
-        meta = jax.tree.map(lambda a: a[0, :, 0], meta)  # this device's copy of its stage's FP8 histories
+        meta = jax.tree.map(lambda a: a[0, :, 0], meta)  # this device's copy of its stage's observed state
         x = x if embed is None else embed(x)
 
         def iteration(carry, t):
-            h, buf, meta, stats = carry  # FP8 histories in the carry: cotangents meet by max (closed over: summed)
-            meta, meta_now = fp8.max_split(meta) if meta is not None else (None, None)
+            h, buf, meta, stats = carry  # observed state in the carry: cotangents meet by its rule (closed over: +)
+            meta, meta_now = sidestate.split_carry(meta) if meta is not None else (None, None)
             w = t - me  # this stage's work item: microbatch w % M on pass w // M (outside [0, M * virtual): idle)
             # Stage 0 reads its next work item from its buffer (fresh inputs, or microbatches back from the last
             # stage); the other stages take what the previous stage passed on.
@@ -179,7 +180,7 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
         # every microbatch's final output.
         steps = jnp.arange(iterations(s_n, m_n, virtual))
         stats = _stats_buffer(run_pass, chunks, meta, x[0], side, m_n, virtual) if with_stats else None
-        with fp8.amax_over(tuple(batch_axes)):  # FP8 amaxes of the whole microbatch, not of this device's rows
+        with sidestate.observed_over(tuple(batch_axes)):  # of the whole microbatch, not of this device's rows
             (_, buf, _, stats), _ = jax.lax.scan(iteration, (jnp.zeros(x.shape[1:], x.dtype), x, meta, stats), steps)
         # Hand stage j its share of microbatches, so that the output layer and the loss run once, split over stages.
         shares = jax.lax.all_to_all(buf.reshape(s_n, m_n // s_n, *x.shape[1:]), stage_axis, 0, 0)
@@ -199,7 +200,7 @@ def _pass_function(stage_fn: Callable, remat_policy: Callable | None) -> Callabl
     grow with the microbatches)."""
     def run_pass(chunks, v, h, side_m):
         weights = jax.tree.map(lambda a: checkpoint_name(a[v], "pipeline_chunk"), chunks)
-        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with FP8 histories
+        return stage_fn(weights, h, side_m)  # weights: (chunk, meta) with observed state
 
     policy = remat_policy or jax.checkpoint_policies.save_anything_except_these_names("pipeline_chunk")
     return jax.checkpoint(run_pass, policy=policy, prevent_cse=False)
@@ -225,7 +226,7 @@ def _stats_buffer(run_pass: Callable, chunks: Any, meta: Any, h: jax.Array, side
     """Zeros for the stats of every microbatch and pass on this stage: leaves [M, virtual, per chunk, ...] (the
     shapes of one pass's stats, ``run_pass`` traced abstractly)."""
     side_0 = None if side is None else jax.tree.map(lambda a: a[0], side)
-    weights = chunks if meta is None else (chunks, fp8.max_split(meta)[1])
+    weights = chunks if meta is None else (chunks, sidestate.split_carry(meta)[1])
     _, one = jax.eval_shape(run_pass, weights, 0, h, side_0)
     return jax.tree.map(lambda a: jnp.zeros((m_n, virtual, *a.shape), a.dtype), one)
 
@@ -238,19 +239,19 @@ def _record(buffer: Any, stats: Any, w: jax.Array, v: jax.Array, m_n: int, virtu
 
 
 def _meta_per_group(meta: Any, batch_axes: tuple[str, ...]) -> Any:
-    """FP8 histories [virtual, stages, ...] -> [groups, virtual, stages, ...], one copy per batch group, so that
-    shard_map's transpose combines their cotangents by max instead of summing them (None stays None)."""
+    """Observed state [virtual, stages, ...] -> [groups, virtual, stages, ...], one copy per batch group, so that
+    shard_map's transpose combines their cotangents by their rule instead of summing them (None stays None)."""
     if meta is None:
         return None
-    return fp8.max_fan_out(meta, math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes))
+    return sidestate.fan_out(meta, math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in batch_axes))
 
 
 def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, layout) -> tuple[jax.Array, Any]:
     """A Transformer's embedding and layer stack over the pipeline stages: tokens int [M, microbatch, seq] -> (the
     hidden states its layers give each microbatch, [M, microbatch, seq, embed] with M split over the stages
-    (logical ``stage``); an MoE model's router statistics per microbatch, ``RouterStats`` [M, G, ...] summed over
-    each microbatch's rows (G the layer groups, as the unpipelined model's scan stacks them), or None for a dense
-    model). ``segment_ids`` int [M, microbatch, seq] or None. ``layout``: the run's
+    (logical ``stage``); the statistics the model collects (jaxtrain.models.sidestate) per microbatch, [M, G, ...]
+    summed over each microbatch's rows (G the layer groups, as the unpipelined model's scan stacks them), or None
+    for a model that collects none). ``segment_ids`` int [M, microbatch, seq] or None. ``layout``: the run's
     :class:`jaxtrain.parallel.layout.Layout` (stages, the stage and batch axes, the rules inside the loop).
 
     The stack's parameters (logical ``layers`` split over stages) are gathered over the batch axes once per step
@@ -259,10 +260,10 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     (and what the policy saves).
     """
     graphdef, stacked = nnx.split(model.blocks)
-    stacked, histories = nnx.split_state(stacked, nnx.Not(fp8.Fp8Meta), fp8.Fp8Meta)  # FP8: combined by max
+    stacked, histories = sidestate.split_observed(stacked)  # combined by their rule, not summed
     chunks = stack_chunks(stacked, layout)
     meta = stack_chunks(histories, layout) if jax.tree.leaves(histories) else None
-    with_stats = bool(model.cfg.moe.experts)  # an MoE group returns (h, its RouterStats)
+    with_stats = sidestate.collected_rule(model.cfg) is not None  # a layer returns (h, its statistics)
     chunk_fn = chunk_function(graphdef, layout, with_stats=with_stats)
 
     def stage_fn(weights, h, side):
@@ -301,7 +302,7 @@ def chunk_function(graphdef, layout, remat: str = "none", with_stats: bool = Fal
     """stage_fn(chunk state, h [rows, seq, embed], segment ids [rows, seq] or None) -> h: the layers of one chunk
     (``graphdef``: one layer of the stack) as a scan, under the layout's local rules (the batch axes belong to the
     schedule's loop). ``remat`` other than "none": each layer under that ``jax.checkpoint`` policy. ``with_stats``:
-    a layer returns (h, stats) (an MoE group), and stage_fn returns (h, the stats stacked [layers in the chunk,
+    a layer returns (h, stats) (collected statistics), and stage_fn returns (h, the stats stacked [layers in the chunk,
     ...])."""
     def body(h, layer_state, segments, positions):
         out = nnx.merge(graphdef, layer_state)(h, segments, positions)

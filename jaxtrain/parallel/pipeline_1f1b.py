@@ -18,12 +18,12 @@ carry. The forward and the backward sit in ``lax.cond``: a stage with nothing to
 half, so the step takes ``(M V + S - 1)`` forward+backward times: the bubble is GPipe's,
 ``(S - 1) / (M V + S - 1)`` (:func:`jaxtrain.parallel.pipeline.bubble_fraction`).
 
-An MoE stack's router losses (``router_fn``) are each microbatch's, from its statistics over all its layers: the
-balance loss's gradient with respect to one layer's router probabilities needs the microbatch's top-k counts over
-every layer, known once its last pass leaves the last stage, which is where its backward starts. So each pass adds
-its layers' sums to a running sum that travels the forward ring with the activations; the last stage's head sums
-the counts over the batch groups and adds the router loss, and the running sum's cotangent (the same for every
-layer) travels the backward ring with the activations' cotangent.
+The loss terms of statistics the model collects (``stats_fn``; jaxtrain.models.sidestate) are each microbatch's, from
+its statistics over all its layers: the gradient with respect to one layer's statistics may need the microbatch's
+totals over every layer (the balance loss's top-k counts), known once its last pass leaves the last stage, which is
+where its backward starts. So each pass adds its layers' sums to a running sum that travels the forward ring with the
+activations; the last stage's head sums the totals over the batch groups and adds the loss terms, and the running
+sum's cotangent (the same for every layer) travels the backward ring with the activations' cotangent.
 
 :func:`loss_and_grads` names no model; :func:`pipelined_loss` runs a Transformer through it, differentiable
 (``jax.custom_vjp``) so that the train step takes ``jax.value_and_grad`` of it as of any loss.
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxtrain.models import fp8
+from jaxtrain.models import sidestate
 from jaxtrain.parallel import pipeline
 
 
@@ -84,27 +84,20 @@ def _add(acc, d):
 
 
 def _add_pass(acc, d, v, virtual: int):
-    """acc [virtual, ...] plus d at pass v; FP8 histories' cotangents (observed amaxes) by max (models/fp8.py)."""
-    def one(path, a, g):
-        g = g.astype(jnp.float32)
-        if fp8.is_meta_path(path):
-            return a.at[v].max(g)
+    """acc [virtual, ...] plus d at pass v; observed state's cotangents by its rule (models/sidestate.py)."""
+    def add_at(a, g):
         return a + g[None] if virtual == 1 else a.at[v].add(g)
-    return jax.tree_util.tree_map_with_path(one, acc, d)
+    return sidestate.combine_at(acc, jax.tree.map(lambda g: g.astype(jnp.float32), d), v, add_at)
 
 
 def _record(stats, pass_stats, f_ok, v_f, m_f):
-    """A forward pass's router statistics per layer added at [its microbatch, its pass] (nothing when idle)."""
+    """A forward pass's collected statistics per layer added at [its microbatch, its pass] (nothing when idle)."""
     return jax.tree.map(lambda b, a: b.at[m_f, v_f].add(jnp.where(f_ok, a, jnp.zeros_like(a))), stats, pass_stats)
 
 
 def _reduce_chunks(d_chunks, batch_axes, groups):
-    """The chunks' gradients summed over the batch groups (FP8 histories' cotangents: max), per group's mean."""
-    def one(path, g):
-        if fp8.is_meta_path(path):  # each group's loss was its rows' mean: its gradients' amax is groups x too big
-            return fp8.scale_gradient_amax(jax.lax.pmax(g, batch_axes) if batch_axes else g, 1 / groups)[:, None]
-        return (jax.lax.psum(g, batch_axes) if batch_axes else g)[:, None] / groups
-    return jax.tree_util.tree_map_with_path(one, d_chunks)
+    """The chunks' gradients summed over the batch groups (observed state by its rule), per group's mean."""
+    return jax.tree.map(lambda g: g[:, None], sidestate.group_mean(d_chunks, batch_axes, groups))
 
 
 class _Stage:
@@ -115,7 +108,7 @@ class _Stage:
     def __init__(self, fns: tuple[Callable, Callable, Callable, Callable | None], chunks: Any, rest: Any,
                  tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int, stage_axis: str,
                  batch_axes: tuple[str, ...]):
-        self.stage_fn, self.embed_fn, self.loss_fn, self.router_fn = fns
+        self.stage_fn, self.embed_fn, self.loss_fn, self.stats_fn = fns
         self.batch_axes, self.stage_axis = batch_axes, stage_axis
         self.rest, self.tokens, self.targets, self.side = rest, tokens, targets, side
         self.s_n, self.v_n = stages, virtual
@@ -126,14 +119,14 @@ class _Stage:
         self.groups = jax.lax.psum(1, batch_axes) if batch_axes else 1
         h_shape = jax.eval_shape(self.embed_fn, rest, tokens[0])
         self.h_zero = jnp.zeros(h_shape.shape, h_shape.dtype)
-        self.stats_zero = None  # one pass's router statistics per layer [layers in the chunk, ...] (MoE)
-        if self.router_fn is not None:
+        self.stats_zero = None  # one pass's collected statistics per layer [layers in the chunk, ...]
+        if self.stats_fn is not None:
             self.stats_zero = _zeros(jax.eval_shape(self.stage_fn, self.chunk(0), self.h_zero, self.side_of(0))[1])
-        # What travels the rings: the activations, and with router statistics their sums over the layers so far.
-        self.x_zero = self.h_zero if self.router_fn is None else (self.h_zero, _zeros(self.layer_sum(self.stats_zero)))
+        # What travels the rings: the activations, and with collected statistics their sums over the layers so far.
+        self.x_zero = self.h_zero if self.stats_fn is None else (self.h_zero, _zeros(self.layer_sum(self.stats_zero)))
 
     def stats_buffer(self, microbatches: int):
-        """Zeros for this stage's router statistics of every microbatch and pass: [M, virtual, layers, ...]."""
+        """Zeros for this stage's collected statistics of every microbatch and pass: [M, virtual, layers, ...]."""
         return jax.tree.map(lambda a: jnp.zeros((microbatches, self.v_n, *a.shape), a.dtype), self.stats_zero)
 
     @staticmethod
@@ -143,18 +136,18 @@ class _Stage:
     def run(self, chunk, x, side_m):
         """One pass: x (h, or (h, the statistics' sums so far)) -> (output like x, this pass's statistics per layer
         or None)."""
-        if self.router_fn is None:
+        if self.stats_fn is None:
             return self.stage_fn(chunk, x, side_m), None
         h, stats = self.stage_fn(chunk, x[0], side_m)
         return (h, jax.tree.map(jnp.add, x[1], self.layer_sum(stats))), stats
 
     def hidden(self, x):
-        return x if self.router_fn is None else x[0]
+        return x if self.stats_fn is None else x[0]
 
     def with_sums(self, h):
         """Activations h entering the stack (or recomputed from their saved input): the sums start at zero (they
         enter a pass additively, so a backward's recomputation needs none)."""
-        return h if self.router_fn is None else (h, self.x_zero[1])
+        return h if self.stats_fn is None else (h, self.x_zero[1])
 
     def chunk(self, v):
         """One pass's chunk: a static index, so that no copy of the stage's weights is made per iteration."""
@@ -166,7 +159,7 @@ class _Stage:
     def forward(self, t, h_ring, saved):
         """Forward half of iteration ``t``: work item ``t - me``, its input fresh from the embedding (stage 0, pass
         0) or from the ring, kept in its slot of ``saved``. Returns (output, saved, (ok, pass, microbatch), the
-        pass's router statistics per layer or None)."""
+        pass's collected statistics per layer or None)."""
         me, items, s_n, v_n = self.me, self.items, self.s_n, self.v_n
         w = t - me
         f_ok = (w >= 0) & (w < items)
@@ -183,21 +176,21 @@ class _Stage:
     def head(self, out, f_ok, v_f, m_f):
         """The last stage ends a microbatch's last pass: its loss (what is minimised, and its next-token part), the
         gradient of the loss head's parameters, and the cotangent that starts the backward (zeros on the other
-        stages and passes). With router statistics the microbatch's sums over all layers have arrived with ``out``;
-        the top-k counts and tokens are summed over the batch groups first (no gradient; every device, every
-        iteration, so that the collective sits outside the conditional)."""
+        stages and passes). With collected statistics the microbatch's sums over all layers have arrived with
+        ``out``; their totals are summed over the batch groups first (no gradient; every device, every iteration,
+        so that the collective sits outside the conditional)."""
         totals = None
-        if self.router_fn is not None:
-            totals = (out[1].counts, out[1].tokens)
+        if self.stats_fn is not None:
+            totals = self.stats_fn.totals(out[1])
             totals = jax.lax.psum(totals, self.batch_axes) if self.batch_axes else totals
 
         def loss_of(r, o):
             loss = self.loss_fn(r, self.hidden(o), self.targets[m_f])
-            if self.router_fn is None:
+            if self.stats_fn is None:
                 return loss, loss
-            # Each group's part of the router loss; the loop's sums over groups are divided by groups (the rows'
+            # Each group's part of the loss terms; the loop's sums over groups are divided by groups (the rows'
             # means), hence the factor.
-            return loss + self.groups * self.router_fn(o[1], totals), loss
+            return loss + self.groups * self.stats_fn.part(o[1], totals), loss
 
         def head():
             total, vjp, loss_m = jax.vjp(loss_of, self.rest, out, has_aux=True)
@@ -255,35 +248,36 @@ class _Stage:
         return (h_ring, ct_ring, saved, _add(losses, loss_m), d_chunks, d_rest, stats), None
 
     def add_chunk_grads(self, d_chunks, d_chunk, v_b):
-        """``d_chunk`` (of pass ``v_b``) added into the float32 sums of every pass's chunk gradients (FP8
-        histories' cotangents: by max)."""
+        """``d_chunk`` (of pass ``v_b``) added into the float32 sums of every pass's chunk gradients (observed
+        state's cotangents: by its rule)."""
         return _add_pass(d_chunks, d_chunk, v_b, self.v_n)
 
 
 def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, chunks: Any, rest: Any,
                    tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int,
-                   stage_axis: str, batch_axes: tuple[str, ...] = (), router_fn: Callable | None = None) -> tuple:
-    """(loss, d_chunks, d_rest, (next-token loss, router statistics) or None) of one step through the 1F1B
+                   stage_axis: str, batch_axes: tuple[str, ...] = (), stats_fn: Callable | None = None) -> tuple:
+    """(loss, d_chunks, d_rest, (next-token loss, collected statistics) or None) of one step through the 1F1B
     schedule.
 
     stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [rows, ...] (this device's rows); with
-        ``router_fn``, -> (h, router statistics per layer [layers in the chunk, ...], sums over the rows).
+        ``stats_fn``, -> (h, collected statistics per layer [layers in the chunk, ...], sums over the rows).
     embed_fn(rest, tokens_m) -> h: the pipeline's input of one microbatch (stage 0, pass 0).
     loss_fn(rest, h, targets_m) -> scalar: one microbatch's share of the loss from the last stage's output on its
         last pass (this device's rows).
-    router_fn(sums, (counts, tokens)) -> scalar, or None: an MoE stack's router loss of one microbatch, this
-        device's part (the parts add up over the batch groups), from its rows' statistics summed over every layer
-        (they travel the forward ring with the activations, their cotangents the backward ring) and the top-k
-        counts and tokens of all the microbatch's rows (no gradient).
+    stats_fn: :func:`jaxtrain.models.sidestate.loss_part_fn`'s, or None: ``.part(sums, totals)`` -> scalar, the
+        loss terms of one microbatch's collected statistics, this device's part (the parts add up over the batch
+        groups), from its rows' statistics summed over every layer (they travel the forward ring with the
+        activations, their cotangents the backward ring) and ``.totals(sums)`` summed over all the microbatch's
+        rows (no gradient).
     chunks: pytree of [virtual, stages, ...] (:func:`jaxtrain.parallel.pipeline.arrange_chunks`) split over
         ``stage_axis`` on dim 1, not over ``batch_axes``. rest: pytree of the parameters embed_fn and loss_fn use, not
         split over the stage or batch axes.
     tokens, targets: [M, rows, ...] (M a multiple of ``stages``); side: pytree of [M, rows, ...] or None; rows split
         over ``batch_axes``.
 
-    Returns the loss (sum over microbatches of loss_fn and router_fn, mean over the batch groups) and its gradients
+    Returns the loss (sum over microbatches of loss_fn and stats_fn, mean over the batch groups) and its gradients
     with respect to ``chunks`` (float32, split like chunks) and ``rest`` (float32, replicated). The gradients are
-    summed over the batch axes (and, for ``rest``, the stages) once, after the loop. With ``router_fn`` also the
+    summed over the batch axes (and, for ``rest``, the stages) once, after the loop. With ``stats_fn`` also the
     loss_fn part alone and the statistics per microbatch and layer [M, L, ...] summed over the rows (as
     :func:`jaxtrain.parallel.pipeline.circular` gives them).
     """
@@ -291,7 +285,7 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
     reduce_axes = (stage_axis, *batch_axes)
 
     def local(chunks, rest, tokens, targets, side):
-        stage = _Stage((stage_fn, embed_fn, loss_fn, router_fn), chunks, rest, tokens, targets, side, stages=stages,
+        stage = _Stage((stage_fn, embed_fn, loss_fn, stats_fn), chunks, rest, tokens, targets, side, stages=stages,
                        virtual=virtual, stage_axis=stage_axis, batch_axes=batch_axes)
         groups, x_zero = stage.groups, stage.x_zero
 
@@ -299,7 +293,7 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
         carry = (x_zero, x_zero, jnp.zeros((stage.slots, *stage.h_zero.shape), stage.h_zero.dtype),
                  (jnp.zeros((), jnp.float32),) * 2, _f32_zeros(stage.chunks), _f32_zeros(rest), stats)
         steps = jnp.arange(iterations(s_n, m_n, virtual))
-        with fp8.amax_over(tuple(batch_axes)):  # FP8 amaxes of the whole microbatch, not of this device's rows
+        with sidestate.observed_over(tuple(batch_axes)):  # of the whole microbatch, not of this device's rows
             (_, _, _, losses, d_chunks, d_rest, stats), _ = jax.lax.scan(stage.iteration, carry, steps)
         # The sums over devices, once per step: the loss and the embedding/head gradients live on one stage each.
         losses = jax.tree.map(lambda a: jax.lax.psum(a, reduce_axes) / groups, losses)
@@ -309,7 +303,7 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
 
     (loss, next_token), d_chunks, d_rest, stats = _on_each_device(local, stage_axis, batch_axes)(
         chunks, rest, tokens, targets, side)
-    if router_fn is None:
+    if stats_fn is None:
         return loss, d_chunks, d_rest, None
     return loss, d_chunks, d_rest, (next_token, jax.tree.map(lambda a: a.sum(0).reshape(m_n, -1, *a.shape[5:]),
                                                              stats))
@@ -317,7 +311,7 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
 
 def _on_each_device(local: Callable, stage_axis: str, batch_axes: tuple[str, ...]) -> Callable:
     """:func:`loss_and_grads`' loop ``local(chunks, rest, tokens, targets, side)`` under ``shard_map`` over the stage
-    and batch axes; its router statistics leave one row per batch group ([groups, M, virtual, stages, ...])."""
+    and batch axes; its collected statistics leave one row per batch group ([groups, M, virtual, stages, ...])."""
     rows = PartitionSpec(None, batch_axes or None)
     return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), PartitionSpec(), rows, rows, rows),
                          out_specs=(PartitionSpec(), PartitionSpec(None, stage_axis), PartitionSpec(),
@@ -326,24 +320,24 @@ def _on_each_device(local: Callable, stage_axis: str, batch_axes: tuple[str, ...
 
 
 def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: jax.Array | None, layout,
-                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array], router_fn: Callable | None = None) -> Any:
+                   loss_fn: Callable[[jax.Array, jax.Array], jax.Array], stats_fn: Callable | None = None) -> Any:
     """A Transformer's mean loss over M microbatches through the 1F1B schedule, differentiable in the model's
     parameters. tokens, targets int [M, microbatch, seq]; segment_ids int [M, microbatch, seq] or None.
     loss_fn(logits float32 [rows, seq, vocab], targets [rows, seq]) -> the mean loss of those rows.
-    router_fn: an MoE model's (:func:`loss_and_grads`); then returns (the loss with the router losses, (the
-    next-token loss, RouterStats [M, G, ...] per microbatch and layer group)), the second without gradient.
+    stats_fn: as :func:`loss_and_grads`'; then returns (the loss with the collected loss terms, (the
+    next-token loss, the statistics [M, G, ...] per microbatch and layer group)), the second without gradient.
 
     The layer stack's parameters are arranged into chunks as the GPipe schedule arranges them
     (:func:`jaxtrain.parallel.pipeline.stack_chunks`); the other parameters (embedding, final norm, output projection)
     enter the loop gathered and their gradients leave it summed over stages and batch groups.
     """
     m_n = tokens.shape[0]
-    is_stack = nnx.All(fp8.DIFFERENTIATED, nnx.PathContains("blocks"))  # with the layers' FP8 histories
+    is_stack = nnx.All(sidestate.DIFFERENTIATED, nnx.PathContains("blocks"))  # with the layers' observed state
     graphdef, *states = nnx.split(model, is_stack, nnx.Param, ...)
     stack, rest, other = states
     blocks_def = nnx.graphdef(model.blocks)  # one stacked layer's structure, as pipeline.pipelined_layers merges it
     abstract_stack = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
-    stage_fn = pipeline.chunk_function(blocks_def, layout, model.cfg.remat, with_stats=router_fn is not None)
+    stage_fn = pipeline.chunk_function(blocks_def, layout, model.cfg.remat, with_stats=stats_fn is not None)
 
     def view(r):  # the model with these non-stack parameters (the stack is never read outside the loop's chunks)
         return nnx.merge(graphdef, abstract_stack, r, other)
@@ -358,7 +352,7 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
 
     schedule = partial(loss_and_grads, stage_fn, embed_fn, head_loss, stages=layout.stages,
                        virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                       batch_axes=layout.batch_axes, router_fn=router_fn)
+                       batch_axes=layout.batch_axes, stats_fn=stats_fn)
 
     @jax.custom_vjp
     def run(chunks, rest, tokens, targets, segments):
@@ -372,14 +366,13 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
     def run_bwd(res, cotangents):
         g = cotangents[0]  # the next-token loss and the statistics are figures to log: no gradient flows from them
         d_chunks, d_rest, chunks, rest = res
-        # FP8 histories' cotangents are observed amaxes, not scaled by the loss's cotangent
-        cast = partial(jax.tree_util.tree_map_with_path,
-                       lambda path, d, p: (d if fp8.is_meta_path(path) else g * d).astype(p.dtype))
+        # observed state's cotangents are observations, not scaled by the loss's cotangent
+        cast = partial(sidestate.scale_cotangent, g=g)
         # token ids and segments (with a context axis: segments and positions, step.py): no gradient
         return cast(d_chunks, chunks), cast(d_rest, rest), None, None, jax.tree.map(lambda _: None, segment_ids)
 
     run.defvjp(run_fwd, run_bwd)
     loss, aux = run(pipeline.stack_chunks(stack["blocks"], layout), rest, tokens, targets, segment_ids)
-    if router_fn is None:
+    if stats_fn is None:
         return loss
     return loss, jax.lax.stop_gradient(aux)

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import Config
 from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
-from jaxtrain.models import fp8, moe
+from jaxtrain.models import sidestate
 from jaxtrain.optim.state import make_optimizer
 from jaxtrain.parallel import pipeline, pipeline_1f1b
 from jaxtrain.parallel.layout import Layout
@@ -70,9 +70,9 @@ class Step:
         return self._objective(params, graphdef, words, trained_tokens)[1]["loss"]
 
     def _objective(self, params, graphdef, words, trained_tokens, share=1.0):
-        """(what the step minimises, metrics): :meth:`_loss` plus an MoE model's router losses times ``share`` (this
-        part's share of the step); metrics: ``loss`` (the next-token part) and the MoE figures
-        (``jaxtrain.models.moe.objective``)."""
+        """(what the step minimises, metrics): :meth:`_loss` plus the loss terms of the statistics the model
+        collects, times ``share`` (this part's share of the step); metrics: ``loss`` (the next-token part) and the
+        collected kind's figures (``jaxtrain.models.sidestate.objective``)."""
         model = nnx.merge(graphdef, params)
         chat = self.cfg.data.format == "chat"
         tokens = words & TOKEN_BITS if chat else words
@@ -90,11 +90,11 @@ class Step:
             inputs, targets, segments, weights = (None if x is None else jnp.take(x, order, axis=1)
                                                   for x in (inputs, targets, segments, weights))
             positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape)
-        logits, router_stats = moe.logits_and_stats(model, inputs, segments, positions)
+        logits, collected = sidestate.forward(model, self.cfg.model, inputs, segments, positions)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         if weights is not None:
             losses = losses * weights
-        return moe.objective(losses.sum() / trained_tokens, router_stats, self.cfg.model.moe, share)
+        return sidestate.objective(losses.sum() / trained_tokens, collected, self.cfg.model, share)
 
     def _pipelined_loss(self, params, graphdef, batch):
         """Mean loss of the global batch through the pipeline (:meth:`_pipelined_objective`'s ``loss``)."""
@@ -103,8 +103,8 @@ class Step:
     def _pipelined_objective(self, params, graphdef, batch):
         """(what the step minimises, metrics) of the global batch through the pipeline
         (jaxtrain/parallel/pipeline.py), split into ``train.microbatches`` microbatches the way accumulation splits
-        it (microbatch i: rows i, i+k, ...); metrics as :meth:`_accumulated_grads`' (an MoE model's router losses
-        from each microbatch's statistics over all its layers, each counting 1/k).
+        it (microbatch i: rows i, i+k, ...); metrics as :meth:`_accumulated_grads`' (collected statistics' loss
+        terms from each microbatch's statistics over all its layers, each counting 1/k).
 
         The embedding is looked up on every stage (a gather: cheap, and it spares sending inputs to stage 0); the
         final norm, output projection and loss run once per microbatch, each stage taking its share."""
@@ -115,7 +115,7 @@ class Step:
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
         inputs, targets, segments = self._context_order(inputs, targets, segments)
-        hidden, router_stats = pipeline.pipelined_layers(model, inputs, segments, self.layout)
+        hidden, collected = pipeline.pipelined_layers(model, inputs, segments, self.layout)
         # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
         stages = self.layout.stages
         shares = hidden.reshape(stages, k // stages, *hidden.shape[1:])
@@ -125,37 +125,29 @@ class Step:
             return jax.vmap(lambda h1, t1: cross_entropy(model.head(h1), t1))(h, tgt).sum()
 
         loss = jax.vmap(share_loss, spmd_axis_name=self.layout.stage_axis)(shares, targets).sum() / k
-        if router_stats is None:
+        if collected is None:
             return loss, {"loss": loss}
-        router, figures = self._router_losses(router_stats)
-        return loss + router, {**figures, "loss": loss}
-
-    def _router_losses(self, router_stats):
-        """(the router losses, the MoE metrics) of a pipelined step from RouterStats [k, G, ...] per microbatch:
-        microbatch i's from its own statistics, times 1/k, summed (as :meth:`_accumulated_grads` sums them)."""
-        k = self.cfg.train.microbatches
-        router, figures = jax.vmap(lambda s: moe.objective(jnp.zeros((), jnp.float32), s, self.cfg.model.moe,
-                                                           1 / k))(router_stats)
-        return router.sum(), {name: v.sum() for name, v in figures.items() if name != "loss"}
+        terms, figures = sidestate.microbatch_objectives(collected, self.cfg.model, k)
+        return loss + terms, {**figures, "loss": loss}
 
     def _pipelined_1f1b_objective(self, params, graphdef, batch):
         """:meth:`_pipelined_objective` through the 1F1B schedule (parallel/pipeline_1f1b.py): the same
-        microbatches, the loss computed inside the loop by the last stage, the gradients written by hand there; an
-        MoE model's router losses per microbatch, as there."""
+        microbatches, the loss computed inside the loop by the last stage, the gradients written by hand there;
+        collected statistics' loss terms per microbatch, as there."""
         micro = self._microbatches(batch)
         inputs, segments = micro[:, :, :-1], None
         if self.cfg.data.document_mask:
             segments = jax.vmap(document_segments, in_axes=(0, None))(inputs, self.cfg.data.eos_id)
         inputs, targets, segments = self._context_order(inputs, micro[:, :, 1:], segments)
         model = nnx.merge(graphdef, params)
-        if not self.cfg.model.moe.experts:
+        k = self.cfg.train.microbatches
+        part_fn = sidestate.loss_part_fn(self.cfg.model, k)
+        if part_fn is None:
             loss = pipeline_1f1b.pipelined_loss(model, inputs, targets, segments, self.layout, cross_entropy)
             return loss, {"loss": loss}
-        moe_cfg, k = self.cfg.model.moe, self.cfg.train.microbatches
-        total, (loss, router_stats) = pipeline_1f1b.pipelined_loss(
-            model, inputs, targets, segments, self.layout, cross_entropy,
-            lambda sums, totals: moe.router_loss_part(sums, *totals, moe_cfg, 1 / k))
-        return total, {**self._router_losses(router_stats)[1], "loss": loss}
+        total, (loss, collected) = pipeline_1f1b.pipelined_loss(model, inputs, targets, segments, self.layout,
+                                                                cross_entropy, part_fn)
+        return total, {**sidestate.microbatch_objectives(collected, self.cfg.model, k)[1], "loss": loss}
 
     def _context_order(self, inputs, targets, segments):
         """The pipeline's int32 [M, rows, seq] inputs, targets and segment ids in the context axis's zigzag order,
@@ -197,12 +189,12 @@ class Step:
         dp_axes, dp, mesh = lay.batch_axes, lay.data_parallel, lay.mesh
         if self.cfg.train.accumulate == "sharded" or not dp_axes:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            no_metrics = moe.zero_metrics(self.cfg.model)
+            no_metrics = sidestate.zero_metrics(self.cfg.model)
 
             def accumulate(carry, tokens):
                 (_, metrics), grads = grad_fn(params, model_def, tokens)
                 metrics = jax.tree.map(lambda a, m: a + m.astype(jnp.float32), carry[0], metrics)
-                return (metrics, fp8.combine(carry[1], grads, _add_float32)), None  # histories: max
+                return (metrics, sidestate.combine(carry[1], grads, _add_float32)), None
 
             (metrics, grads), _ = jax.lax.scan(accumulate, (no_metrics, zeros), micro)
             return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -217,7 +209,7 @@ class Step:
         def group_grad(tokens):
             # Inside the per-group function the batch axes belong to the vmapped group dimension (spmd_axis_name),
             # so the model's activations must not name them again: the layout's local rules.
-            with nnx.logical_axis_rules(lay.local_rules), fp8.amax_over((_GROUPS,)):  # FP8 amax: the microbatch's
+            with nnx.logical_axis_rules(lay.local_rules), sidestate.observed_over((_GROUPS,)):
                 return grad_fn(gathered, model_def, tokens)
 
         group_grads = jax.vmap(group_grad, spmd_axis_name=dp_axes, axis_name=_GROUPS)
@@ -227,13 +219,13 @@ class Step:
 
         def accumulate(carry, tokens):
             (_, metrics), grads = group_grads(tokens)  # loss [dp], grads [dp, *param] unreduced, one per group
-            loss = metrics["loss"]  # a dense model's (the mesh check refuses this mode for MoE models)
-            grads = jax.tree.map(jax.lax.with_sharding_constraint, fp8.combine(carry[1], grads, _add_float32),
+            loss = metrics["loss"]  # the mesh check refuses this mode for models that collect statistics
+            grads = jax.tree.map(jax.lax.with_sharding_constraint, sidestate.combine(carry[1], grads, _add_float32),
                                  acc_sharding)
             return (carry[0] + loss, grads), None
 
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((dp,), jnp.float32), zeros), micro)
-        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), fp8.reduce_groups(grads), params)  # histories: max
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), sidestate.reduce_groups(grads), params)
         grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g, NamedSharding(mesh, s)),
                              grads, specs)
         return {"loss": loss.sum()}, grads
@@ -241,7 +233,7 @@ class Step:
     def train_step(self, state, batch):
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
         train_state = nnx.merge(self.layout.graphdef, state)
-        model_def, params = nnx.split(train_state.model, fp8.DIFFERENTIATED)  # FP8 histories: observed amaxes
+        model_def, params = nnx.split(train_state.model, sidestate.DIFFERENTIATED)
         if self.layout.stages > 1:
             one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
             pipelined = self._pipelined_1f1b_objective if one_f_one_b else self._pipelined_objective
@@ -252,21 +244,21 @@ class Step:
         else:
             metrics, grads = self._accumulated_grads(params, model_def, batch)
             loss = metrics["loss"]
-        grads, observed = nnx.split_state(grads, nnx.Param, fp8.Fp8Meta)  # no FP8 history in norm, clip, update
+        grads, observed = sidestate.split_gradients(grads)  # observations never enter norm, clip or update
         # A non-finite loss poisons the gradients, so that optax.apply_if_finite skips the step for either cause.
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
         opt = train_state.opt
         lr = self.schedule(opt.step[...] - opt.opt_state.total_notfinite[...])  # skipped steps do not advance it
         grad_norm = optax.tree.norm(grads)
         opt.update(train_state.model, grads)
-        fp8.record(train_state.model, observed, applied=opt.opt_state.notfinite_count[...] == 0)
+        sidestate.record(train_state.model, observed, applied=opt.opt_state.notfinite_count[...] == 0)
         # nonfinite_steps: consecutive steps skipped so far, this one included (0: this step was applied).
         return nnx.state(train_state), {"loss": metrics.pop("loss"), "grad_norm": grad_norm, "learning_rate": lr,
                                         "nonfinite_steps": opt.opt_state.notfinite_count[...], **metrics}
 
     def eval_step(self, state, batch):
         """Mean loss on one batch, no update."""
-        model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, fp8.DIFFERENTIATED)
+        model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, sidestate.DIFFERENTIATED)
         if self.layout.stages > 1:
             return self._pipelined_loss(params, model_def, batch)
         return self._loss(params, model_def, batch, self._trained_tokens(batch))
@@ -299,7 +291,7 @@ class Step:
         return NamedSharding(self.layout.mesh, PartitionSpec())
 
 
-_GROUPS = "data_parallel_groups"  # the vmap axis of unreduced accumulation's groups (FP8 amaxes reduce over it)
+_GROUPS = "data_parallel_groups"  # the vmap axis of unreduced accumulation's groups (observations reduce over it)
 
 
 def _add_float32(a, g):
