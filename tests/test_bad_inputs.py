@@ -93,7 +93,9 @@ FAST = {
     "moe top_k above experts": ([*T, "model.moe.experts=4", "model.moe.top_k=5"],
                                 "model.moe.top_k=5 must be between 1 and model.moe.experts=4"),
     "moe experts not split by the expert axis": ([*T, "model.moe.experts=6", "mesh.ici.expert=4", "mesh.ici.fsdp=1"],
-                                                 "model.moe.experts=6 is not divisible by the expert axis size 4"),
+                                                 "model.moe.experts=6 is not divisible by the expert axis size 4: "
+                                                 "make the expert axis (mesh.ici.expert x mesh.dcn.expert) one of 1, "
+                                                 "2, 3, 6, or model.moe.experts a multiple of 4 (e.g. 8)"),
     "moe capacity below a token's share": ([*T, "model.moe.experts=8", "model.moe.capacity_factor=0.25"],
                                            "model.moe.capacity_factor=0.25 gives an expert less than one token's"),
     "moe every not dividing the layers": ([*T, "model.moe.experts=8", "model.moe.every=3"],

@@ -4,7 +4,7 @@ import jax
 import pytest
 from flax import nnx
 
-from jaxtrain.config import Config, ConfigError, dump_yaml, load_config
+from jaxtrain.config import Config, ConfigError, config_warnings, dump_yaml, load_config
 from jaxtrain.models.flops import count_params
 from jaxtrain.models.moe import make_model
 from jaxtrain.parallel.dims import cpu_devices_per_process
@@ -35,6 +35,7 @@ def test_effective_config_round_trips(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("trian.steps=3", "did you mean 'train.steps'"),
     ("model.n_head=4", "did you mean 'model.n_heads'"),
+    ("model.moe.expert_d_ff=8", "did you mean 'model.moe.d_ff'"),
     ("train.steps=ten", "train.steps='ten' must be an integer"),
     ("train.steps=0", "train.steps=0 must be > 0"),
     ("model.dtype=fp8", "choose one of auto, float32, bfloat16, float16"),
@@ -107,3 +108,58 @@ def test_shipped_configs_build_the_advertised_model(name, millions):
     actual = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert actual == count_params(cfg.model)["total"]
     assert actual / 1e6 == pytest.approx(millions, rel=1e-3)
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("model.moe.expert_d_ff", "model.moe.d_ff"),  # a qualifier before a key's name: the key, not a shared prefix
+    ("model.moe.num_experts", "model.moe.experts"),
+    ("model.moe.moe_d_ff", "model.moe.d_ff"),
+    ("train.warmup_step", "train.warmup_steps"),  # a near-spelling of the whole name beats its last word (steps)
+    ("model.n_head", "model.n_heads"),
+    ("model.moe.topk", "model.moe.top_k"),
+    ("trian.steps", "train.steps"),  # a misspelt section: the whole key
+])
+def test_an_unknown_key_suggests_the_key_it_names(key, suggestion):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}=1"])
+    assert str(e.value) == f"unknown config key {key!r}; did you mean {suggestion!r}?"
+
+
+def test_experts_not_divisible_by_the_expert_axis_names_what_would_fit():
+    """6 experts over an expert axis of 4: the axis sizes that divide 6, or the next multiple of 4 experts."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.moe.experts=6", "mesh.ici.expert=4", "mesh.ici.fsdp=1"])
+    assert str(e.value) == ("model.moe.experts=6 is not divisible by the expert axis size 4: make the expert axis "
+                            "(mesh.ici.expert x mesh.dcn.expert) one of 1, 2, 3, 6, or model.moe.experts a multiple "
+                            "of 4 (e.g. 8)")
+    with pytest.raises(ConfigError, match=r"one of 1, 2, 4, 8, or model.moe.experts a multiple of 3 \(e.g. 9\)$"):
+        load_config(None, ["model.moe.experts=8", "mesh.ici.expert=3", "mesh.ici.fsdp=1", "train.global_batch=12"])
+    load_config(None, ["model.moe.experts=6", "mesh.ici.expert=3", "mesh.ici.fsdp=1", "train.global_batch=12"])
+
+
+TOP1 = ("model.moe.top_k=1 with model.moe.normalize=true: each token's one routing weight is renormalised to 1, so "
+        "the router gets no gradient from the language loss (only from model.moe.aux_loss and z_loss); set "
+        "model.moe.normalize=false (the weight is then the router's own score, as in Switch Transformer) or "
+        "model.moe.top_k >= 2")
+FP8_F32 = ("model.fp8=tensorwise with model.dtype=float32: the projections still multiply in float8 (the same "
+           "quantisation, float32 results), but attention, the norms, the embedding and the output projection compute "
+           "in float32, which on GPUs costs much of FP8's speed-up; model.dtype=bfloat16 (or auto: bfloat16 on GPUs) "
+           "is FP8's usual partner")
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["model.moe.experts=4", "model.moe.top_k=1"], [TOP1]),  # normalize=true is the default
+    (["model.moe.experts=4", "model.moe.top_k=1", "model.moe.router=sigmoid"], [TOP1]),  # s / s = 1 too
+    (["model.moe.experts=4", "model.moe.top_k=1", "model.moe.normalize=false"], []),
+    (["model.moe.experts=4", "model.moe.top_k=2"], []),
+    (["model.moe.top_k=1"], []),  # a dense model: top_k means nothing
+    (["model.fp8=tensorwise", "model.dtype=float32"], [FP8_F32]),
+    (["model.fp8=rowwise", "model.dtype=float32"], [FP8_F32.replace("tensorwise", "rowwise")]),
+    (["model.fp8=tensorwise"], []),  # auto: float32 only on CPUs, where FP8 is emulated for checking anyway
+    (["model.fp8=tensorwise", "model.dtype=bfloat16"], []),
+    (["model.fp8=none", "model.dtype=float32"], []),
+    (["model.fp8=tensorwise", "model.dtype=float32", "model.moe.experts=4", "model.moe.top_k=1"], [TOP1, FP8_F32]),
+])
+def test_valid_but_doubtful_settings_are_said_at_start_up(overrides, said):
+    """Accepted (exit 0), but `train` says these, one line each (tests/test_cli.py sees them on its stderr)."""
+    assert config_warnings(load_config(None, overrides)) == said

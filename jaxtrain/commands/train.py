@@ -24,9 +24,15 @@ def run(args) -> int:
         gc.freeze()  # and later collections skip them
         if collecting:
             gc.enable()
+    import jax
+
+    from jaxtrain import log
+    from jaxtrain.config import config_warnings
+
+    for line in config_warnings(cfg) if jax.process_index() == 0 else []:  # valid, but probably not what was
+        log.info(f"warning: {line}")  # meant: said once per job, before the long work
     compiled = None
     if cfg.mesh.auto:  # the planner picks the layout where it is first needed (docs/auto-layout.md)
-        from jaxtrain import log
         from jaxtrain.planner import auto
 
         cfg, compiled = auto.resolve(cfg, log.info)  # and its search's compile of the choice, reused

@@ -26,9 +26,9 @@ from jaxtrain.config.tree import (
     default_rules,
     unknown_config_key,
 )
-from jaxtrain.config.validate import validate
+from jaxtrain.config.validate import config_warnings, validate
 from jaxtrain.errors import ConfigError
 
 __all__ = ["FLASH_HEAD_DIMS", "AxisSizes", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig",
            "ModelConfig", "MoEConfig", "RopeScalingConfig", "RunConfig", "RuntimeConfig", "TrainConfig", "all_keys",
-           "default_rules", "dump_yaml", "load_config", "to_dict", "unknown_config_key", "validate"]
+           "config_warnings", "default_rules", "dump_yaml", "load_config", "to_dict", "unknown_config_key", "validate"]

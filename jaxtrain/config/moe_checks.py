@@ -34,3 +34,15 @@ def check_moe_config(cfg: Config) -> None:
     require(not o.moe_collapse_steps or share is None or share > uniform, f"observe.moe_collapse_share="
             f"{o.moe_collapse_share} must be above the share of tokens an expert gets when routing is uniform "
             f"(top_k / experts = {uniform:g}); raise it or set observe.moe_collapse_steps=0")
+
+
+def moe_warnings(cfg: Config) -> list[str]:
+    """Lines to say at start-up about ``model.moe`` values that are valid but probably not meant; [] for none."""
+    moe = cfg.model.moe
+    if moe.experts and moe.top_k == 1 and moe.normalize:
+        # route(): the one weight w is renormalised to w / w = 1, whose gradient is 0.
+        return ["model.moe.top_k=1 with model.moe.normalize=true: each token's one routing weight is renormalised "
+                "to 1, so the router gets no gradient from the language loss (only from model.moe.aux_loss and "
+                "z_loss); set model.moe.normalize=false (the weight is then the router's own score, as in Switch "
+                "Transformer) or model.moe.top_k >= 2"]
+    return []

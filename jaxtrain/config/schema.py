@@ -189,14 +189,23 @@ def dotted_keys(cls: Any, prefix: str = "") -> list[str]:
 def unknown_key(name: str, known: list[str], what: str) -> ConfigError:
     """ConfigError for an unknown dotted key, suggesting the closest known key: one of its own section's (the
     names compared, so that a stray name is not matched to an unrelated key), else, for a misspelt section, a key
-    of another section that is nearly the same as a whole."""
+    of another section that is nearly the same as a whole. Within the section: a near-spelling of the whole name
+    (``n_head``: ``n_heads``), else a key the name ends in after a qualifier (``expert_d_ff``: ``d_ff``, the
+    experts' width, not ``experts``, which merely shares the prefix), else the closest spelling."""
+    return ConfigError(f"unknown {what} {name!r}{_did_you_mean(name, known)}")
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
     section, _, leaf = name.rpartition(".")
     siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
-    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    words = leaf.split("_")
+    tails = ["_".join(words[i:]) for i in range(1, len(words))]  # longest first: expert_d_ff -> d_ff, ff
+    close = (difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.85)
+             or [t for t in tails if t in siblings][:1]
+             or difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6))
     suggestion = siblings[close[0]] if close else next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.8)),
                                                         None)
-    hint = f"; did you mean {suggestion!r}?" if suggestion else ""
-    return ConfigError(f"unknown {what} {name!r}{hint}")
+    return f"; did you mean {suggestion!r}?" if suggestion else ""
 
 
 def _first_leaf(key: str, value: Any) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from jaxtrain.config import locations
 from jaxtrain.config.data_checks import check_data_config
-from jaxtrain.config.moe_checks import check_moe_config
+from jaxtrain.config.moe_checks import check_moe_config, moe_warnings
 from jaxtrain.config.ops import fraction as _fraction
 from jaxtrain.config.ops import not_negative as _not_negative
 from jaxtrain.config.ops import positive as _positive
@@ -98,6 +98,21 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
     validate_ops(cfg.dist, cfg.check, cfg.observe)  # dist.*, check.*, observe.* (jaxtrain/config/ops.py)
     _validate_mesh(cfg, num_devices)
     locations.check_paths(cfg)  # files and directories last: value mistakes are reported first
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """Lines ``train`` says at start-up (``warning: ...``) about a valid config that is probably not what was meant,
+    read from the config as given (``model.dtype=auto`` not yet resolved); [] for none."""
+    m = cfg.model
+    said = moe_warnings(cfg)
+    if m.fp8 != "none" and m.dtype == "float32":
+        # Meaningful (models/fp8.py: float8 operands, float32 results; CPUs emulate FP8 so, under dtype=auto too),
+        # but where FP8 is for speed the rest of the model then computes in float32.
+        said.append(f"model.fp8={m.fp8} with model.dtype=float32: the projections still multiply in float8 (the "
+                    "same quantisation, float32 results), but attention, the norms, the embedding and the output "
+                    "projection compute in float32, which on GPUs costs much of FP8's speed-up; model.dtype=bfloat16 "
+                    "(or auto: bfloat16 on GPUs) is FP8's usual partner")
+    return said
 
 
 def _validate_mesh(cfg: Config, num_devices: Callable[[Config], int | None] | None) -> None:

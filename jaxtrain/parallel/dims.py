@@ -293,8 +293,11 @@ class ParallelDims:
         moe, ep, t = self.cfg.model.moe, self.expert, self.cfg.train
         _require(moe.experts > 0, f"the expert axis has size {ep} but the model is dense (model.moe.experts=0); "
                  "set model.moe.experts, or use the data axis for a dense model")
-        _require(moe.experts % ep == 0,
-                 f"model.moe.experts={moe.experts} is not divisible by the expert axis size {ep}")
+        if moe.experts % ep:
+            fits = ", ".join(str(d) for d in range(1, moe.experts + 1) if moe.experts % d == 0)
+            raise ConfigError(f"model.moe.experts={moe.experts} is not divisible by the expert axis size {ep}: make "
+                              f"the expert axis (mesh.ici.expert x mesh.dcn.expert) one of {fits}, or "
+                              f"model.moe.experts a multiple of {ep} (e.g. {-(-moe.experts // ep) * ep})")
         rule = rule_axes(self.cfg.mesh.rules.get("experts"))
         _require(rule in ((), (Axis.EXPERT,)), f"mesh.rules.experts={self.cfg.mesh.rules.get('experts')!r} must "
                  "be 'expert' (experts split over the expert axis) or null (every device holds all experts)")
