@@ -69,7 +69,7 @@ def _main(argv: list[str] | None) -> int:
             importlib.import_module(module).add_arguments(p)
         else:  # only the chosen command's module is imported; others accept anything until chosen
             p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         if args.command not in packages.COMMANDS_WITHOUT_CHECK:
             packages.require_runtime()  # every missing package named at once, before JAX or any of them is imported
@@ -89,6 +89,20 @@ def _main(argv: list[str] | None) -> int:
             # earlier checkpoints of a failed one are complete on disk.
             _exit_now(status)
         return status
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, except that ``key=value`` overrides may stand anywhere on the line: argparse
+    gives a ``nargs="*"`` positional only the run of words before the first option, so ``convert from-hf SRC --out
+    DIR key=value`` (the documented order) would leave ``key=value`` unrecognised. Those after an option join the
+    others, in order (a later value of a key wins, as it does between the words of one run)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        misplaced = [a for a in extra if "=" in a and not a.startswith("-")]
+        if not hasattr(args, "overrides") or len(misplaced) < len(extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *misplaced]
+    return args
 
 
 def _exit_now(code: int) -> None:

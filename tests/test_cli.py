@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from jaxtrain_testing import run_cli
@@ -83,3 +84,63 @@ def test_prepare_then_train_on_the_token_file(tmp_path):
                    "train.eval_every=0", "train.log_every=1")
     assert proc.returncode == 0, proc.stderr
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def _llama_dir(path):
+    """A Hugging Face Llama directory as far as `convert from-hf` reads it before the config is checked: config.json
+    and a safetensors file (no torch needed)."""
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "eos_token_id": 2}))
+    save_file({"model.embed_tokens.weight": np.zeros((96, 32), np.float32)}, str(path / "model.safetensors"))
+    return path
+
+
+BAD_MESH = ["runtime.cpu_devices=8", "mesh.ici.fsdp=3"]  # 3 devices of 8: the mesh is the mistake, not the batch
+MESH_ERROR = ("error: the mesh (ici.fsdp=3) has 3 devices but 8 are available; make the mesh sizes multiply to 8 (or "
+              "set one axis to -1), or set runtime.cpu_devices=3 on CPU\n")
+
+
+def test_convert_takes_overrides_on_either_side_of_out_and_names_trains_first_error(tmp_path):
+    """`convert from-hf SRC --out DIR key=value` (the documented order), the overrides before --out, or split
+    around it: each applies every override, and a bad mesh is named by the same first error as `train` names it (the
+    mesh against the 8 devices, not the batch of 16 over 3 that the mesh's axes alone would name first)."""
+    src, out = _llama_dir(tmp_path / "hf"), tmp_path / "out"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    train = run_cli("train", f"run.dir={tmp_path / 'run'}", *BAD_MESH, env=env)
+    assert train.returncode == 2 and train.stderr == MESH_ERROR, train.stderr
+    for args in ([str(src), "--out", str(out), *BAD_MESH], [str(src), *BAD_MESH, "--out", str(out)],
+                 [str(src), BAD_MESH[0], "--out", str(out), BAD_MESH[1]]):
+        proc = run_cli("convert", "from-hf", *args, env=env)
+        assert (proc.returncode, proc.stderr) == (2, MESH_ERROR), (args, proc.stderr)
+        assert not out.exists()
+    # train too: an override after --config counts (8 devices comes after it)
+    proc = run_cli("train", BAD_MESH[1], "--config", "tiny", f"run.dir={tmp_path / 'run'}", BAD_MESH[0], env=env)
+    assert (proc.returncode, proc.stderr) == (2, MESH_ERROR), proc.stderr
+    proc = run_cli("convert", "from-hf", str(src), "--out", str(out), "--bogus", *BAD_MESH, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unrecognized arguments: --bogus"), proc.stderr
+
+
+def test_doubtful_settings_are_said_at_start_up(tmp_path):
+    """Valid settings that are probably not meant (tests/test_config.py holds the lines' whole text): one warning
+    line each, first of all; here the run then stops at an empty data file, found after JAX started."""
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    proc = run_cli("train", f"run.dir={tmp_path / 'run'}", "model.moe.experts=4", "model.moe.top_k=1",
+                   "model.fp8=tensorwise", "model.dtype=float32", f"data.source={empty}",
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr
+    # jaxtrain's lines without their time stamps (JAX's C++ start-up may log its own lines too)
+    lines = [line for line in (raw.split("] ", 1)[-1] for raw in proc.stderr.splitlines())
+             if line.startswith(("warning: ", "error: "))]
+    assert len(lines) == 3 and proc.stderr.splitlines()[-1] == lines[2], proc.stderr
+    assert lines[0].startswith("warning: model.moe.top_k=1 with model.moe.normalize=true: each token's one routing "
+                               "weight is renormalised to 1, so the router gets no gradient from the language loss")
+    assert lines[1].startswith("warning: model.fp8=tensorwise with model.dtype=float32: the projections still "
+                               "multiply in float8")
+    assert lines[2] == f"error: data.source '{empty}' is empty: not a raw uint16 token file (data.token_dtype)"
+    assert not (tmp_path / "run").exists()

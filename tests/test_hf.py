@@ -155,9 +155,11 @@ def test_cli_round_trip_and_tokenizer_files(tmp_path):
     """The commands themselves: from-hf writes config.yaml + checkpoint + tokenizer files, to-hf copies them back."""
     make_hf_model(tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0"}')  # copied, not parsed
-    r = run_cli("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "jt"))
+    # an override after --out, in the order docs/huggingface.md writes them
+    r = run_cli("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "jt"), "data.seq_len=48")
     assert r.returncode == 0, r.stderr
     assert "imported" in r.stdout and "tokenizer.json" in r.stdout
+    assert "\n  seq_len: 48\n" in (tmp_path / "jt" / "config.yaml").read_text()
     assert sorted(os.listdir(tmp_path / "jt")) == ["checkpoints", "config.yaml", "generation_config.json",
                                                    "tokenizer.json"]
     r = run_cli("convert", "to-hf", str(tmp_path / "jt"), "--out", str(tmp_path / "out"))

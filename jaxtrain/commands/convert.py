@@ -47,10 +47,11 @@ def _start(cfg):
 def run(args) -> int:
     import os
 
+    from jaxtrain.cluster.distributed import cpu_device_count  # the device count train checks the mesh against
     from jaxtrain.hf import convert
 
     if args.direction == "from-hf":
-        cfg, hf_cfg, tensors = convert.hf_import_config(args.src, args.out, args.overrides)
+        cfg, hf_cfg, tensors = convert.hf_import_config(args.src, args.out, args.overrides, cpu_device_count)
         _start(cfg)
         s = convert.import_hf(cfg, hf_cfg, tensors, args.src, args.out)
         print(f"imported {s['params'] / 1e6:.2f}M parameters in {s['seconds']:.1f} s to {os.path.abspath(args.out)} "
@@ -66,7 +67,7 @@ def run(args) -> int:
     data = meta["config"].get("data", {})
     shape = convert.model_overrides(meta) + [f"data.eos_id={data.get('eos_id', 0)}",
                                              f"data.seq_len={data.get('seq_len', 128)}"]
-    cfg = load_config(None, shape + list(args.overrides))
+    cfg = load_config(None, shape + list(args.overrides), num_devices=cpu_device_count)
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise ConfigError(f"--out {args.out!r} already exists and is not an empty directory (nothing is overwritten)")
     _start(cfg)

@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -103,9 +105,12 @@ def import_run_dir(out: str) -> str:
     return os.path.join(os.path.abspath(out), "run")
 
 
-def hf_import_config(src: str, out: str, overrides: list[str]):
+def hf_import_config(src: str, out: str, overrides: list[str],
+                     num_devices: Callable[[Any], int | None] | None = None):
     """(config, Hugging Face config.json, tensors) for importing ``src`` into ``out``, with every check that needs
-    no device done: the directory, the architecture, the tensor names and shapes, and that ``out`` is new."""
+    no device done: the directory, the architecture, the tensor names and shapes, and that ``out`` is new.
+    ``num_devices``: as :func:`jaxtrain.config.load_config` takes it (the command passes train's, so that a bad
+    mesh is named by the same first error as ``train`` names it)."""
     from jaxtrain.config import load_config
 
     hf_cfg = hf.read_hf_config(src)
@@ -119,7 +124,7 @@ def hf_import_config(src: str, out: str, overrides: list[str]):
     if isinstance(eos, int):
         base.append(f"data.eos_id={eos}")
     base.append(f"run.dir={json.dumps(import_run_dir(out))}")
-    cfg = load_config(None, base + list(overrides))
+    cfg = load_config(None, base + list(overrides), num_devices=num_devices)
     return cfg, hf_cfg, tensors
 
 
