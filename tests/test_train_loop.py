@@ -86,3 +86,27 @@ def test_a_step_after_an_idle_device_is_timed_from_when_the_host_began_it():
     pending.add(1, {"loss": jnp.float32(1.0)}, started=began)
     pending.drain()
     assert reported[1] >= 0.2
+
+
+@pytest.mark.parametrize("overrides, formats", [
+    ([], "compute float32, params float32"),
+    (["model.fp8=tensorwise"], "compute float32, FP8 projections (tensorwise), params float32"),
+    (["model.fp8=rowwise", "model.dtype=bfloat16"], "compute bfloat16, FP8 projections (rowwise), params float32"),
+    (["model.fp8=delayed", "model.fp8_amax_history=16"],
+     "compute float32, FP8 projections (delayed, amax history 16), params float32"),
+])
+def test_the_start_up_line_names_the_fp8_recipe(tmp_path, capsys, monkeypatch, overrides, formats):
+    """The line said before the compile names the number formats: FP8, when on, with its recipe (a run with
+    model.fp8 said only its dtypes before). Stopped at the compile: the line is all this test needs."""
+    class Stop(Exception):
+        pass
+
+    def stop(self, with_eval):
+        raise Stop
+
+    monkeypatch.setattr(loop.Step, "compile", stop)
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "model.dtype=float32", "data.threads=0", *overrides])
+    with pytest.raises(Stop):
+        loop.train(cfg, devices=jax.devices()[:1])
+    line = next(line for line in capsys.readouterr().err.splitlines() if "compiling the train step" in line)
+    assert f"parameters, {formats}, attention xla; global batch 16 x 128 tokens ..." in line, line

@@ -28,7 +28,7 @@ from jaxtrain.checkpoint import format as ckpt
 from jaxtrain.checkpoint import local as checkpoint_local
 from jaxtrain.checkpoint.orbax_io import PreemptionWatch
 from jaxtrain.cluster import process as runtime
-from jaxtrain.config import Config, dump_yaml, hardware, to_dict
+from jaxtrain.config import Config, ModelConfig, dump_yaml, hardware, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
 from jaxtrain.models.flops import count_params, train_flops_per_token
 from jaxtrain.models.fp8_experts import precision_note
@@ -85,7 +85,7 @@ def _start(cfg: Config, devices: list | None, prebuilt: tuple | None = None) -> 
     what = "the train step (compiled by mesh.auto's search: reused)" if prebuilt else "compiling the train step"
     log.info(f"{what}: mesh {layout.shape.label} on {layout.num_devices} "
              f"{jax.devices()[0].device_kind} device(s); model {count_params(m)['total'] / 1e6:.2f}M parameters, "
-             f"compute {m.dtype}, params {m.param_dtype}, attention {m.attention}; global batch "
+             f"{precision(m)}, attention {m.attention}; global batch "
              f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens{'' if prebuilt else ' ...'}")
     note = precision_note(m)  # FP8 that leaves the routed experts in 16 bits is said, never silent
     if note:
@@ -116,6 +116,15 @@ def _start(cfg: Config, devices: list | None, prebuilt: tuple | None = None) -> 
             f.write(dump_yaml(effective))
     with runtime.process_log(cfg.run.dir):
         return _Loop(step, source, checkpointer, compiled).run(tokens, restored)
+
+
+def precision(m: ModelConfig) -> str:
+    """The start-up line's number formats: compute and parameter dtypes, and the FP8 recipe when one is on
+    (``compute bfloat16, FP8 projections (tensorwise), params float32``; docs/fp8.md)."""
+    if m.fp8 == "none":
+        return f"compute {m.dtype}, params {m.param_dtype}"
+    history = f", amax history {m.fp8_amax_history}" if m.fp8 == "delayed" else ""
+    return f"compute {m.dtype}, FP8 projections ({m.fp8}{history}), params {m.param_dtype}"
 
 
 def _import_loop_modules() -> None:
