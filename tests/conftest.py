@@ -12,6 +12,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # session, so the suite starts as cold as on a fresh machine every time (its timings are CI's) and leaves no cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxtrain-tests-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
+# Triton (the sm_90 compiles of the kernels' tests) caches under $TRITON_HOME/.triton, by default ~/.triton: unless
+# the caller chose a place (TRITON_HOME or TRITON_CACHE_DIR), the same session directory, so the suite writes nothing
+# into the home directory. Triton reads it when it compiles; child processes (run_cli, the interpreter's) inherit it.
+if "TRITON_HOME" not in os.environ and "TRITON_CACHE_DIR" not in os.environ:
+    os.environ["TRITON_HOME"] = os.environ["XDG_CACHE_HOME"]
 
 import pytest  # noqa: E402
 

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import zlib
 
 import jax
@@ -634,6 +635,18 @@ def test_triton_kernels_compile_for_sm90(dtype, d, causal, segments):
     for name, result in compiled.items():
         assert "cubin" in result.asm, name
         assert result.metadata.shared <= 228 * 1024, (name, result.metadata.shared)
+
+
+def test_triton_caches_in_the_sessions_directory_not_the_home_directory():
+    """The compiles above cache under ~/.triton by default; tests/conftest.py points Triton at the session's temporary
+    directory (removed at exit) unless the caller chose a place (TRITON_HOME or TRITON_CACHE_DIR)."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    if "TRITON_CACHE_DIR" in os.environ or os.environ.get("TRITON_HOME") != os.environ["XDG_CACHE_HOME"]:
+        pytest.skip("the caller chose Triton's cache directory")
+    assert knobs.cache.dir == os.path.join(os.environ["XDG_CACHE_HOME"], ".triton", "cache")
+    assert os.path.commonpath([knobs.cache.dir, tempfile.gettempdir()]) == tempfile.gettempdir()
 
 
 # ----------------------------------------------------------------------------------------------------------------
