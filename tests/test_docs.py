@@ -88,3 +88,23 @@ def test_configuration_reference_refuses_two_descriptions_for_one_key(tmp_path, 
     generator = _generator()
     with pytest.raises(ValueError, match=r"two_comments\.py:7: Section\.key has a comment above it and one beside"):
         generator._fields_in_source(section)
+
+
+def test_what_the_hugging_face_examples_write_in_the_checkout_is_git_ignored():
+    """docs/huggingface.md's examples, run from the checkout as shown, write model directories there (hf-small/,
+    hf-moe/, imports/, exports/, data.bin): git must not offer them for a commit."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    blocks = re.findall(r"```bash\n(.*?)```", (DOCS / "huggingface.md").read_text(encoding="utf-8"), flags=re.S)
+    written = set()
+    for block in blocks:
+        written |= set(re.findall(r"--out ([\w./-]+)", block))
+        written |= set(re.findall(r"""(?:save_pretrained|pathlib\.Path)\(['"]([\w./-]+)['"]\)""", block))
+    written = {w for w in written if not w.startswith(("/", "~")) and w != "DIR"}
+    assert {"hf-small", "hf-moe", "imports/moe", "exports/moe-ft", "data.bin"} <= written, written
+    for path in sorted(written):
+        proc = subprocess.run(["git", "check-ignore", "-q", "--no-index", f"{path}/x"], cwd=ROOT)
+        assert proc.returncode == 0, f"{path} (written by an example of docs/huggingface.md) is not git-ignored"
