@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxtrain.config import load_config
 from jaxtrain.errors import ConfigError
-from jaxtrain.models import fp8
+from jaxtrain.models import sidestate
 from jaxtrain.models.experts import GroupedMatmul, local_experts
 from jaxtrain.parallel.expert import resolve_gemm
 from jaxtrain.train import step as step_lib
@@ -33,7 +33,7 @@ def _objective_and_grads(cfg, n):
     batch = np.random.default_rng(0).integers(0, cfg.model.vocab_size, lay.batch_shape, dtype=np.int32)
 
     def run(state, words):
-        model_def, params = nnx.split(nnx.merge(lay.graphdef, state).model, fp8.DIFFERENTIATED)
+        model_def, params = nnx.split(nnx.merge(lay.graphdef, state).model, sidestate.DIFFERENTIATED)
         grad_fn = jax.value_and_grad(step._objective, has_aux=True)
         (_, metrics), grads = grad_fn(params, model_def, words, step._trained_tokens(words))
         return metrics, grads

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxtrain.config import load_config
-from jaxtrain.models import fp8
+from jaxtrain.models import sidestate
 from jaxtrain.train import step as step_lib
 from jaxtrain_testing import FAST
 
@@ -50,7 +50,7 @@ def _metrics_and_grads(overrides, n):
     batch = np.random.default_rng(0).integers(0, lay.cfg.model.vocab_size, lay.batch_shape, dtype=np.int32)
 
     def objective(state, batch):
-        model_def, params = nnx.split(nnx.merge(lay.graphdef, state).model, fp8.DIFFERENTIATED)
+        model_def, params = nnx.split(nnx.merge(lay.graphdef, state).model, sidestate.DIFFERENTIATED)
         if lay.stages > 1:
             one_f_one_b = lay.cfg.train.pipeline_schedule == "1f1b"
             objective = step._pipelined_1f1b_objective if one_f_one_b else step._pipelined_objective

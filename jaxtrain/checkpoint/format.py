@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-from flax import nnx
 
 from jaxtrain import __version__, rundir
 from jaxtrain.checkpoint import local as checkpoint_local
@@ -37,11 +36,13 @@ from jaxtrain.checkpoint.orbax_io import (
     leaf_path,
     make_manager,
     ocp,
+    params_only,
     partial_restore,
     quiet_closed_loop_callbacks,
     reason,
     save_in_flight,
     saved_tree,
+    with_fresh_rest,
 )
 from jaxtrain.config import Config, to_dict
 from jaxtrain.errors import CheckpointError, ConfigError
@@ -179,20 +180,6 @@ def choose_restore(cfg: Config, abstract_state: Any) -> RestoreSource:
         raise ConfigError(f"the checkpoint to resume is at step {source.step}, beyond train.steps={cfg.train.steps}; "
                           f"raise train.steps or set checkpoint.resume")
     return source
-
-
-def params_only(model_state: Any) -> Any:
-    """A model's state (an nnx.State) with its parameters alone: what a parameters-only restore reads; any other
-    state of the model (observed state, e.g. FP8 amax histories) is the fresh run's own."""
-    return nnx.filter_state(model_state, nnx.Param) if isinstance(model_state, nnx.State) else model_state
-
-
-def with_fresh_rest(fresh_model_state: Any, restored: Any) -> Any:
-    """Restored parameters with a fresh model state's other variables (none elsewhere): a fine-tuning run's start."""
-    if not isinstance(fresh_model_state, nnx.State):
-        return restored
-    rest = nnx.filter_state(fresh_model_state, nnx.Not(nnx.Param))
-    return nnx.merge_state(rest, restored) if jax.tree.leaves(rest) else restored
 
 
 def _target(source: RestoreSource, abstract_state: Any) -> Any:

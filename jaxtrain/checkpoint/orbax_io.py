@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 from etils import epath
+from flax import nnx
 
 from jaxtrain import log
 from jaxtrain.config import Config
@@ -237,3 +238,17 @@ def quiet_closed_loop_callbacks() -> None:
 
     hook._jaxtrain_closed_loop = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+def params_only(model_state: Any) -> Any:
+    """A model's state (an nnx.State) with its parameters alone: what a parameters-only restore reads; any other
+    state of the model (observed state, e.g. FP8 amax histories) is the fresh run's own."""
+    return nnx.filter_state(model_state, nnx.Param) if isinstance(model_state, nnx.State) else model_state
+
+
+def with_fresh_rest(fresh_model_state: Any, restored: Any) -> Any:
+    """Restored parameters with a fresh model state's other variables (none elsewhere): a fine-tuning run's start."""
+    if not isinstance(fresh_model_state, nnx.State):
+        return restored
+    rest = nnx.filter_state(fresh_model_state, nnx.Not(nnx.Param))
+    return nnx.merge_state(rest, restored) if jax.tree.leaves(rest) else restored

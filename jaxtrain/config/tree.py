@@ -15,7 +15,7 @@ from jaxtrain.config.schema import dotted_keys, unknown_key
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MESH_AXES
 
-FLASH_HEAD_DIMS = (32, 64, 128, 256)  # the flash kernels' head dims (= kernels/tiling.py SUPPORTED_HEAD_DIMS, tested)
+FLASH_HEAD_DIMS = (32, 64, 128, 256)  # the flash kernels' head dims (kernels/flash/tiling.py's, tested)
 
 
 @dataclass
@@ -125,6 +125,9 @@ class MoEConfig:
     # x top_k / experts) tokens of a sequence, the rest of its assignments are dropped (counted as moe_dropped)
     capacity_factor: float = 0.0
     aux_loss: float = 0.01  # weight of the load-balancing loss (Switch Transformer) in the training loss
+    # per_layer: each MoE layer's balance loss from its own counts, their mean over layers (Megatron-Core sums them);
+    # pooled: counts and probabilities summed over layers first (transformers' load_balancing_loss_func)
+    balance_loss: Literal["per_layer", "pooled"] = "per_layer"
     z_loss: float = 0.0  # weight of the router z-loss (ST-MoE: mean of logsumexp(logits)^2)
     # How tokens reach experts on other devices of the expert axis: all_to_all (padded to the worst case),
     # all_gather (every device gathers the axis's tokens, results reduce-scattered back); auto: fewer bytes

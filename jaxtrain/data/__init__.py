@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib
 
 _HOMES = {
-    "tokens": ("EOS", "DOC_START", "NO_LOSS", "TOKEN_BITS", "INDEX", "Tokens", "Mixture", "Stream", "Windows", "Rows",
-               "embedded_corpus", "synthetic_tokens", "check_token_ids", "load_source", "read_index",
+    "tokens": ("EOS", "DOC_START", "NO_LOSS", "PAD", "TOKEN_BITS", "INDEX", "Tokens", "Mixture", "Stream", "Windows",
+               "Rows", "embedded_corpus", "synthetic_tokens", "check_token_ids", "load_source", "read_index",
                "tokenizer_json", "file_sha256", "train_batches", "eval_batches"),
     "corpus": ("prepare",),
     "chat": ("ChatTokenizer", "load_chat", "pack", "read_examples"),

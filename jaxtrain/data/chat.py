@@ -12,7 +12,7 @@ and rendered up to the turn before with the generation prompt; tokens starting i
 the template's end-of-turn marker), every other token is not. Examples are packed whole into rows of
 ``seq_len + 1`` tokens (``data.pack=true``, each example a document of its own: attention never crosses examples)
 or put one per row; the rest of a row is padding, never trained. Rows carry the mask and the document starts in the
-high bits of each token word (:data:`jaxtrain.data.tokens.NO_LOSS`, ``DOC_START``).
+high bits of each token word (:data:`jaxtrain.data.tokens.NO_LOSS`, ``DOC_START``, ``PAD``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxtrain import log
 from jaxtrain.config import DataConfig
-from jaxtrain.data.tokens import DOC_START, NO_LOSS, Tokens, tokenizer_json
+from jaxtrain.data.tokens import DOC_START, NO_LOSS, PAD, Tokens, tokenizer_json
 from jaxtrain.errors import ConfigError, one_line
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -180,11 +180,11 @@ def read_examples(spec: str, chat: ChatTokenizer) -> list[tuple[np.ndarray, np.n
 def pack(examples: list[tuple[np.ndarray, np.ndarray]], row_len: int, packed: bool) -> tuple[np.ndarray, int]:
     """(rows int32 [n, row_len] of flagged token words, examples truncated). Examples go whole into rows in order
     (a new row when the next does not fit; one per row unless ``packed``), longer ones cut to ``row_len``; the
-    rest of a row is padding: token 0, not trained, a document of its own."""
+    rest of a row is padding: token 0, flagged PAD, not trained, a document of its own."""
     rows: list[np.ndarray] = []
     row: list[np.ndarray] = []
     truncated = 0
-    pad = np.full(row_len, NO_LOSS, dtype=np.int64)
+    pad = np.full(row_len, NO_LOSS | PAD, dtype=np.int64)
     pad[0] |= DOC_START
 
     def close():

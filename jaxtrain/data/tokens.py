@@ -9,7 +9,8 @@ repeated. A mixture interleaves the shuffled windows of several sources in propo
 only rows ``[lo, hi)`` of it, the rows its devices hold.
 
 Chat data (``data.format=chat``, jaxtrain/data/chat.py) arrives as ready rows of ``seq_len + 1`` token words whose
-high bits carry the loss mask and document starts (:data:`NO_LOSS`, :data:`DOC_START`); token files never set them.
+high bits carry the loss mask, document starts and padding (:data:`NO_LOSS`, :data:`DOC_START`, :data:`PAD`); token
+files never set them.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from jaxtrain.config import DataConfig
 from jaxtrain.errors import ConfigError, one_line
 
 EOS = 0  # byte-level documents are separated by NUL, which text does not contain
-# Flag bits of a token word in a batch (int32): the token id is the low 29 bits. NO_LOSS: this token is not a
-# training target (a prompt or padding token of chat data); DOC_START: this token starts a new document (packing).
+# Flag bits of a token word in a batch (int32): the token id is the low 28 bits. NO_LOSS: this token is not a
+# training target (a prompt or padding token of chat data); DOC_START: this token starts a new document (packing);
+# PAD: this position is padding, no token at all (chat rows' tails): never a target, never routed to an expert.
+PAD = 1 << 28
 DOC_START = 1 << 29
 NO_LOSS = 1 << 30
-TOKEN_BITS = DOC_START - 1
+TOKEN_BITS = PAD - 1
 INDEX = "index.json"  # what `prepare` writes next to its shards
 
 if TYPE_CHECKING:  # imported where used: the train command imports it while its step compiles (jaxtrain/train/loop.py)

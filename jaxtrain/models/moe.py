@@ -64,10 +64,12 @@ class MoE(nnx.Module):
             history = jnp.zeros((3, 3, cfg.fp8_amax_history), jnp.float32)
             setattr(self, fp8.META_NAME, fp8.Fp8Meta(history, out_sharding=(None, None, None)))
 
-    def __call__(self, x: jax.Array, dropless: bool = False) -> tuple[jax.Array, routing.RouterStats]:
-        """``dropless``: ignore the capacity (decoding: a drop would change what is generated)."""
+    def __call__(self, x: jax.Array, dropless: bool = False,
+                 routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """``dropless``: ignore the capacity (decoding: a drop would change what is generated); ``routed`` bool
+        [batch, seq] or None (all): the positions sent to experts (padding is not)."""
         slots = None if dropless else routing.slots_per_expert(x.shape[1], self.moe_cfg)
-        route, stats = routing.route(x, self.router[...], self.moe_cfg, slots)
+        route, stats = routing.route(x, self.router[...], self.moe_cfg, slots, routed)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
         history = getattr(self, fp8.META_NAME)[...] if self.fp8_recipe == "delayed" else None
         y = self.experts(x.astype(self.dtype), route.experts, route.weights, *w, slots, fp8=self.fp8_recipe,
@@ -92,13 +94,13 @@ class MoEBlock(nnx.Module):
         self.mlp = MoE(cfg, dtype, param_dtype, experts=experts, rngs=rngs)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
-                 cache: tuple[jax.Array, jax.Array] | None = None):
+                 cache: tuple[jax.Array, jax.Array] | None = None, routed: jax.Array | None = None):
         """x [batch, seq, embed] -> (x, RouterStats, the updated KV cache or None); with a ``cache`` (decoding, as
-        :class:`jaxtrain.models.llama.Attention`) the experts run dropless."""
+        :class:`jaxtrain.models.llama.Attention`) the experts run dropless; ``routed`` as :class:`MoE`'s."""
         attn = self.attn(self.attn_norm(x), segment_ids, positions, cache)
         attn, cache = attn if cache is not None else (attn, None)
         x = with_logical_constraint(x + attn, ACT)
-        y, stats = self.mlp(self.mlp_norm(x), dropless=cache is not None)
+        y, stats = self.mlp(self.mlp_norm(x), dropless=cache is not None, routed=routed)
         return with_logical_constraint(x + y, ACT), stats, cache
 
 
@@ -116,13 +118,13 @@ class MoEGroup(nnx.Module):
         self.dense = nnx.data(make_dense(rngs) if cfg.moe.every > 1 else None)
         self.moe = MoEBlock(cfg, dtype, param_dtype, attention=attention, experts=experts, rngs=rngs)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None,
-                 positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
-        """x [batch, seq, embed] -> (x, the MoE layer's RouterStats)."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
+                 routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """x [batch, seq, embed] -> (x, the MoE layer's RouterStats); ``routed`` as :class:`MoE`'s."""
         if self.dense is not None:
             graphdef, stacked = nnx.split(self.dense)
             x = jax.lax.scan(lambda h, s: (nnx.merge(graphdef, s)(h, segment_ids, positions), None), x, stacked)[0]
-        x, stats, _ = self.moe(x, segment_ids, positions)
+        x, stats, _ = self.moe(x, segment_ids, positions, routed=routed)
         return x, stats
 
     def decode(self, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
@@ -164,13 +166,14 @@ class MoETransformer(Transformer):
 
         return make_groups(rngs)
 
-    def layers_with_stats(self, x: jax.Array, segment_ids: jax.Array | None,
-                          positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
-        """The stack, one scan over the groups: x [batch, seq, embed] -> (x, RouterStats stacked [G, ...])."""
+    def layers_with_stats(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
+                          routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """The stack, one scan over the groups: x [batch, seq, embed] -> (x, RouterStats stacked [G, ...]);
+        ``routed`` as :class:`MoE`'s."""
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, group_state):
-            return nnx.merge(graphdef, group_state)(h, segment_ids, positions)
+            return nnx.merge(graphdef, group_state)(h, segment_ids, positions, routed)
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
@@ -180,9 +183,11 @@ class MoETransformer(Transformer):
         return self.layers_with_stats(x, segment_ids, positions)[0]
 
     def forward_with_stats(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *,
-                           positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
-        """tokens int [batch, seq] -> (logits float32 [batch, seq, vocab], RouterStats stacked [G, ...])."""
-        x, stats = self.layers_with_stats(self.embed_tokens(tokens), segment_ids, positions)
+                           positions: jax.Array | None = None,
+                           routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
+        """tokens int [batch, seq] -> (logits float32 [batch, seq, vocab], RouterStats stacked [G, ...]);
+        ``routed`` bool [batch, seq] or None (all): the positions sent to experts (not padding)."""
+        x, stats = self.layers_with_stats(self.embed_tokens(tokens), segment_ids, positions, routed)
         return self.head(x), stats
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *, positions: jax.Array | None = None,
@@ -212,10 +217,12 @@ def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs, attention: AttentionFn | Non
 
 
 def logits_and_stats(model: Transformer, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                     positions: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats | None]:
-    """(logits float32 [batch, seq, vocab], RouterStats [G, ...] of an MoE model or None for a dense one)."""
+                     positions: jax.Array | None = None,
+                     routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats | None]:
+    """(logits float32 [batch, seq, vocab], RouterStats [G, ...] of an MoE model or None for a dense one);
+    ``routed`` as :meth:`MoETransformer.forward_with_stats`'."""
     if isinstance(model, MoETransformer):
-        return model.forward_with_stats(tokens, segment_ids, positions=positions)
+        return model.forward_with_stats(tokens, segment_ids, positions=positions, routed=routed)
     return model(tokens, segment_ids, positions=positions), None
 
 
@@ -237,7 +244,7 @@ def objective(loss: jax.Array, stats: routing.RouterStats | None, moe: MoEConfig
     :func:`jaxtrain.models.routing.load_metrics`, each times ``share`` (summed over microbatches: their mean)."""
     if stats is None:
         return loss, {"loss": loss}
-    balance, z = routing.load_balancing_loss(stats), routing.z_loss(stats)
+    balance, z = routing.load_balancing_loss(stats, moe.balance_loss), routing.z_loss(stats)
     total = loss + share * (moe.aux_loss * balance + moe.z_loss * z)
     figures = {"moe_balance_loss": balance, "moe_z_loss": z, **routing.load_metrics(stats, moe.top_k)}
     return total, {"loss": loss, **{k: share * v for k, v in figures.items()}}
@@ -246,8 +253,9 @@ def objective(loss: jax.Array, stats: routing.RouterStats | None, moe: MoEConfig
 def router_loss_part(sums: routing.RouterStats, counts: jax.Array, tokens: jax.Array, moe: MoEConfig,
                      share: float) -> jax.Array:
     """Some rows' part of one microbatch's ``share`` x (aux_loss x balance + z_loss x z-loss) (:func:`objective`),
-    the parts of all its rows adding up to it: ``sums`` the rows' statistics summed over every MoE layer (prob_sum
-    [E], z_sum []), ``counts`` float32 [E] and ``tokens`` [] those of all the microbatch's rows and layers (no
-    gradient: the balance loss is linear in the probabilities given the counts)."""
-    balance = counts.shape[-1] * jnp.sum(counts / tokens * (sums.prob_sum / tokens))
-    return share * (moe.aux_loss * balance + moe.z_loss * sums.z_sum / tokens)
+    the parts of all its rows adding up to it: ``sums`` the rows' statistics per MoE layer (prob_sum [G, E], z_sum
+    [G]), ``counts`` float32 [G, E] and ``tokens`` [G] those of all the microbatch's rows (no gradient: both losses
+    are linear in the rows' probabilities and z sums given the counts and tokens)."""
+    whole = routing.RouterStats(counts, sums.prob_sum, tokens, sums.z_sum, jnp.zeros_like(tokens))
+    return share * (moe.aux_loss * routing.load_balancing_loss(whole, moe.balance_loss)
+                    + moe.z_loss * routing.z_loss(whole))

@@ -14,6 +14,11 @@ With ``capacity_factor`` > 0 each expert takes at most ``slots`` = ceil(capacity
 assignments of each sequence (a sequence is the group: the drops do not depend on the mesh); first choices of all
 tokens before anyone's second (GShard, Switch), then in token order. A dropped assignment gets weight 0 and the expert
 id ``experts`` (a sentinel no expert has): its token passes that expert by the residual.
+
+Positions that are not routed (``routed`` false: the padding of chat rows) are never sent to an expert: all their
+assignments get the sentinel and weight 0, they take no capacity slot, and they count nowhere in the statistics
+(balance loss, z-loss, load figures), as transformers' ``attention_mask`` and Megatron-Core's ``padding_mask`` exclude
+them.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ class Routing(NamedTuple):
 class RouterStats(NamedTuple):
     """One MoE layer's sums over its tokens, so that sums over layers, devices and microbatches combine exactly.
     counts float32 [E]: top-k choices per expert (before drops; no gradient); prob_sum float32 [E]: the router's
-    probabilities summed over tokens; tokens float32 []; z_sum float32 []: sum of logsumexp(logits)^2; dropped
-    float32 []: assignments the capacity dropped. Stacked over the layer groups by the model's scan: [G, ...]."""
+    probabilities summed over tokens; tokens float32 []: the routed tokens; z_sum float32 []: sum of
+    logsumexp(logits)^2; dropped float32 []: assignments the capacity dropped. Each over routed tokens only.
+    Stacked over the layer groups by the model's scan: [G, ...]."""
 
     counts: jax.Array
     prob_sum: jax.Array
@@ -67,9 +73,11 @@ def keep_mask(experts: jax.Array, num_experts: int, slots: int) -> jax.Array:
     return (place < slots).reshape(b, k, s).transpose(0, 2, 1)
 
 
-def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None) -> tuple[Routing, RouterStats]:
+def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None,
+          routed: jax.Array | None = None) -> tuple[Routing, RouterStats]:
     """Route x [batch, seq, embed] with router weights [embed, E] (``slots``: :func:`slots_per_expert`, None:
-    dropless) -> (:class:`Routing`, :class:`RouterStats`). Logits are float32 [batch, seq, E]."""
+    dropless; ``routed`` bool [batch, seq] or None (all): the positions to route) -> (:class:`Routing`,
+    :class:`RouterStats`). Logits are float32 [batch, seq, E]."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     logits = jnp.einsum("bsd,de->bse", x.astype(acc), router_w.astype(acc), precision=jax.lax.Precision.HIGHEST)
     if moe.router == "softmax":
@@ -83,45 +91,61 @@ def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None) 
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     experts = experts.astype(jnp.int32)
     e = logits.shape[-1]
+    if routed is not None:  # not routed: the sentinel (no expert, no slot, no count) and weight 0
+        experts, weights = jnp.where(routed[..., None], experts, e), jnp.where(routed[..., None], weights, 0.0)
     counts = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=(0, 1, 2))
     dropped = jnp.zeros((), acc)
     if slots is not None:
-        keep = keep_mask(experts, e, slots)
+        keep = keep_mask(experts, e, slots) | (experts == e)  # a sentinel is not a drop
         experts, weights = jnp.where(keep, experts, e), jnp.where(keep, weights, 0.0)
         dropped = jnp.sum(~keep).astype(acc)
     z = jax.nn.logsumexp(logits, axis=-1)
-    stats = RouterStats(jax.lax.stop_gradient(counts), jnp.sum(probs, axis=(0, 1)),
-                        jnp.asarray(logits.shape[0] * logits.shape[1], acc), jnp.sum(z * z), dropped)
+    if routed is None:
+        prob_sum, tokens, z_sum = jnp.sum(probs, axis=(0, 1)), jnp.asarray(z.size, acc), jnp.sum(z * z)
+    else:
+        w = routed.astype(acc)
+        prob_sum, tokens, z_sum = jnp.einsum("bse,bs->e", probs, w), jnp.sum(w), jnp.sum(z * z * w)
+    stats = RouterStats(jax.lax.stop_gradient(counts), prob_sum, tokens, z_sum, dropped)
     return Routing(experts, weights), stats
 
 
-def load_balancing_loss(stats: RouterStats) -> jax.Array:
-    """Switch Transformer's load-balancing loss from statistics with any leading axes (e.g. the layers [G, E]):
-    E x sum_e f_e x P_e, with f_e = top-k choices of e / N and P_e = summed probabilities of e / N, N the tokens
-    summed over layers. It equals transformers' ``load_balancing_loss_func`` given every MoE layer's router logits
-    (counts and probabilities summed over layers before the product, not a mean of per-layer losses); uniform
-    routing gives ``top_k`` (Megatron divides by top_k)."""
+def load_balancing_loss(stats: RouterStats, form: str = "per_layer") -> jax.Array:
+    """Switch Transformer's load-balancing loss E x sum_e f_e x P_e from statistics stacked over the MoE layers
+    (counts, prob_sum [G, E], tokens [G]; any further leading axes are more layers), with f_e = e's top-k choices / N
+    and P_e = e's summed router probabilities / N over the routed tokens N. Uniform routing gives ``top_k``
+    (Megatron-Core divides by top_k).
+
+    ``per_layer`` (the default, model.moe.balance_loss): each layer's loss from its own f and P, their mean over the
+    layers (Megatron-Core sums its per-layer losses; MaxText takes them per layer too), so that a layer that
+    collapses is penalised whatever the others do. ``pooled``: f and P summed over the layers before the product,
+    as transformers' ``load_balancing_loss_func`` computes it from every layer's router logits; layers that collapse
+    onto different experts cancel out there."""
     e = stats.counts.shape[-1]
-    n = jnp.sum(stats.tokens)
-    return e * jnp.sum(stats.counts.reshape(-1, e).sum(0) / n * (stats.prob_sum.reshape(-1, e).sum(0) / n))
+    counts, probs = stats.counts.reshape(-1, e), stats.prob_sum.reshape(-1, e)
+    tokens = jnp.maximum(stats.tokens.reshape(-1), 1.0)  # a layer that routed nothing adds 0
+    if form == "pooled":
+        n = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+        return e * jnp.sum(counts.sum(0) / n * (probs.sum(0) / n))
+    return e * jnp.mean(jnp.sum(counts / tokens[:, None] * (probs / tokens[:, None]), axis=-1))
 
 
 def z_loss(stats: RouterStats) -> jax.Array:
-    """Router z-loss (ST-MoE): the mean over tokens and layers of logsumexp(logits)^2."""
-    return jnp.sum(stats.z_sum) / jnp.sum(stats.tokens)
+    """Router z-loss (ST-MoE): the mean over routed tokens and layers of logsumexp(logits)^2."""
+    return jnp.sum(stats.z_sum) / jnp.maximum(jnp.sum(stats.tokens), 1.0)
 
 
 def load_metrics(stats: RouterStats, top_k: int) -> dict[str, jax.Array]:
     """The step's load figures from statistics stacked over layers [G, ...]:
 
     - ``moe_max_load``: the busiest expert's tokens over the mean per expert, in the worst layer (1: balanced);
-    - ``moe_top_share``: the share of a layer's tokens that chose its busiest expert, in the worst layer (uniform:
-      top_k / E; 1: every token chose it; the collapse warning watches this);
+    - ``moe_top_share``: the share of a layer's routed tokens that chose its busiest expert, in the worst layer
+      (uniform: top_k / E; 1: every token chose it; the collapse warning watches this);
     - ``moe_dropped``: the share of all assignments the capacity dropped (0 when dropless).
     """
     counts = stats.counts.reshape(-1, stats.counts.shape[-1])
     tokens = stats.tokens.reshape(-1)
     busiest = jnp.max(counts, axis=-1)
-    return {"moe_max_load": jnp.max(busiest / jnp.mean(counts, axis=-1)),
-            "moe_top_share": jnp.max(busiest / tokens),
-            "moe_dropped": jnp.sum(stats.dropped) / (jnp.sum(tokens) * top_k)}
+    mean = jnp.maximum(jnp.mean(counts, axis=-1), 1e-30)  # a layer that routed nothing: 0, not nan
+    return {"moe_max_load": jnp.max(busiest / mean),
+            "moe_top_share": jnp.max(busiest / jnp.maximum(tokens, 1.0)),
+            "moe_dropped": jnp.sum(stats.dropped) / jnp.maximum(jnp.sum(tokens) * top_k, 1.0)}

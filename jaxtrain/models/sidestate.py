@@ -73,6 +73,13 @@ def rule_of(path) -> ObservedRule | None:
     return next((r for r in OBSERVED if r.key in keys), None)
 
 
+def _rule(path) -> ObservedRule:
+    """:func:`rule_of` where the path is known to lead into observed state."""
+    rule = rule_of(path)
+    assert rule is not None, f"no observed state at {jax.tree_util.keystr(path)}"
+    return rule
+
+
 @contextlib.contextmanager
 def observed_over(axes: tuple[str, ...]) -> Iterator[None]:
     """Inside: the model's observations are also reduced over the named axes (a vmap's or shard_map's), so that they
@@ -124,12 +131,14 @@ def scale_cotangent(tree: Any, like: Any, g: jax.Array) -> Any:
 
 def split_gradients(grads: Any) -> tuple[Any, Any]:
     """(the parameters' gradients, the observations) of a gradient tree over :data:`DIFFERENTIATED`."""
-    return nnx.split_state(grads, nnx.Param, OBSERVED_STATE)
+    params, observed = nnx.split_state(grads, nnx.Param, OBSERVED_STATE)
+    return params, observed
 
 
 def split_observed(state: Any) -> tuple[Any, Any]:
     """(everything else, the observed state) of a state tree."""
-    return nnx.split_state(state, nnx.Not(OBSERVED_STATE), OBSERVED_STATE)
+    rest, observed = nnx.split_state(state, nnx.Not(OBSERVED_STATE), OBSERVED_STATE)
+    return rest, observed
 
 
 def record(model: nnx.Module, observed: Any, applied: jax.Array) -> None:
@@ -140,13 +149,13 @@ def record(model: nnx.Module, observed: Any, applied: jax.Array) -> None:
         return
 
     def one(path, value, obs):
-        return jnp.where(applied, rule_of(path).push(value, obs), value)
+        return jnp.where(applied, _rule(path).push(value, obs), value)
 
     nnx.update(model, jax.tree_util.tree_map_with_path(one, state, observed))
 
 
 def _combine_cotangents(path, a, b):
-    return rule_of(path).combine(a, b)
+    return _rule(path).combine(a, b)
 
 
 @jax.custom_vjp
@@ -167,14 +176,15 @@ def fan_out(tree: Any, n: int) -> Any:
 
 
 fan_out.defvjp(lambda t, n: (fan_out(t, n), None),
-               lambda n, _, ct: (jax.tree_util.tree_map_with_path(lambda p, a: rule_of(p).reduce(a, 0), ct),))
+               lambda n, _, ct: (jax.tree_util.tree_map_with_path(lambda p, a: _rule(p).reduce(a, 0), ct),))
 
 
 # ------------------------------------------------------------------------------------------------ collected
 @dataclasses.dataclass(frozen=True)
 class CollectedRule:
     """One kind of collected statistics. ``collects(model_cfg)``: whether the model records them; ``forward(model,
-    tokens, segments, positions)`` -> (logits, the statistics stacked over layers); ``figures``: the names of the
+    tokens, segments, positions, counted)`` -> (logits, the statistics stacked over layers, over the ``counted``
+    positions); ``figures``: the names of the
     metrics they give; ``objective(loss, stats, model_cfg, share)`` -> (loss plus ``share`` x their loss terms, the
     metrics times ``share``); ``totals(sums)``: what ``loss_part`` needs summed over all of a microbatch's rows (no
     gradient); ``loss_part(sums, totals, model_cfg, share)`` -> some rows' part of one microbatch's
@@ -193,7 +203,7 @@ ROUTER_STATS = CollectedRule(
     name="router statistics", collects=lambda cfg: bool(cfg.moe.experts), forward=moe.logits_and_stats,
     figures=moe.METRICS, objective=lambda loss, stats, cfg, share: moe.objective(loss, stats, cfg.moe, share),
     totals=lambda stats: (stats.counts, stats.tokens),
-    loss_part=lambda sums, totals, cfg, share: moe.router_loss_part(sums, *totals, cfg.moe, share))
+    loss_part=lambda sums, totals, cfg, share: moe.router_loss_part(sums, totals[0], totals[1], cfg.moe, share))
 COLLECTED: tuple[CollectedRule, ...] = (ROUTER_STATS,)
 
 
@@ -205,13 +215,13 @@ def collected_rule(cfg: ModelConfig) -> CollectedRule | None:
 
 
 def forward(model: nnx.Module, cfg: ModelConfig, tokens: jax.Array, segment_ids: jax.Array | None = None,
-            positions: jax.Array | None = None) -> tuple[jax.Array, Any]:
+            positions: jax.Array | None = None, counted: jax.Array | None = None) -> tuple[jax.Array, Any]:
     """(logits float32 [batch, seq, vocab], the collected statistics stacked over layers, or None) of tokens int
-    [batch, seq]."""
+    [batch, seq]; ``counted`` bool [batch, seq] or None (all): the positions the statistics count (not padding)."""
     rule = collected_rule(cfg)
     if rule is None:
         return model(tokens, segment_ids, positions=positions), None
-    return rule.forward(model, tokens, segment_ids, positions)
+    return rule.forward(model, tokens, segment_ids, positions, counted)
 
 
 def objective(loss: jax.Array, collected: Any, cfg: ModelConfig, share: float = 1.0) -> tuple[jax.Array, dict]:
@@ -239,7 +249,7 @@ def microbatch_objectives(collected: Any, cfg: ModelConfig, microbatches: int) -
     return terms.sum(), {name: v.sum() for name, v in figures.items() if name != "loss"}
 
 
-def loss_part_fn(cfg: ModelConfig, microbatches: int) -> Callable | None:
+def loss_part_fn(cfg: ModelConfig, microbatches: int) -> LossPart | None:
     """``fn(sums, totals)``: some rows' part of one microbatch's loss terms (the kind's ``loss_part``, each
     microbatch counting 1 / ``microbatches``), or None when ``cfg``'s model collects nothing."""
     rule = collected_rule(cfg)

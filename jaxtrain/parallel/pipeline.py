@@ -130,10 +130,9 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
     embed: applied to x on each stage before the loop (e.g. token ids -> embeddings), so that what enters is
         integers: had the embeddings come in, their gradient would be summed over stages (an all-reduce the size of
         the local batch's activations) although only stage 0 uses them.
-    meta: pytree of [virtual, stages, ...] like chunks, or None: the layers' observed state
-        (jaxtrain.models.sidestate), given to stage_fn beside the chunk's weights as (weights, meta); their
-        cotangents (the observations) are combined by their rule over the iterations and the batch groups, never
-        summed, and the model's observations reduced over the batch axes.
+    meta: pytree of [virtual, stages, ...] like chunks, or None: the layers' observed state (models/sidestate.py),
+        given to stage_fn beside the chunk's weights as (weights, meta); their cotangents (observations) combine by
+        their rule over the iterations and batch groups, never summed; the observations reduce over the batch axes.
     with_stats: stage_fn returns (h, stats), stats a pytree of per-layer sums over this device's rows with leading
         axis [layers per chunk] (the statistics the model collects). Each stage adds its passes' stats into a buffer
         per microbatch; returned as [M, virtual * stages * layers per chunk, ...] (the layers in model order),

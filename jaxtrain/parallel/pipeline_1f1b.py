@@ -21,9 +21,9 @@ half, so the step takes ``(M V + S - 1)`` forward+backward times: the bubble is 
 The loss terms of statistics the model collects (``stats_fn``; jaxtrain.models.sidestate) are each microbatch's, from
 its statistics over all its layers: the gradient with respect to one layer's statistics may need the microbatch's
 totals over every layer (the balance loss's top-k counts), known once its last pass leaves the last stage, which is
-where its backward starts. So each pass adds its layers' sums to a running sum that travels the forward ring with the
-activations; the last stage's head sums the totals over the batch groups and adds the loss terms, and the running
-sum's cotangent (the same for every layer) travels the backward ring with the activations' cotangent.
+where its backward starts. So each pass writes its layers' statistics into a buffer of every layer's that travels the
+forward ring with the activations; the last stage's head sums the totals over the batch groups and adds the loss
+terms, and the buffer's cotangent travels the backward ring with the activations' cotangent.
 
 :func:`loss_and_grads` names no model; :func:`pipelined_loss` runs a Transformer through it, differentiable
 (``jax.custom_vjp``) so that the train step takes ``jax.value_and_grad`` of it as of any loss.
@@ -122,24 +122,32 @@ class _Stage:
         self.stats_zero = None  # one pass's collected statistics per layer [layers in the chunk, ...]
         if self.stats_fn is not None:
             self.stats_zero = _zeros(jax.eval_shape(self.stage_fn, self.chunk(0), self.h_zero, self.side_of(0))[1])
-        # What travels the rings: the activations, and with collected statistics their sums over the layers so far.
-        self.x_zero = self.h_zero if self.stats_fn is None else (self.h_zero, _zeros(self.layer_sum(self.stats_zero)))
+        # What travels the rings: the activations, and with collected statistics those of every layer so far
+        # [layers of the model, ...] (zeros for the layers still ahead).
+        self.x_zero = self.h_zero if self.stats_fn is None else (self.h_zero, _zeros(self.placed(self.stats_zero, 0)))
 
     def stats_buffer(self, microbatches: int):
         """Zeros for this stage's collected statistics of every microbatch and pass: [M, virtual, layers, ...]."""
         return jax.tree.map(lambda a: jnp.zeros((microbatches, self.v_n, *a.shape), a.dtype), self.stats_zero)
 
-    @staticmethod
-    def layer_sum(stats):
-        return jax.tree.map(lambda a: a.sum(0), stats)
+    def placed(self, stats, v):
+        """One pass's statistics [layers in the chunk, ...] at their layers' rows of [layers of the model, ...]
+        (pass ``v`` of this stage holds layers from ``(v * stages + stage) * layers in the chunk``, the model's
+        order, as :func:`jaxtrain.parallel.pipeline.circular` returns them), zeros elsewhere."""
+        def one(a):
+            per_chunk = a.shape[0]
+            whole = jnp.zeros((per_chunk * self.s_n * self.v_n, *a.shape[1:]), a.dtype)
+            start = (v * self.s_n + self.me) * per_chunk
+            return jax.lax.dynamic_update_slice_in_dim(whole, a, start, axis=0)
+        return jax.tree.map(one, stats)
 
-    def run(self, chunk, x, side_m):
-        """One pass: x (h, or (h, the statistics' sums so far)) -> (output like x, this pass's statistics per layer
-        or None)."""
+    def run(self, chunk, x, side_m, v):
+        """Pass ``v``: x (h, or (h, the statistics of the layers so far)) -> (output like x, this pass's statistics
+        per layer or None)."""
         if self.stats_fn is None:
             return self.stage_fn(chunk, x, side_m), None
         h, stats = self.stage_fn(chunk, x[0], side_m)
-        return (h, jax.tree.map(jnp.add, x[1], self.layer_sum(stats))), stats
+        return (h, jax.tree.map(jnp.add, x[1], self.placed(stats, v))), stats
 
     def hidden(self, x):
         return x if self.stats_fn is None else x[0]
@@ -169,14 +177,14 @@ class _Stage:
                          lambda: self.with_sums(self.embed_fn(self.rest, self.tokens[m_f])), lambda: h_ring)
         slot = w % self.slots
         saved = saved.at[slot].set(jnp.where(f_ok, self.hidden(x), saved[slot]))
-        out, stats = jax.lax.cond(f_ok, lambda: self.run(self.chunk(v_f), x, self.side_of(m_f)),
+        out, stats = jax.lax.cond(f_ok, lambda: self.run(self.chunk(v_f), x, self.side_of(m_f), v_f),
                                   lambda: (self.x_zero, self.stats_zero))
         return out, saved, (f_ok, v_f, m_f), stats
 
     def head(self, out, f_ok, v_f, m_f):
         """The last stage ends a microbatch's last pass: its loss (what is minimised, and its next-token part), the
         gradient of the loss head's parameters, and the cotangent that starts the backward (zeros on the other
-        stages and passes). With collected statistics the microbatch's sums over all layers have arrived with
+        stages and passes). With collected statistics the microbatch's statistics of every layer have arrived with
         ``out``; their totals are summed over the batch groups first (no gradient; every device, every iteration,
         so that the collective sits outside the conditional)."""
         totals = None
@@ -214,7 +222,7 @@ class _Stage:
         ct = jax.tree.map(lambda a, b: jnp.where(head_ct, a, b), ct_head, ct_ring)
 
         def backward():
-            _, vjp = jax.vjp(lambda c, x: self.run(c, x, self.side_of(m_b))[0], self.chunk(v_b),
+            _, vjp = jax.vjp(lambda c, x: self.run(c, x, self.side_of(m_b), v_b)[0], self.chunk(v_b),
                              self.with_sums(saved[w_b % self.slots]))
             return vjp(ct)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import Config
-from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
+from jaxtrain.data.tokens import DOC_START, NO_LOSS, PAD, TOKEN_BITS
 from jaxtrain.models import sidestate
 from jaxtrain.optim.state import make_optimizer
 from jaxtrain.parallel import pipeline, pipeline_1f1b
@@ -82,15 +82,16 @@ class Step:
         elif self.cfg.data.document_mask:
             segments = document_segments(inputs, self.cfg.data.eos_id)
         weights = trained_targets(words) if chat else None
+        routed = (words[:, :-1] & PAD) == 0 if chat else None  # padding is never routed to an expert
         order = self.layout.token_order
         if order is not None:
             # Context parallelism: the int32 inputs, targets, segment ids, loss weights and their real positions
             # (rotary) take the load-balanced zigzag order once per step; nothing is permuted per layer, and the
             # summed loss does not depend on the order (jaxtrain/parallel/context.py).
-            inputs, targets, segments, weights = (None if x is None else jnp.take(x, order, axis=1)
-                                                  for x in (inputs, targets, segments, weights))
+            inputs, targets, segments, weights, routed = (None if x is None else jnp.take(x, order, axis=1)
+                                                          for x in (inputs, targets, segments, weights, routed))
             positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape)
-        logits, collected = sidestate.forward(model, self.cfg.model, inputs, segments, positions)
+        logits, collected = sidestate.forward(model, self.cfg.model, inputs, segments, positions, routed)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         if weights is not None:
             losses = losses * weights
