@@ -29,7 +29,9 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.planner import auto, search, space, trial  # noqa: E402
+from jaxtrain.planner.auto import choose as auto  # noqa: E402
+from jaxtrain.planner.auto import space, trial  # noqa: E402
+from jaxtrain.planner.search import meshes as search  # noqa: E402
 
 
 def check(run_dir: str) -> str:

@@ -41,8 +41,11 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.planner import auto, auto_report, compile_cache, search, space, trial  # noqa: E402
-from jaxtrain.planner.measure import back_and_forth  # noqa: E402
+from jaxtrain.planner.auto import choose as auto  # noqa: E402
+from jaxtrain.planner.auto import compile_cache, space, trial  # noqa: E402
+from jaxtrain.planner.auto import report as auto_report  # noqa: E402
+from jaxtrain.planner.cost.measure import back_and_forth  # noqa: E402
+from jaxtrain.planner.search import meshes as search  # noqa: E402
 
 CONFIGS = {
     "tiny": [],  # the built-in tiny config: 0.8M parameters, 16 x 128 tokens a step

@@ -16,9 +16,9 @@ instead of Triton fusions); each GEMM path runs in a process of its own, since X
 Each row: the step (fsdp over the 8 GPUs, ``--rows`` sequences of the config's length per GPU, bfloat16, cuDNN
 attention, the config's remat), compile seconds, the float8 GEMMs by kind (forward e4m3 x e4m3, input gradient e5m2
 x e4m3, weight gradient e4m3 x e5m2) and the 16-bit ones, the scales (cuBLASLt: scale operands other than 1; Triton:
-scalars fused into the GEMM), the verdict of ``jaxtrain.planner.fp8_gemms.fp8_problems`` (16-bit GEMMs are allowed
-over the vocabulary (the output projection) and with batch dimensions (attention) only), and the memory per device
-(``Compiled.memory_analysis``: arguments + temporaries + outputs not aliased) against the BF16 step's.
+scalars fused into the GEMM), the verdict of ``jaxtrain.planner.xla_gpu.fp8_gemms.fp8_problems`` (16-bit GEMMs are
+allowed over the vocabulary (the output projection) and with batch dimensions (attention) only), and the memory per
+device (``Compiled.memory_analysis``: arguments + temporaries + outputs not aliased) against the BF16 step's.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def compile_one(config: str, recipe: str, rows: int, target: str, hlo_dir: str |
 
     from jaxtrain.config import load_config
     from jaxtrain.parallel.layout import compiled_need
-    from jaxtrain.planner import fp8_gemms
+    from jaxtrain.planner.xla_gpu import fp8_gemms
     from jaxtrain.train.step import setup
 
     with open(target) as f:
@@ -100,7 +100,7 @@ def excerpt(text: str) -> str:
     line kept is one XLA printed, less those attributes."""
     import re
 
-    from jaxtrain.planner.hlo import fused_computation, parse_hlo
+    from jaxtrain.planner.cost.hlo import fused_computation, parse_hlo
 
     module = parse_hlo(text)
     keep_comps = {c for c, instrs in module.comps.items() if any(i.opcode == "dot" for i in instrs)}

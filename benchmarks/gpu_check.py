@@ -37,8 +37,8 @@ SMOKE_BUDGET_S = 7200  # --smoke on a shared 2-core CPU machine: a ceiling, not 
 OVERHEAD_S = 5  # this script's own work between sections (reports), outside every cap
 
 # What the sections run, in one place.
-KERNEL_BENCH = "jaxtrain.kernels.bench"
-GMM_BENCH = "jaxtrain.kernels.gmm_bench"
+KERNEL_BENCH = "jaxtrain.kernels.bench.flash"
+GMM_BENCH = "jaxtrain.kernels.bench.gmm"
 KERNEL_TESTS = "tests/test_flash_attention.py"
 QUICK_TESTS = "test_gpu_values_and_grads and bfloat16"
 MORE_TESTS = "(test_gpu_values_and_grads and float32) or test_document_mask_skips or test_remat_policy"

@@ -43,7 +43,7 @@ def trial_probe(repeats: int) -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     from jaxtrain.config import load_config
-    from jaxtrain.planner import space, trial
+    from jaxtrain.planner.auto import space, trial
 
     cfg = load_config(None, ["runtime.cpu_devices=8", "mesh.auto=true"])
     devices = jax.devices()[:8]

@@ -3,7 +3,7 @@
     python benchmarks/tile_skip.py [--seq 4096]
 
 Windows and segment ids as jaxtrain's training makes them (byte-level, NUL-separated documents; a segment ends with
-its NUL); the kernels' benchmark (``jaxtrain.kernels.bench.tile_skip_report``) counts the tiles. The documents are
+its NUL); the kernels' benchmark (``jaxtrain.kernels.bench.flash.tile_skip_report``) counts the tiles. The documents are
 read here, not in the kernels, which import nothing else of jaxtrain. No GPU needed.
 """
 
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from jaxtrain.data import EOS, embedded_corpus  # noqa: E402
-from jaxtrain.kernels import bench  # noqa: E402
+from jaxtrain.kernels.bench import flash as bench  # noqa: E402
 
 
 def corpus_segments(seq: int) -> np.ndarray:

@@ -11,7 +11,11 @@ from jaxtrain.config import load_config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MESH_AXES
-from jaxtrain.planner import auto, auto_report, calibration, compile_cache, cost, space, trial
+from jaxtrain.planner.auto import choose as auto
+from jaxtrain.planner.auto import compile_cache, space, trial
+from jaxtrain.planner.auto import report as auto_report
+from jaxtrain.planner.cost import calibration
+from jaxtrain.planner.cost import model as cost
 
 # One device: the candidates differ in remat only (one microbatch), so the slow test compiles two small steps.
 SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.d_ff=64",
@@ -94,7 +98,7 @@ def test_model_is_measured_in_rounds_back_and_forth_keeping_each_points_fastest(
     """measure.measure_model times its points in MODEL_ROUNDS rounds, every other one reversed, warming up in the
     first only, and turns each point's fastest run (whichever round it fell in) into its efficiency: a slow moment of
     the machine then weighs on every point alike. The real model runs; only the clock is replaced."""
-    from jaxtrain.planner import measure
+    from jaxtrain.planner.cost import measure
     cfg = make_config(*SMALL, "runtime.cpu_devices=1", "mesh.ici.fsdp=1")
     devices = jax.devices()[:1]
     points = [("none", 1), ("full", 1)]
@@ -122,7 +126,7 @@ def test_a_calibration_files_peak_leaves_the_measured_model_time_as_measured(mak
     calibration file whose matmul rate is a third of the one measured at hand leaves the compute estimate of the
     measured layout at the model's measured time (measured against the other peak, it had tripled). The clock is
     fixed (every timing 50 ms), so both searches measure the same."""
-    from jaxtrain.planner import measure
+    from jaxtrain.planner.cost import measure
     cfg = make_config(*SMALL, "runtime.cpu_devices=1", "mesh.ici.fsdp=1")
     devices = jax.devices()[:1]
     monkeypatch.setattr(measure, "_best_time", lambda fn, seconds, times=None, at_least=1, warm_up=True: 0.05)
@@ -179,7 +183,7 @@ def test_the_model_is_not_timed_where_its_copy_per_device_would_not_fit_the_host
     """The model's timing holds a whole copy of the weights on every CPU device (no sharding): with a vocabulary
     making that copy twice the host's available memory a device (the training state, sharded 8 ways, fits), the
     search takes compute_efficiency instead and says so; the matmul table, small, is still measured."""
-    from jaxtrain.planner import measure
+    from jaxtrain.planner.cost import measure
     from jaxtrain.train.guards import available_memory
 
     share = available_memory()[0]

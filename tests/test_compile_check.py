@@ -80,7 +80,7 @@ def test_cases_come_from_the_shipped_configs():
     tokens less, with its head dim and GQA group, bfloat16, causal, no segments, and rows enough for the unsplit
     dk/dv launch; the CI subset has the 1B, 7B and 70B calls; the generic matrix adds head dim 32, the masked path
     and the split dk/dv launch."""
-    from jaxtrain.kernels import tiling
+    from jaxtrain.kernels.flash import tiling
 
     tool = _load_tool()
     full, ci = tool.full_matrix(), tool.ci_subset()

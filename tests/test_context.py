@@ -11,9 +11,9 @@ from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel import context
 from jaxtrain.parallel.layout import Layout, resolve_auto
 from jaxtrain.parallel.mesh import build_mesh
-from jaxtrain.planner.collectives import stated_collectives
-from jaxtrain.planner.cost import group_span
-from jaxtrain.planner.hlo import parse_hlo
+from jaxtrain.planner.cost.collectives import stated_collectives
+from jaxtrain.planner.cost.hlo import parse_hlo
+from jaxtrain.planner.cost.model import group_span
 from jaxtrain.train import loop
 from jaxtrain.train.step import Step
 from jaxtrain_testing import FAST

@@ -21,7 +21,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxtrain.kernels import flash_attention, flash_pallas, flash_triton, mha_reference, tiling, triton_kernels
+from jaxtrain.kernels import flash_attention, mha_reference
+from jaxtrain.kernels.flash import pallas as flash_pallas
+from jaxtrain.kernels.flash import tiling, triton_kernels
+from jaxtrain.kernels.flash import triton as flash_triton
 
 
 def _has_gpu() -> bool:
@@ -682,7 +685,7 @@ def test_gpu_values_and_grads(case):
 
 
 def test_bench_smoke_mode_runs_every_implementation_and_writes_reports(tmp_path, capsys):
-    from jaxtrain.kernels import bench
+    from jaxtrain.kernels.bench import flash as bench
 
     rows = bench.main(["--smoke", "--causal", "true", "--out", str(tmp_path)])
     printed = capsys.readouterr().out

@@ -251,8 +251,8 @@ def _triton_block_errors() -> dict:
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from test_flash_attention import interpreter_launch
 
-    from jaxtrain.kernels import flash_triton
-    from jaxtrain.kernels.common import LN2, LOG2E, may_have_empty_rows
+    from jaxtrain.kernels.flash import triton as flash_triton
+    from jaxtrain.kernels.flash.common import LN2, LOG2E, may_have_empty_rows
 
     launch = interpreter_launch()
 

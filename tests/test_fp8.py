@@ -299,8 +299,8 @@ def test_the_cost_model_puts_the_projections_at_the_fp8_rate():
     A100's file has no FP8 rate, so planning FP8 there is refused."""
     from jaxtrain.config import ConfigError, load_config
     from jaxtrain.config.hardware import load_hardware
-    from jaxtrain.planner.cost import fp8_share, peak_rate
-    from jaxtrain.planner.target import fp8_notes
+    from jaxtrain.planner.cost.model import fp8_share, peak_rate
+    from jaxtrain.planner.search.target import fp8_notes
 
     cfg = load_config("7b", ["model.fp8=tensorwise"])
     m, seq = cfg.model, cfg.data.seq_len

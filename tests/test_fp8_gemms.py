@@ -1,12 +1,12 @@
-"""jaxtrain.planner.fp8_gemms on stored compiled programs (tests/golden/fp8-*.hlo.txt, excerpts of what XLA printed;
-tests/golden/README.md says how they were made): the 1B train step compiled with XLA:GPU for H100 with and without
-model.fp8, and an FP8 matmul compiled by XLA:CPU, which converts float8 to float32 before its dots."""
+"""jaxtrain.planner.xla_gpu.fp8_gemms on stored compiled programs (tests/golden/fp8-*.hlo.txt, excerpts of what XLA
+printed; tests/golden/README.md says how they were made): the 1B train step compiled with XLA:GPU for H100 with and
+without model.fp8, and an FP8 matmul compiled by XLA:CPU, which converts float8 to float32 before its dots."""
 
 import os
 
 import pytest
 
-from jaxtrain.planner import fp8_gemms
+from jaxtrain.planner.xla_gpu import fp8_gemms
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 VOCAB_1B = 128256

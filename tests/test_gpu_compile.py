@@ -1,8 +1,8 @@
-"""Compiling for GPUs without one (jaxtrain.planner.xla_gpu): finding the compiler, failures in one line, and the
-plan's table and JSON with XLA:GPU's figures beside the CPU-derived ones; slow: every layout of
+"""Compiling for GPUs without one (jaxtrain.planner.xla_gpu.deviceless): finding the compiler, failures in one line, and
+the plan's table and JSON with XLA:GPU's figures beside the CPU-derived ones; slow: every layout of
 tools/gpu_layouts.py marked ``ci`` (the README's and docs' layouts, 1B to 70B, every axis and both pipeline
 schedules) compiled by XLA:GPU for its hardware file's GPU and node count, each in its own process, with the attention
-that will run, and its program checked (planner/gpu_program.py).
+that will run, and its program checked (planner/xla_gpu/program.py).
 
 The slow test needs a GPU compiler: a Python with a CUDA jax plugin, named by JAXTRAIN_GPU_COMPILER (docs/testing.md:
 the 1.6 GB it needs beside jax is not installed by .ci/run); it skips without one.
@@ -20,8 +20,10 @@ from jaxtrain.config import load_config
 from jaxtrain.config.hardware import load_hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MeshShape
-from jaxtrain.planner import report, search, xla_gpu
-from jaxtrain.planner.collectives import Collective
+from jaxtrain.planner.cost.collectives import Collective
+from jaxtrain.planner.search import meshes as search
+from jaxtrain.planner.search import report
+from jaxtrain.planner.xla_gpu import deviceless as xla_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("gpu_layouts", os.path.join(REPO, "tools", "gpu_layouts.py"))

@@ -1,5 +1,5 @@
 """XLA:GPU's own programs, read without compiling: the planner's reading of their collectives and the checks of
-``jaxtrain.planner.gpu_program`` (attention kernel, no S x S scores on a flash path, no float32 GEMM in 16-bit runs,
+``jaxtrain.planner.xla_gpu.program`` (attention kernel, no S x S scores on a flash path, no float32 GEMM in 16-bit runs,
 the collectives the cost model expects), on the tiny model's train steps compiled by XLA:GPU for 8 H100s without a
 GPU and trimmed (``tests/golden/gpu-*.hlo.txt``, ``python tests/golden/generate_gpu.py``; tests/golden/README.md).
 """
@@ -13,7 +13,8 @@ import pytest
 from jaxtrain.config import load_config
 from jaxtrain.models.flops import count_params
 from jaxtrain.parallel.dims import MESH_AXES, MeshShape
-from jaxtrain.planner import collectives, gpu_program, hlo, passes
+from jaxtrain.planner.cost import collectives, hlo, passes
+from jaxtrain.planner.xla_gpu import program as gpu_program
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 with open(os.path.join(GOLDEN, "goldens_gpu.json")) as _f:

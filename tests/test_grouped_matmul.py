@@ -19,7 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain.kernels import gmm_api, gmm_plan, gmm_triton, grouped_matmul
+from jaxtrain.kernels import grouped_matmul
+from jaxtrain.kernels.gmm import api as gmm_api
+from jaxtrain.kernels.gmm import plan as gmm_plan
+from jaxtrain.kernels.gmm import triton as gmm_triton
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,12 +277,12 @@ def test_band_order_visits_every_output_tile_once():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Benchmark (python -m jaxtrain.kernels.gmm_bench)
+# Benchmark (python -m jaxtrain.kernels.bench.gmm)
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def test_bench_routing_draws_top_k_distinct_experts_per_token():
-    from jaxtrain.kernels import gmm_bench
+    from jaxtrain.kernels.bench import gmm as gmm_bench
 
     for routing in gmm_bench.ROUTINGS:
         sizes = gmm_bench.group_sizes(routing, 1000, 8, 2)
@@ -289,7 +292,7 @@ def test_bench_routing_draws_top_k_distinct_experts_per_token():
 
 
 def test_bench_refuses_without_a_gpu_and_rejects_bad_arguments(capsys):
-    from jaxtrain.kernels import gmm_bench
+    from jaxtrain.kernels.bench import gmm as gmm_bench
 
     with pytest.raises(SystemExit, match="no GPU visible to JAX"):
         gmm_bench.main([])
@@ -304,7 +307,7 @@ def test_bench_refuses_without_a_gpu_and_rejects_bad_arguments(capsys):
 def test_bench_smoke_runs_every_implementation(capsys):
     """--smoke on CPU: the Pallas kernels (interpreted), ragged_dot and the dense einsum run and agree with the
     float32 reference to bfloat16 rounding; triton records why it cannot run; every row is a JSON line."""
-    from jaxtrain.kernels import gmm_bench
+    from jaxtrain.kernels.bench import gmm as gmm_bench
 
     rows = gmm_bench.main(["--smoke", "--routing", "balanced", "--projections", "up"])
     by_impl = {r["impl"]: r for r in rows}

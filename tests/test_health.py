@@ -185,8 +185,8 @@ def test_verdict_shares_are_validated_once_at_config_time(make_config, key):
 def test_check_writes_a_calibration_the_planner_reads(make_config, capsys):
     """check on 8 CPU devices (fsdp8) saves its median matmul rate (per device: emulated devices share the cores),
     the fsdp axis' all-reduce bus bandwidth and latency; the plan takes those figures and says they are measured."""
-    from jaxtrain.planner import calibration
-    from jaxtrain.planner.measure import measure_cpu
+    from jaxtrain.planner.cost import calibration
+    from jaxtrain.planner.cost.measure import measure_cpu
 
     cfg = make_config("check.sizes_mb=[0.0625,1]", "check.iters=2", "check.matmul_size=128")
     health.run(cfg)

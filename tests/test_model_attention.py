@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import FLASH_HEAD_DIMS, ConfigError, load_config
-from jaxtrain.kernels import flash_pallas
+from jaxtrain.kernels.flash import pallas as flash_pallas
 from jaxtrain.train import loop
 
 BASE = ["model.dtype=float32", "model.param_dtype=float32", "train.steps=5", "train.eval_every=0",

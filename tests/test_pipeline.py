@@ -19,9 +19,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.parallel import pipeline, pipeline_1f1b
 from jaxtrain.parallel.dims import MESH_AXES
-from jaxtrain.planner.collectives import stated_collectives
-from jaxtrain.planner.cost import group_span
-from jaxtrain.planner.hlo import parse_hlo
+from jaxtrain.planner.cost.collectives import stated_collectives
+from jaxtrain.planner.cost.hlo import parse_hlo
+from jaxtrain.planner.cost.model import group_span
 from jaxtrain.train import loop
 from jaxtrain.train import step as step_lib
 from jaxtrain_testing import FAST

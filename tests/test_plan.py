@@ -19,7 +19,10 @@ from jaxtrain.models import flops as model
 from jaxtrain.models.flops import count_params
 from jaxtrain.parallel.dims import MESH_AXES, MeshShape
 from jaxtrain.parallel.mesh import build_mesh
-from jaxtrain.planner import collectives, cost, report, search
+from jaxtrain.planner.cost import collectives
+from jaxtrain.planner.cost import model as cost
+from jaxtrain.planner.search import meshes as search
+from jaxtrain.planner.search import report
 from jaxtrain_testing import FAST, run_cli
 
 MESHES = {

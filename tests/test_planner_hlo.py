@@ -1,4 +1,4 @@
-"""The planner's HLO reading (jaxtrain.planner.hlo and .passes), on HLO text stored in tests/golden/: no compiling.
+"""The planner's HLO reading (jaxtrain.planner.cost.hlo and .passes), on HLO text stored in tests/golden/: no compiling.
 
 The CPU goldens are the tiny model's real train step compiled by XLA:CPU on 8 emulated devices (regenerate with
 ``python tests/golden/generate.py``); their collective bytes are checked against closed forms from the config.
@@ -14,7 +14,7 @@ import pytest
 from jaxtrain.config import load_config
 from jaxtrain.models.flops import count_params
 from jaxtrain.parallel.dims import MESH_AXES
-from jaxtrain.planner import collectives, hlo, passes
+from jaxtrain.planner.cost import collectives, hlo, passes
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 with open(os.path.join(GOLDEN, "goldens.json")) as _f:

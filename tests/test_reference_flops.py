@@ -79,7 +79,7 @@ def test_microbatch_split_moves_no_data_between_devices(accumulate):
 def _collective_counts(ts) -> dict:
     """Executions per step of each collective kind in the compiled train step (loop trip counts multiplied in, by
     the planner's HLO reader, which tests/test_planner_hlo.py checks against stored HLO)."""
-    from jaxtrain.planner import collectives, hlo
+    from jaxtrain.planner.cost import collectives, hlo
 
     train_step, _, _ = ts.compile(ts.layout.abstract_state)
     stated = collectives.stated_collectives(hlo.parse_hlo(train_step.as_text()), ts.layout.shape.num_devices)

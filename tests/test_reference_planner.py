@@ -7,7 +7,7 @@ import pytest
 from jaxtrain.config import load_config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.parallel.dims import MESH_AXES, MeshShape
-from jaxtrain.planner import cost
+from jaxtrain.planner.cost import model as cost
 from jaxtrain_testing import hand_forward_flops_per_token
 
 HW = Hardware(peak_flops=1e15, hbm_bytes=8e10, hbm_bandwidth=2e12, devices_per_node=8, intra_node_bandwidth=4e11,

@@ -18,11 +18,15 @@ PACKAGE = os.path.join(REPO, "jaxtrain")
 MAX_LINES, MAX_KERNEL_LINES, MAX_FUNCTION_LINES = 500, 600, 80
 
 # Rooms from the bottom up; a room may import its own modules and those of rooms on lower floors only. A room is a
-# package or top-level module of jaxtrain (``jaxtrain.parallel.dims`` is a room of its own: the device-free parallel
-# facts sit below the config that reads them).
+# package or top-level module of jaxtrain, or a module or subpackage named in FLOORS (``jaxtrain.parallel.dims``: the
+# device-free parallel facts sit below the config that reads them; the kernels' and the planner's families, each
+# package's __init__ above the families it gathers).
 FLOORS = [
     {"jaxtrain", "errors", "log"},  # the package's __init__ (its version), error types, log lines
-    {"kernels"},  # flash attention kernels: nothing of jaxtrain
+    {"kernels.flash"},  # flash attention kernels and the XLA reference: nothing of jaxtrain
+    {"kernels.gmm"},  # the grouped matmul
+    {"kernels"},  # the kernels' entry points
+    {"kernels.bench"},  # the kernels' benchmarks (their callers read any data)
     {"parallel.dims"},  # axes, sizes, derived parallel facts: no JAX
     {"rundir"},  # run-directory file names, the run lock, metrics.jsonl / summary.json
     {"config"},  # the typed config tree, loading, validation: no JAX
@@ -32,12 +36,16 @@ FLOORS = [
     {"parallel"},  # the layout on devices, parallelism applied to the model
     {"checkpoint", "data", "observe"},
     {"train"},  # the step and the loop
-    {"planner"},
+    {"planner.cost"},  # compiled programs read as data, the cost model, the hardware's figures
+    {"planner.search"},  # plan's candidate meshes, each compiled; the table
+    {"planner.auto", "planner.xla_gpu"},  # mesh.auto's choice; XLA:GPU's compile without a GPU
+    {"planner"},  # jaxtrain plan's entry point
     {"health", "sweep", "hf"},
     {"commands"},
     {"cli"},
     {"__main__"},
 ]
+ROOMS = set().union(*FLOORS)
 
 
 def _modules() -> dict[str, str]:
@@ -67,12 +75,12 @@ def _imports(name: str, path: str, known: set[str]) -> set[str]:
 
 
 def _room(module: str) -> str:
-    """The room of a module: its package or top-level module under jaxtrain (or a room named in FLOORS)."""
+    """The room of a module: the longest of its enclosing names that FLOORS names, else its package or top-level
+    module under jaxtrain."""
     rest = module.removeprefix("jaxtrain").removeprefix(".")
-    for special in ("parallel.dims",):
-        if rest == special:
-            return special
-    return rest.split(".")[0] if rest else "jaxtrain"
+    parts = rest.split(".")
+    named = [".".join(parts[:i]) for i in range(len(parts), 1, -1) if ".".join(parts[:i]) in ROOMS]
+    return named[0] if named else parts[0] if rest else "jaxtrain"
 
 
 def _floor(room: str) -> int:
@@ -154,8 +162,8 @@ def test_the_floor_check_sees_an_upward_import(tmp_path):
     assert any("jaxtrain.models.llama" in line for line in _upward_imports(modules))
 
 
-@pytest.mark.parametrize("package", sorted(
-    d for d in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))))
+@pytest.mark.parametrize("package", sorted(os.path.relpath(root, PACKAGE) for root, _, files in os.walk(PACKAGE)
+                                            if root != PACKAGE and "__init__.py" in files))
 def test_every_package_says_what_lives_there_and_what_it_may_import(package):
     doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, package, "__init__.py")).read())) or ""
     assert len(doc.split()) >= 25, f"jaxtrain/{package}/__init__.py: say in a paragraph what lives there"

@@ -384,7 +384,7 @@ def _pallas_kernels(case, workdir: str) -> list[dict]:
 
 
 def _triton_kernels(case) -> list[dict]:
-    from jaxtrain.kernels import flash_triton
+    from jaxtrain.kernels.flash import triton as flash_triton
 
     _Recorder.kernels.clear()
     _Recorder.calls.clear()
@@ -429,7 +429,7 @@ def _kind(name: str) -> str:
 def _gmm_settings(case: GmmCase) -> dict:
     """{kind: {tiles, even, num_warps, num_stages}} of a grouped matmul's kernels as its plan sets them; tiles:
     output rows x output columns / contraction step."""
-    from jaxtrain.kernels.gmm_api import plan_for
+    from jaxtrain.kernels.gmm.api import plan_for
 
     m, k, n, groups = case.dims
     plan = plan_for((m, k), (groups, k, n), case.dtype, impl=case.impl, **dict(case.block_sizes))
@@ -444,7 +444,7 @@ def _launch_settings(case) -> dict:
     if isinstance(case, GmmCase):
         return _gmm_settings(case)
     try:
-        from jaxtrain.kernels import api
+        from jaxtrain.kernels.flash import api
 
         return api.launch_settings((case.batch, case.seq, case.heads, case.head_dim), case.kv_heads, case.dtype,
                                    causal=case.causal, has_segments=case.segments, impl=case.impl,
@@ -529,7 +529,7 @@ def _case_fields(case) -> dict:
 
 def _dkdv_splits(case: Case, block_k: int) -> int:
     """Programs per GQA group of the dk/dv launch (1: the unsplit launch), as the kernels choose it."""
-    from jaxtrain.kernels import tiling
+    from jaxtrain.kernels.flash import tiling
 
     forced = dict(case.block_sizes).get("dkdv_splits")
     group = case.heads // case.kv_heads
@@ -637,10 +637,10 @@ def _parse_case(spec: str, parser, blocks):
 
 def _with_blocks(case, blocks):
     """The case with the --blocks overrides its kind takes: the grouped matmul's tile names
-    (``jaxtrain.kernels.gmm_plan``) for grouped matmul cases, every other name for attention cases (names both
+    (``jaxtrain.kernels.gmm.plan``) for grouped matmul cases, every other name for attention cases (names both
     take, such as num_warps, go to both)."""
-    from jaxtrain.kernels.gmm_plan import FIELDS, KINDS
-    from jaxtrain.kernels.tiling import BlockSizes
+    from jaxtrain.kernels.flash.tiling import BlockSizes
+    from jaxtrain.kernels.gmm.plan import FIELDS, KINDS
 
     if isinstance(case, GmmCase):
         names = set(FIELDS) | {f"{f}_{k}" for f in FIELDS for k in KINDS}

@@ -88,7 +88,7 @@ def _device_count(args):
     them; without one every mesh of the devices is planned."""
     from jaxtrain.cluster.distributed import cpu_device_count
     from jaxtrain.config import hardware
-    from jaxtrain.planner.target import mesh_given
+    from jaxtrain.planner.search.target import mesh_given
 
     def count(cfg) -> int | None:
         if not mesh_given(args.overrides):
@@ -105,15 +105,17 @@ def _budget(cfg, args) -> int:
     compile), then one table of days and cost per candidate and node count."""
     from jaxtrain.cluster import process as runtime
     from jaxtrain.config import hardware
-    from jaxtrain.planner import log, report, search
-    from jaxtrain.planner import target as target_lib
+    from jaxtrain.planner import log
+    from jaxtrain.planner.search import meshes as search
+    from jaxtrain.planner.search import report
+    from jaxtrain.planner.search import target as target_lib
 
     pool = hardware.load_hardware(args.hardware).devices_per_node * args.nodes[-1] if args.hardware else None
     targets = [target_lib.resolve(cfg, args.overrides, hardware_name=args.hardware, nodes=n,
                                   efficiency=args.efficiency, mem_fraction=args.mem_fraction, device_pool=pool)
                for n in args.nodes]
     runtime.quiet_logs()
-    from jaxtrain.planner import calibration
+    from jaxtrain.planner.cost import calibration
 
     for t in targets:  # measured figures replace the hardware file's, as in a single plan
         cal = calibration.for_plan(t.hw, args.calibration, t.cfg.run.dir, t.cfg.model.dtype)
@@ -123,8 +125,8 @@ def _budget(cfg, args) -> int:
     plans = []
     for t in targets:
         gpu = None
-        if args.hardware:  # the GPU's own compiler where it is installed (planner/xla_gpu.py)
-            from jaxtrain.planner import xla_gpu
+        if args.hardware:  # the GPU's own compiler where it is installed (planner/xla_gpu/deviceless.py)
+            from jaxtrain.planner.xla_gpu import deviceless as xla_gpu
 
             gpu, note = xla_gpu.for_plan(t.hw, t.nodes, cfg.model.attention)
             t.notes.append(note)

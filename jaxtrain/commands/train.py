@@ -33,7 +33,7 @@ def run(args) -> int:
         log.info(f"warning: {line}")  # meant: said once per job, before the long work
     compiled = None
     if cfg.mesh.auto:  # the planner picks the layout where it is first needed (docs/auto-layout.md)
-        from jaxtrain.planner import auto
+        from jaxtrain.planner.auto import choose as auto
 
         cfg, compiled = auto.resolve(cfg, log.info)  # and its search's compile of the choice, reused
     result = loop.train(cfg, compiled=compiled)

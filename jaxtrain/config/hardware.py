@@ -46,7 +46,8 @@ class Hardware:
     # (``measure.measure_model``), replacing ``compute_efficiency`` for the policies it names (``cost.efficiency``).
     model_efficiency: tuple[tuple[str, int, float], ...] = ()
     # The XLA GPU target config (``jaxtrain/configs/gpu_targets/<gpu_target>.txtpb``) that a deviceless XLA:GPU
-    # compile for this hardware uses (``planner/xla_gpu.py``); "" for hardware without one (CPUs, a measured file).
+    # compile for this hardware uses (``planner/xla_gpu/deviceless.py``); "" for hardware without one (CPUs, a
+    # measured file).
     gpu_target: str = ""
     # Dense FP8 (e4m3/e5m2) tensor-core FLOP/s of one device, for model.fp8's matmuls; 0: no FP8 tensor cores
     # (A100, CPUs: model.fp8 is refused there, or emulated at the bf16/f32 rate on CPUs).

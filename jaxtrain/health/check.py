@@ -46,7 +46,7 @@ from jaxtrain.health.verdict import (
     matmul_findings,
 )
 from jaxtrain.parallel.mesh import build_mesh
-from jaxtrain.planner import calibration
+from jaxtrain.planner.cost import calibration
 
 
 def _counts(op: str, n: int, size_bytes: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxtrain.kernels import flash_attention, mha_reference
-from jaxtrain.kernels.flash_pallas import CHECKPOINT_NAMES
+from jaxtrain.kernels.flash.pallas import CHECKPOINT_NAMES
 
 IMPLS = ("xla", "cudnn", "pallas", "triton")  # the resolved values of model.attention
 

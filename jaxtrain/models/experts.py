@@ -7,7 +7,7 @@ Expert weights (logical axes in brackets): w_gate, w_up [E, embed, d_ff] (expert
 w1, w3, w2 transposed).
 
 :class:`GroupedMatmul` is the one place the grouped matmul happens (``model.moe.gemm``): ``jax.lax.ragged_dot``
-(``xla``), or jaxtrain's grouped-matmul kernels (``pallas``, ``triton``: ``jaxtrain.kernels.gmm_api``). On XLA:CPU,
+(``xla``), or jaxtrain's grouped-matmul kernels (``pallas``, ``triton``: ``jaxtrain.kernels.gmm.api``). On XLA:CPU,
 and in XLA:GPU as of jax 0.11.2, ragged_dot becomes a masked dense matmul over all groups (E times the FLOPs of the
 real work; docs/moe.md); the kernels do each row's own group's work only. A kernel is a custom call GSPMD cannot
 partition: the caller runs it on per-device arrays (``jaxtrain.parallel.expert`` puts the experts under
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.kernels import gmm_api
+from jaxtrain.kernels.gmm import api as gmm_api
 from jaxtrain.models import fp8, fp8_experts
 
 GEMMS = ("xla", "pallas", "triton")  # model.moe.gemm, resolved ("auto": pallas on GPUs, xla elsewhere)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.kernels.flash_pallas import CHECKPOINT_NAMES
+from jaxtrain.kernels.flash.pallas import CHECKPOINT_NAMES
 from jaxtrain.parallel.dims import Axis
 
 _F32 = jnp.float32

@@ -8,22 +8,22 @@ For every candidate layout the real train step is lowered and compiled ahead of 
 - collectives (``Compiled.as_text()``): kind, bytes, and the mesh axes their replica groups span, multiplied by the
   trip counts of the loops they run in, with the effect of XLA:GPU's collective passes that XLA:CPU does not run;
 - for GPUs that are not here, where a CUDA jax plugin is installed: the same step compiled by XLA:GPU for them
-  (``xla_gpu``), whose memory and collectives replace the CPU-derived ones, and what its program must hold
-  (``gpu_program``: the attention kernel, no S x S scores, no float32 GEMM in 16-bit runs, the collectives);
+  (``xla_gpu.deviceless``), whose memory and collectives replace the CPU-derived ones, and what its program must hold
+  (``xla_gpu.program``: the attention kernel, no S x S scores, no float32 GEMM in 16-bit runs, the collectives);
 - an estimated step time: model FLOPs over (peak x efficiency), ring communication time per link class (NVLink
   within a node, the network between nodes), and the memory-bound optimizer update.
 
-Modules, in the order a plan uses them: ``target`` (what the plan is for: hardware, devices, nodes, the config as
-it runs there, the meshes), ``search`` (candidate meshes, pruning, compiling), ``hlo`` (HLO text -> instructions,
-loops, replica groups, collectives), ``passes`` (the GPU collective passes), ``cost`` (bytes per link, time per
-part), ``measure`` (the devices at hand), ``report`` (table and JSON); ``auto`` and ``trial`` choose a layout
-for ``mesh.auto``, over ``space`` (the candidates, their closed-form rows, the result), with ``auto_figures`` (the
-memory pre-check and the hardware figures, CPU timings kept in the user's cache), ``compile_cache`` (each compile's
-reading on disk, in the user's cache) and ``auto_report`` (why, the table, JSON); ``calibration`` reads what the
-health check measured; ``xla_gpu`` (and the process it starts, ``xla_gpu_child``) compiles for GPUs without one,
-``gpu_program`` checks the GPU program.
+Packages, in the order a plan uses them (each imports only those before it): ``cost`` (the compiled program read as
+data: ``hlo``, ``collectives``, ``passes``, the GPU collective passes; ``model``, bytes per link and time per part;
+``measure``, the devices at hand; ``calibration``, what the health check measured), ``search`` (``target``, what the
+plan is for: hardware, devices, nodes, the config as it runs there, the meshes; ``meshes``, candidate meshes,
+pruning, compiling; ``report``, table and JSON), then ``auto`` (``mesh.auto``'s choice of a layout: ``choose``,
+``space``, ``figures``, ``trial``, ``compile_cache``, ``report``) and ``xla_gpu`` (``deviceless`` and the process it
+starts, ``child``, compile for GPUs without one; ``program`` checks the GPU program, ``fp8_gemms`` its float8
+GEMMs). This module is ``jaxtrain plan``'s entry point.
 
-May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O.
+May import: errors, config, cluster, models, parallel and train (the step it compiles); never the loop's I/O. The
+packages' own docstrings say which of them each may import (tests/test_structure.py FLOORS).
 """
 
 from __future__ import annotations
@@ -43,12 +43,17 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
          wide: bool = False, calibration_path: str | None = None) -> int:
     """``jaxtrain plan``: plan ``cfg`` (loaded from the command line's ``overrides``, which say whether a mesh is
     given) for the hardware named, or the devices at hand; print the table or JSON. Returns the exit status."""
-    from jaxtrain.planner import target as target_lib
+    from jaxtrain.planner.search import target as target_lib
 
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
                                 mem_fraction=mem_fraction)
     from jaxtrain.cluster import process as runtime
-    from jaxtrain.planner import auto, auto_report, calibration, compile_cache, report, search
+    from jaxtrain.planner.auto import choose as auto
+    from jaxtrain.planner.auto import compile_cache
+    from jaxtrain.planner.auto import report as auto_report
+    from jaxtrain.planner.cost import calibration
+    from jaxtrain.planner.search import meshes as search
+    from jaxtrain.planner.search import report
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
@@ -62,8 +67,8 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))
     gpu = None
-    if hardware_name:  # the GPU's own compiler where it is installed (planner/xla_gpu.py)
-        from jaxtrain.planner import xla_gpu
+    if hardware_name:  # the GPU's own compiler where it is installed (planner/xla_gpu/deviceless.py)
+        from jaxtrain.planner.xla_gpu import deviceless as xla_gpu
 
         gpu, note = xla_gpu.for_plan(target.hw, target.nodes, cfg.model.attention)
         target.notes.append(note)

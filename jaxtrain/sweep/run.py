@@ -89,7 +89,8 @@ class Predictor:
     def predict(self, cfg) -> dict:
         from jaxtrain.parallel.dims import MeshShape, cpu_devices_per_process
         from jaxtrain.parallel.layout import resolve_auto
-        from jaxtrain.planner import measure, search
+        from jaxtrain.planner.cost import measure
+        from jaxtrain.planner.search import meshes as search
 
         n = cpu_devices_per_process(cfg)
         if n > len(self.devices):

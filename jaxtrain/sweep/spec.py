@@ -103,7 +103,7 @@ def load_experiment(path: str, extra_overrides: Sequence[str] = (), directory: s
 
 def _crossed_axes(path: str, raw: ExperimentFile) -> list[list[tuple[str, str]]]:
     """The ``remat`` and ``microbatches`` lists as [(run name suffix, override)] per axis."""
-    from jaxtrain.planner.space import REMATS
+    from jaxtrain.planner.auto.space import REMATS
 
     axes = []
     if raw.remat is not None:
@@ -144,7 +144,7 @@ def expand_runs(exp: Experiment) -> list[RunSpec]:
     if not isinstance(exp.runs, str):
         return cross(list(exp.runs), exp.axes)
     from jaxtrain.parallel.dims import cpu_devices_per_process
-    from jaxtrain.planner.search import enumerate_shapes
+    from jaxtrain.planner.search.meshes import enumerate_shapes
 
     cfg = load_config(exp.config, exp.overrides)
     return cross([RunSpec(re.sub(r"[^A-Za-z0-9_.+-]+", "_", shape.label), exp.overrides + shape.overrides())

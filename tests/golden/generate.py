@@ -27,8 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (helpers's FAST) and the repository root
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-# As the planner compiles (jaxtrain/planner/target.py: AllReducePromotion off, which aborts XLA:CPU on some bfloat16
-# psums); the bf16 normalisation widens 16-bit all-reduces to f32 without it all the same.
+# As the planner compiles (jaxtrain/planner/search/target.py: AllReducePromotion off, which aborts XLA:CPU on some
+# bfloat16 psums); the bf16 normalisation widens 16-bit all-reduces to f32 without it all the same.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_disable_hlo_passes=all-reduce-promotion").strip()
 
 import jax  # noqa: E402
@@ -39,8 +39,8 @@ from trim import trim_keeping  # noqa: E402
 
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.parallel.dims import MeshShape  # noqa: E402
-from jaxtrain.planner import search  # noqa: E402
-from jaxtrain.planner.passes import collectives  # noqa: E402
+from jaxtrain.planner.cost.passes import collectives  # noqa: E402
+from jaxtrain.planner.search import meshes as search  # noqa: E402
 from jaxtrain_testing import FAST  # noqa: E402
 
 # name -> overrides on top of FAST and 8 devices. What each exercises is in tests/golden/README.md.

@@ -2,10 +2,11 @@
 [NAME ...]``, PYTHON a Python with a CUDA jax plugin (``jax[cuda12]``) and jaxtrain's dependencies (a few minutes).
 
 Each golden is the train step of the tiny model (bfloat16, a few settings per file) compiled by XLA:GPU for 8 H100s
-without a GPU (``jaxtrain.planner.xla_gpu``: a deviceless compile), trimmed as ``generate.py`` trims XLA:CPU's
-(``trim.py``) while what ``tests/test_gpu_program.py`` reads stays exactly that of the untrimmed text: the planner's
-reading of the collectives (as XLA:GPU states them), the attention calls, the S x S score matmuls and the float32
-GEMMs. ``goldens_gpu.json`` records each file's overrides, mesh sizes, sequence per device, head dim and versions.
+without a GPU (``jaxtrain.planner.xla_gpu.deviceless``: a deviceless compile), trimmed as ``generate.py`` trims
+XLA:CPU's (``trim.py``) while what ``tests/test_gpu_program.py`` reads stays exactly that of the untrimmed text: the
+planner's reading of the collectives (as XLA:GPU states them), the attention calls, the S x S score matmuls and the
+float32 GEMMs. ``goldens_gpu.json`` records each file's overrides, mesh sizes, sequence per device, head dim and
+versions.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from trim import trim_keeping  # noqa: E402
 
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.parallel.dims import MeshShape  # noqa: E402
-from jaxtrain.planner import gpu_program, hlo, xla_gpu  # noqa: E402
-from jaxtrain.planner.passes import collectives  # noqa: E402
+from jaxtrain.planner.cost import hlo  # noqa: E402
+from jaxtrain.planner.cost.passes import collectives  # noqa: E402
+from jaxtrain.planner.xla_gpu import deviceless as xla_gpu  # noqa: E402
+from jaxtrain.planner.xla_gpu import program as gpu_program  # noqa: E402
 
 BASE = ["model.dtype=bfloat16", "model.head_dim=32", "model.remat=full", "data.threads=0"]
 GOLDENS = {
