@@ -41,13 +41,18 @@ class GroupedMatmul:
     """How the routed experts' grouped matmuls run: ``impl`` a resolved ``model.moe.gemm`` (:data:`GEMMS`);
     ``interpret`` runs the Pallas kernels in Pallas' interpreter (CPU). The kernels need per-device operands.
     ``fp8``: the experts' FP8 recipe (``jaxtrain.models.fp8_experts``; xla only), ``history`` its delayed-scaling
-    histories float32 [3 (gate, up, down), 3, H], ``reduce`` the mesh axes its amaxes are reduced over."""
+    histories float32 [3 (gate, up, down), 3, H], ``reduce`` the mesh axes of the per-device region (per-tensor
+    amaxes are reduced over them all), ``hidden`` those that split each expert's hidden width (``expert_mlp``) and
+    ``expert_axes`` those that split the experts: rowwise amaxes are reduced over what splits their own slice only
+    (:meth:`rowwise_axes`)."""
 
     impl: str = "xla"
     interpret: bool = False
     fp8: str = "none"
     history: jax.Array | None = None
     reduce: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
+    expert_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.impl not in GEMMS:
@@ -60,11 +65,21 @@ class GroupedMatmul:
         """A custom-call kernel (pallas, triton): per-device arrays only."""
         return self.impl != "xla"
 
-    def with_fp8(self, recipe: str, history: jax.Array | None, reduce: tuple[str, ...] = ()) -> GroupedMatmul:
-        """This one multiplying through ``recipe`` (histories as the class says); amaxes also reduced over the axes
-        of an enclosing :func:`jaxtrain.models.fp8.amax_over`."""
+    def with_fp8(self, recipe: str, history: jax.Array | None, reduce: tuple[str, ...] = (),
+                 hidden: tuple[str, ...] = (), expert_axes: tuple[str, ...] = ()) -> GroupedMatmul:
+        """This one multiplying through ``recipe`` (histories and axes as the class says); amaxes also reduced over
+        the axes of an enclosing :func:`jaxtrain.models.fp8.amax_over` (batch axes: they split the tokens)."""
         outer = fp8._AMAX_AXES.get()
-        return dataclasses.replace(self, fp8=recipe, history=history, reduce=(*outer, *reduce))
+        return dataclasses.replace(self, fp8=recipe, history=history, reduce=(*outer, *reduce), hidden=hidden,
+                                   expert_axes=expert_axes)
+
+    def rowwise_axes(self, which: int) -> fp8_experts.RowwiseAxes:
+        """The axes projection ``which``'s rowwise amaxes are reduced over: the hidden width is gate's and up's N
+        (the input gradient's contraction) and down's K (the forward's); a group's rows are split over the region's
+        axes but those of the experts and the hidden width (whose devices hold other experts, other columns)."""
+        rows = tuple(a for a in self.reduce if a not in (*self.hidden, *self.expert_axes))
+        k, n = (self.hidden, ()) if which == 2 else ((), self.hidden)
+        return fp8_experts.RowwiseAxes(k, n, rows)
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, which: int = 0) -> jax.Array:
         """Rows of lhs [M, K] in consecutive groups (group g: the next group_sizes[g] rows) times rhs[g] [K, N] ->
@@ -73,7 +88,8 @@ class GroupedMatmul:
         projection (0 gate, 1 up, 2 down), whose FP8 history is used."""
         if self.fp8 != "none":
             history = None if self.history is None else self.history[which]
-            return fp8_experts.grouped_fp8(lhs, rhs, group_sizes, self.fp8, history, self.reduce)
+            return fp8_experts.grouped_fp8(lhs, rhs, group_sizes, self.fp8, history, self.reduce,
+                                           self.rowwise_axes(which))
         if self.impl == "xla":
             acc = jnp.promote_types(lhs.dtype, jnp.float32)
             return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=acc)

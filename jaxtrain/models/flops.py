@@ -61,8 +61,8 @@ def fp8_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """The part of :func:`train_flops_per_token` that ``model.fp8`` multiplies in float8: the attention and MLP
     projections (q, k, v, o, gate, up, down; an MoE model's dense layers and shared experts), forward and backward, and
     the routed experts' active FLOPs (top_k experts' three grouped matmuls) where they multiply in float8 too
-    (``model.fp8`` tensorwise or delayed with ``model.moe.gemm=xla``; ``auto`` is the pallas kernel on GPUs, which
-    stays 16-bit: docs/fp8.md); 0 with ``model.fp8=none``. The output projection, attention's [seq x seq] matmuls and
+    (every recipe with ``model.moe.gemm=xla``; ``auto`` is the pallas kernel on GPUs, which stays 16-bit:
+    docs/fp8.md); 0 with ``model.fp8=none``. The output projection, attention's [seq x seq] matmuls and
     the router stay in the compute dtype."""
     if cfg.fp8 == "none":
         return 0.0
@@ -70,6 +70,6 @@ def fp8_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     n_moe = cfg.n_layers // moe.every if moe.experts else 0
     mlp = (cfg.n_layers - n_moe) * 3 * d * cfg.d_ff + n_moe * moe.shared_experts * 3 * d * cfg.expert_d_ff
-    if cfg.fp8 in ("tensorwise", "delayed") and moe.gemm == "xla":  # jaxtrain.models.fp8_experts.RECIPES
+    if moe.gemm == "xla":  # every recipe is one of jaxtrain.models.fp8_experts.RECIPES; the kernels stay 16-bit
         mlp += n_moe * moe.top_k * 3 * d * cfg.expert_d_ff
     return 3 * 2 * (cfg.n_layers * attn + mlp)

@@ -8,19 +8,29 @@ giving [G, K, N]); every dot takes float8 operands and accumulates in float32, t
 - ``tensorwise``: one current scale per tensor (x, all experts' w, g) from its amax in this step;
 - ``delayed``: per-tensor scales from an amax history float32 [3, H] per projection (rows x, w, g), as the dense
   projections' (:func:`jaxtrain.models.fp8.delayed`): the history's cotangent is what the step observed.
-- ``rowwise`` is not implemented for grouped matmuls: the routed experts then stay in the compute dtype, and so
-  they do with the grouped-matmul kernels (``model.moe.gemm=pallas|triton``, which take no float8 operands);
-  :func:`precision_note` says so at start-up.
+- ``rowwise``: torchao's float8 rowwise ``_scaled_grouped_mm`` (torchtitan's ``quantize.grouped_mm.float8``) with
+  the dense recipe's formats (gradients e5m2, scales not rounded to powers of two), every dot quantising its operands
+  anew from x, w and g kept in high precision: the forward scales x per row (each assignment, amax over K) and w per
+  expert and output column ([G, 1, N], amax over K); the input gradient g per row (over N) and w per expert and row
+  of K ([G, K, 1], over N); the weight gradient, whose contraction is each group's own rows, x and g per group and
+  column ([G, K] and [G, N], amaxes over that group's rows only).
 
-Amaxes count only the rows inside the groups (sorted assignments; padding and dropped rows are not the tensor's),
-and are reduced with ``lax.pmax`` over ``reduce``: the mesh axes of the per-device region the experts run in
-(``jaxtrain.parallel.expert``), so that the scales are those of the whole tensor whatever the layout.
+The grouped-matmul kernels (``model.moe.gemm=pallas|triton``) take no float8 operands: with them the routed experts
+stay in the compute dtype whatever the recipe, and :func:`precision_note` says so at start-up.
+
+Per-tensor amaxes count only the rows inside the groups (sorted assignments; padding and dropped rows are not the
+tensor's), and are reduced with ``lax.pmax`` over ``reduce``: the mesh axes of the per-device region the experts
+run in (``jaxtrain.parallel.expert``), so that the scales are those of the whole tensor whatever the layout. A
+rowwise amax is reduced only over the axes its own slice is split over (:class:`RowwiseAxes`): a row's over the
+axes that split the contraction (``tensor``, for the down projection's K and gate's and up's N), a group's column
+over the axes that split the group's rows (the token axes but the experts'), never over the axes whose devices hold
+other rows, other experts or other columns.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +38,7 @@ from jax import lax
 
 from jaxtrain.models.fp8 import E4M3, E5M2, _amax, delayed_scale, quantize, scale_from_amax
 
-RECIPES = ("tensorwise", "delayed")  # the model.fp8 recipes the routed experts multiply with
+RECIPES = ("tensorwise", "rowwise", "delayed")  # the model.fp8 recipes the routed experts multiply with
 
 
 def experts_recipe(cfg: Any) -> str:
@@ -41,12 +51,8 @@ def precision_note(cfg: Any) -> str | None:
     """The start-up line for an FP8 MoE model whose routed experts stay in the compute dtype, or None."""
     if not cfg.moe.experts or cfg.fp8 == "none" or experts_recipe(cfg) != "none":
         return None
-    if cfg.moe.gemm in ("pallas", "triton"):
-        why = (f"the {cfg.moe.gemm} grouped-matmul kernel takes no float8 operands; model.moe.gemm=xla multiplies "
-               "them in float8 through ragged_dot")
-    else:
-        why = f"{cfg.fp8} scales are not implemented for grouped matmuls; tensorwise and delayed are"
-    return f"model.fp8: routed experts stay in {cfg.dtype} ({why})"
+    return (f"model.fp8: routed experts stay in {cfg.dtype} (the {cfg.moe.gemm} grouped-matmul kernel takes no "
+            "float8 operands; model.moe.gemm=xla multiplies them in float8 through ragged_dot)")
 
 
 def _in_groups(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -147,11 +153,87 @@ def _gd_bwd(reduce, res, g):
 grouped_delayed.defvjp(_gd_fwd, _gd_bwd)
 
 
+class RowwiseAxes(NamedTuple):
+    """The mesh axes of a per-device region each rowwise amax is reduced over: ``k`` those that split the forward's
+    contraction K (x's columns, w's rows), ``n`` those that split N (w's and y's columns: the input gradient's
+    contraction), ``rows`` those that split a group's rows (the weight gradient's contraction)."""
+
+    k: tuple[str, ...] = ()
+    n: tuple[str, ...] = ()
+    rows: tuple[str, ...] = ()
+
+
+ONE_DEVICE = RowwiseAxes()  # outside any per-device region: nothing to reduce over
+
+
+def _group_ids(group_sizes: jax.Array, m: int) -> jax.Array:
+    """int32 [m]: each row's group (empty groups hold none), G for the rows past the groups: how many group ends lie
+    at or before the row (a scatter and a cumsum: jnp.searchsorted fails inside shard_map in jax 0.10.2)."""
+    ends = jnp.zeros((m + 1,), jnp.int32).at[jnp.cumsum(group_sizes)].add(1)
+    return jnp.cumsum(ends)[:m]
+
+
+def _of_rows(s: jax.Array, ids: jax.Array) -> jax.Array:
+    """Per-group values s [G, N] -> [M, N], each row its group's (1 past the groups)."""
+    return jnp.take(jnp.concatenate([s, jnp.ones_like(s[:1])]), ids, axis=0)
+
+
+def _rowwise_gmm(a, b, group_sizes, dtypes, split):
+    """Rows of a [M, C] by their group's b [G, C, N] -> float32 [M, N]: a scaled per row, b per group and column,
+    both amaxes over C (reduced over ``split``, the axes C is split over)."""
+    sa = scale_from_amax(_amax(a, split, (1,)), dtypes[0])  # [M, 1]
+    sb = scale_from_amax(_amax(b, split, (1,)), dtypes[1])  # [G, 1, N]
+    out = _gmm(quantize(a, sa, dtypes[0]), quantize(b, sb, dtypes[1]), group_sizes)
+    return out * (sa * _of_rows(sb[:, 0], _group_ids(group_sizes, a.shape[0])))
+
+
+def _group_amax(a, ids, groups, reduce):
+    """float32 [G, C]: max |a| over each group's rows of a [M, C], per column (0 for an empty group)."""
+    amax = jnp.maximum(jax.ops.segment_max(jnp.abs(a).astype(jnp.float32), ids, groups + 1)[:groups], 0.0)
+    return lax.pmax(amax, reduce) if reduce else amax
+
+
+def _rowwise_tgmm(a, g, group_sizes, dtypes, reduce):
+    """Each group's rows of a [M, K] contracted with its rows of g [M, N] -> float32 [G, K, N], both operands scaled
+    per group and column (amaxes over the group's rows, reduced over ``reduce``: the axes that split them)."""
+    groups = group_sizes.shape[0]
+    ids = _group_ids(group_sizes, a.shape[0])
+    sa, sg = (scale_from_amax(_group_amax(v, ids, groups, reduce), d) for v, d in ((a, dtypes[0]), (g, dtypes[1])))
+    out = _tgmm(quantize(a, _of_rows(sa, ids), dtypes[0]), quantize(g, _of_rows(sg, ids), dtypes[1]), group_sizes)
+    return out * (sa[:, :, None] * sg[:, None, :])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_rowwise(x: jax.Array, w: jax.Array, group_sizes: jax.Array, axes: RowwiseAxes = ONE_DEVICE) -> jax.Array:
+    """Rows of x [M, K] (grouped as ``group_sizes`` int32 [G]) times their group's w [G, K, N] through float8 with
+    a scale per row of x and per expert and column of w; each backward dot quantises its operands along its own kept
+    axes (module docstring) -> float32 [M, N] (rows past the groups: 0). ``axes``: :class:`RowwiseAxes`."""
+    return _rowwise_gmm(x, w, group_sizes, (E4M3, E4M3), axes.k)
+
+
+def _gr_fwd(x, w, group_sizes, axes):
+    return grouped_rowwise(x, w, group_sizes, axes), (x, w, group_sizes)
+
+
+def _gr_bwd(axes, res, g):
+    x, w, group_sizes = res
+    g = _in_groups(g, group_sizes)
+    dx = _rowwise_gmm(g, jnp.swapaxes(w, 1, 2), group_sizes, (E5M2, E4M3), axes.n).astype(x.dtype)  # e5m2 x e4m3
+    dw = _rowwise_tgmm(_in_groups(x, group_sizes), g, group_sizes, (E4M3, E5M2), axes.rows).astype(w.dtype)
+    return _like(dx, x), _like(dw, w), None
+
+
+grouped_rowwise.defvjp(_gr_fwd, _gr_bwd)
+
+
 def grouped_fp8(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: str, history: jax.Array | None = None,
-                reduce: tuple[str, ...] = ()) -> jax.Array:
-    """The grouped matmul through ``recipe`` (:data:`RECIPES`; ``history`` [3, H] for delayed) -> float32 [M, N]."""
+                reduce: tuple[str, ...] = (), rowwise_axes: RowwiseAxes = ONE_DEVICE) -> jax.Array:
+    """The grouped matmul through ``recipe`` (:data:`RECIPES`; ``history`` [3, H] for delayed; ``reduce`` the axes
+    of per-tensor amaxes, ``rowwise_axes`` those of rowwise ones) -> float32 [M, N]."""
     if recipe == "tensorwise":
         return grouped_tensorwise(x, w, group_sizes, reduce)
+    if recipe == "rowwise":
+        return grouped_rowwise(x, w, group_sizes, rowwise_axes)
     if recipe == "delayed":
         assert history is not None
         return grouped_delayed(x, w, group_sizes, history, reduce)

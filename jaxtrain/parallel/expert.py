@@ -235,9 +235,10 @@ class MeshExperts:
         manual = set(mesh.axis_names) - set(mesh.manual_axes) if gmm.kernel else split
         if not manual or math.prod(sizes[a] for a in split) == 1 and not gmm.kernel:
             return local()
-        if fp8 != "none":
-            gmm = gmm.with_fp8(fp8, None, tuple(a for a in mesh.axis_names if a in manual))
         ep_axes, hidden_axes = _names(PartitionSpec(w_in[0])), _names(PartitionSpec(w_in[2]))
+        if fp8 != "none":
+            gmm = gmm.with_fp8(fp8, None, tuple(a for a in mesh.axis_names if a in manual), tuple(hidden_axes),
+                               tuple(ep_axes))
         if len(ep_axes) > 1 or (ep_axes and ep_axes[0] not in _names(tokens)):
             raise ValueError(f"the experts' rule names {ep_axes}: one mesh axis the tokens are also split over")
         x_spec = PartitionSpec(*tokens, None)
