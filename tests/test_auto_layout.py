@@ -46,6 +46,15 @@ def test_candidates_cover_every_axis_remat_microbatches_and_schedules(make_confi
     assert pinned.mesh.ici.stage * pinned.mesh.dcn.stage == 2
 
 
+def test_chat_data_leaves_pipelines_out_of_the_candidates(make_config):
+    """mesh.auto never chooses a layout train refuses: with chat data no candidate has stages, the rest remain."""
+    cfg = make_config("model.n_layers=4", "train.global_batch=16")
+    chat = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, format="chat"))  # past validation: no files
+    tokens, cands = space.candidates(cfg, 8, 1), space.candidates(chat, 8, 1)
+    assert any(c.stages > 1 for c in tokens) and all(c.stages == 1 for c in cands)
+    assert set(cands) == {c for c in tokens if c.stages == 1}
+
+
 def test_closed_forms_are_lower_bounds_where_they_claim(make_config):
     cfg = make_config()
     c = next(c for c in space.candidates(cfg, 8, 1) if c.shape.axis_sizes["fsdp"] == 8 and c.remat == "none")

@@ -303,6 +303,28 @@ def test_enumeration_covers_stages_when_microbatches_allow():
     assert len({(s.ici, s.dcn) for s in shapes}) == len(shapes)
 
 
+def test_chat_data_plans_no_pipeline_and_says_why():
+    """data.format=chat cannot run with stages (ParallelDims.check): the search rejects every stage > 1 mesh it
+    would otherwise plan, the note names that reason (no microbatch hint: more microbatches do not help), and a given
+    stage > 1 mesh is refused in one line."""
+    tokens = tiny("train.microbatches=4", "train.global_batch=64")
+    # format set past validation (a chat config needs a tokenizer and a chat file; the search reads the format only)
+    chat = dataclasses.replace(tokens, data=dataclasses.replace(tokens.data, format="chat"))
+    shapes, _ = search.search_shapes(tokens, 64, 8)
+    assert any(s.axis_sizes["stage"] > 1 for s in shapes)
+    shapes, rejected = search.search_shapes(chat, 64, 8)
+    assert shapes and all(s.axis_sizes["stage"] == 1 for s in shapes)
+    assert {(s.ici, s.dcn) for s in shapes} == {(s.ici, s.dcn) for s in search.search_shapes(tokens, 64, 8)[0]
+                                                if s.axis_sizes["stage"] == 1}
+    note = search.pipeline_note(chat, rejected, shapes)
+    assert note is not None and "data.format=chat (a per-token loss mask) is not yet supported" in note
+    assert "Set train.microbatches" not in note
+    staged = dataclasses.replace(chat, mesh=dataclasses.replace(
+        chat.mesh, ici=dataclasses.replace(chat.mesh.ici, stage=2, fsdp=4)))
+    with pytest.raises(ConfigError, match=r"data.format=chat .* \(mesh stage=2\)"):
+        search.given_shape(staged, 8, 1)
+
+
 def test_hardware_files_are_complete():
     for name in hardware.known_hardware():
         hw = hardware.load_hardware(name)

@@ -15,7 +15,7 @@ from jaxtrain import data as data_lib
 from jaxtrain.config import load_config
 from jaxtrain.data.tokens import DOC_START, NO_LOSS, TOKEN_BITS
 from jaxtrain.errors import ConfigError
-from jaxtrain_testing import make_chat_tokenizer, random_model
+from jaxtrain_testing import make_chat_tokenizer, random_model, run_cli
 
 pytest.importorskip("tokenizers")
 
@@ -227,12 +227,16 @@ def test_step_loss_is_per_trained_token_of_the_whole_step_across_microbatches(tm
 
 
 def test_chat_with_pipeline_stages_or_cudnn_packing_exits_before_training(tmp_path, chat):
-    from jaxtrain.train import loop
-
-    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", *chat, "mesh.ici.stage=2", "mesh.ici.fsdp=1",
-                             "mesh.ici.data=4", "train.microbatches=2", "train.global_batch=8"])
-    with pytest.raises(ConfigError, match="not yet supported with pipeline stages"):
-        loop.train(cfg)
+    """Chat data with stages is refused by config validation (ParallelDims.check, which plan and mesh.auto ask too):
+    one line naming the value and what is valid, exit 2 through the command line, nothing written."""
+    staged = [f"run.dir={tmp_path / 'run'}", *chat, "mesh.ici.stage=2", "mesh.ici.fsdp=1", "mesh.ici.data=4",
+              "train.microbatches=2", "train.global_batch=8"]
+    with pytest.raises(ConfigError, match=r"^data.format=chat .* not yet supported with pipeline stages \(mesh "
+                       r"stage=2\); fine-tune with stage=1 .*data.format=tokens"):
+        load_config(None, staged)
+    proc = run_cli("train", *staged, "runtime.cpu_devices=8")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.format=chat"), proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="cudnn cannot keep packed chat examples apart"):
         load_config(None, [*chat, "model.attention=cudnn"])

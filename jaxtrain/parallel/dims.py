@@ -247,7 +247,9 @@ class ParallelDims:
 
     def check(self) -> None:
         """Raise ConfigError where a shape does not split evenly over the axes its logical axes map to (heads over
-        tensor, a microbatch over the data-parallel groups, the sequence over context, layers over stages)."""
+        tensor, a microbatch over the data-parallel groups, the sequence over context, layers over stages), or where
+        the data cannot take the layout (chat data with pipeline stages). Config validation, the mesh, ``plan`` and
+        ``mesh.auto``'s search all ask here, so none of them picks a layout that training then refuses."""
         m, t = self.cfg.model, self.cfg.train
         for name in ("n_heads", "n_kv_heads"):
             _require(getattr(m, name) % self.tensor == 0,
@@ -273,6 +275,10 @@ class ParallelDims:
 
     def _check_stages(self) -> None:
         m, t, stages = self.cfg.model, self.cfg.train, self.stages
+        # First: no microbatch count or layer split helps (the plan's note names this reason, not the microbatches).
+        _require(self.cfg.data.format != "chat", f"data.format=chat (a per-token loss mask) is not yet supported with "
+                 f"pipeline stages (mesh stage={stages}); fine-tune with stage=1 (data, fsdp and tensor parallelism), "
+                 "or train data.format=tokens with stages")
         chunks = stages * t.virtual_stages
         _require(m.n_layers % chunks == 0, f"model.n_layers={m.n_layers} does not split into {stages} stages x "
                  f"train.virtual_stages={t.virtual_stages}; make n_layers a multiple of {chunks}")

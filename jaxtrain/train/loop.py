@@ -29,7 +29,7 @@ from jaxtrain.checkpoint import local as checkpoint_local
 from jaxtrain.checkpoint.orbax_io import PreemptionWatch
 from jaxtrain.cluster import process as runtime
 from jaxtrain.config import Config, ModelConfig, dump_yaml, hardware, to_dict
-from jaxtrain.errors import CheckpointError, ConfigError, NonFiniteError
+from jaxtrain.errors import CheckpointError, NonFiniteError
 from jaxtrain.models.flops import count_params, train_flops_per_token
 from jaxtrain.models.fp8_experts import precision_note
 from jaxtrain.observe import observer as observe
@@ -67,9 +67,6 @@ def _start(cfg: Config, devices: list | None, prebuilt: tuple | None = None) -> 
         prebuilt = None  # built for another layout: compiled here as usual
     run_dir = os.path.abspath(cfg.run.dir)
     guards.check_state_fits(layout)  # before reading data or compiling: a model that cannot fit at all stops at once
-    if cfg.data.format == "chat" and layout.stages > 1:
-        raise ConfigError("data.format=chat (a per-token loss mask) is not yet supported with pipeline stages "
-                          f"(mesh stage={layout.stages}); use data, fsdp and tensor parallelism for fine-tuning")
     tokens = data_lib.load_tokens(cfg.data, cfg.model.vocab_size)
     source = ckpt.choose_restore(cfg, layout.abstract_state)
     # The inputs are checked (a mistake so far is the run's one line); say where the run goes before the wait.

@@ -99,12 +99,22 @@ def pipeline_note(cfg: Config, rejected: dict[str, list[MeshShape]], planned: li
     # Stage counts the layer stack splits into: for those the microbatch count is what is missing.
     stages = sorted({n for _, s in staged if cfg.model.n_layers % ((n := s.size(Axis.STAGE))
                                                                    * cfg.train.virtual_stages) == 0})
-    hint = ""
-    if stages and any(cfg.train.microbatches % n for n in stages):
-        hint = (f" Set train.microbatches to a multiple of the stages ({math.lcm(*stages)} covers "
+    hint, k = "", math.lcm(*stages) if stages else 0
+    if stages and any(cfg.train.microbatches % n for n in stages) and _microbatches_help(cfg, first, k, msg):
+        hint = (f" Set train.microbatches to a multiple of the stages ({k} covers "
                 f"{', '.join(map(str, stages))}) to plan pipelines.")
     return (f"no pipeline mesh (stage > 1) was planned: all {len(staged)} were rejected, e.g. {first.label}: "
             f"{msg}.{hint}")
+
+
+def _microbatches_help(cfg: Config, shape: MeshShape, microbatches: int, reason: str) -> bool:
+    """Whether ``shape``'s refusal (``reason``) goes with ``microbatches`` (it stays for chat data, say)."""
+    more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, microbatches=microbatches))
+    try:
+        ParallelDims(more, shape).check()
+    except ConfigError as e:
+        return str(e) != reason
+    return True
 
 
 def given_shape(cfg: Config, n_devices: int, nodes: int) -> MeshShape:
