@@ -47,12 +47,9 @@ def test_capacity_slots_by_hand(seq, factor, top_k, experts, slots):
     assert routing.slots_per_expert(seq, MoEConfig(experts=experts, top_k=top_k)) is None  # 0: dropless
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: slots_per_expert computes ceil(capacity_factor x seq x top_k / "
-                   "experts) in binary floating point: 1.1 x 100 x 2 / 4 = 55.00000000000001 there, so 56 slots "
-                   "where the documented formula gives 55 (any capacity_factor that is not a dyadic fraction can "
-                   "land one above an exact integer)")
 def test_capacity_slots_of_a_decimal_capacity_factor():
-    """1.1 x 100 x 2 / 4 = 55 exactly, so 55 slots (ceil of an integer is that integer)."""
+    """1.1 x 100 x 2 / 4 = 55 exactly, so 55 slots (ceil of an integer is that integer); in binary floating point
+    the product is 55.00000000000001, which gave 56."""
     assert routing.slots_per_expert(100, MoEConfig(experts=4, top_k=2, capacity_factor=1.1)) == 55
 
 
@@ -249,11 +246,7 @@ def test_planner_counts_every_experts_parameters(tie):
     from jaxtrain.models.flops import count_params
     from jaxtrain.parallel.dims import Axis, MeshShape
     from jaxtrain.parallel.layout import Layout
-
-    try:  # the planner's cost model: planner/cost/model.py (planner/cost.py before the planner's rooms)
-        from jaxtrain.planner.cost.model import state_bytes_lower
-    except ImportError:
-        from jaxtrain.planner.cost import state_bytes_lower
+    from jaxtrain.planner.cost.model import state_bytes_lower
     total, experts = hand_params(tie)
     cfg = load_config(None, ["run.dir=unused", *FAST, *PLANNED, f"model.tie_embeddings={str(tie).lower()}",
                              "mesh.ici.fsdp=1"])

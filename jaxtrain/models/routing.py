@@ -24,6 +24,7 @@ them.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import jax
@@ -60,7 +61,9 @@ def slots_per_expert(seq: int, moe: MoEConfig) -> int | None:
     experts), at most ``seq`` (an expert takes a token once); None when dropless (capacity_factor 0)."""
     if moe.capacity_factor <= 0:
         return None
-    return min(seq, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.experts))
+    # The factor as the decimal the user wrote: in binary floating point 1.1 x 100 x 2 / 4 is 55.00000000000001.
+    exact = Fraction(str(moe.capacity_factor)) * seq * moe.top_k / moe.experts
+    return min(seq, math.ceil(exact))
 
 
 def keep_mask(experts: jax.Array, num_experts: int, slots: int) -> jax.Array:
