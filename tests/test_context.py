@@ -84,7 +84,7 @@ def test_checkpoint_layout_does_not_involve_the_context_axis():
     assert shapes[0] == shapes[1]
     for leaf in jax.tree.leaves(layouts[1].abstract_state):
         assert "context" not in str(leaf.sharding.spec)
-    assert layouts[1].local_seq == 16 and layouts[1].token_order is not None and layouts[0].token_order is None
+    assert layouts[1].dims.local_seq == 16 and layouts[1].token_order is not None and layouts[0].token_order is None
 
 
 # -- attention against the one-device reference ---------------------------------------------------------------------

@@ -51,7 +51,7 @@ def _metrics_and_grads(overrides, n):
 
     def objective(state, batch):
         model_def, params = nnx.split(nnx.merge(lay.graphdef, state).model, sidestate.DIFFERENTIATED)
-        if lay.stages > 1:
+        if lay.dims.stages > 1:
             one_f_one_b = lay.cfg.train.pipeline_schedule == "1f1b"
             objective = step._pipelined_1f1b_objective if one_f_one_b else step._pipelined_objective
             (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params, model_def, batch)

@@ -245,7 +245,7 @@ def test_compiled_step_permutes_only_along_stage_once_per_iteration(compiled, la
         assert differ.all(), (c.op_name, c.groups.tolist())  # no device sends to itself
         assert group_span(ts.layout.shape, c.groups)[2] == ["stage"], (c.op_name, c.groups.tolist())
 
-    stages, virtual, m = ts.layout.stages, cfg.train.virtual_stages, cfg.train.microbatches
+    stages, virtual, m = ts.layout.dims.stages, cfg.train.virtual_stages, cfg.train.microbatches
     # The ring step: inside the schedule's loop (executed once per iteration), every device to its next stage in
     # the forward pass, to its previous one in the backward; per device one microbatch's activations (or their
     # cotangents) [rows per device, seq, embed]. GPipe: the backward is the forward loop's transpose; 1F1B: both

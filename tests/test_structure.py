@@ -154,6 +154,20 @@ def test_the_kernels_import_nothing_else_of_jaxtrain():
     assert not bad, "the kernels import the rest of jaxtrain:\n" + "\n".join(bad)
 
 
+def _members(path: str, cls: str) -> set[str]:
+    """Names of the public methods and properties class ``cls`` of the module at ``path`` defines."""
+    node = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name for f in node.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+
+
+def test_layout_forwards_no_parallel_fact():
+    """One way to each fact: ``layout.dims.stages``, never a ``Layout.stages`` that repeats ``ParallelDims``."""
+    parallel = os.path.join(PACKAGE, "parallel")
+    both = _members(os.path.join(parallel, "layout.py"), "Layout") & _members(os.path.join(parallel, "dims.py"),
+                                                                            "ParallelDims")
+    assert not both, f"Layout repeats ParallelDims' {sorted(both)}: callers ask layout.dims"
+
+
 def test_the_floor_check_sees_an_upward_import(tmp_path):
     """The check itself: a model module importing the train step is reported."""
     bad_file = tmp_path / "llama.py"

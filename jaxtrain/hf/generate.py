@@ -73,7 +73,7 @@ def generate(model, layout: Layout, prompts: list[list[int]], *, max_new_tokens:
         raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 1")
     n = len(prompts)
     mesh, rules = layout.mesh, layout.rules
-    batch = -(-n // layout.data_parallel) * layout.data_parallel
+    batch = -(-n // layout.dims.data_parallel) * layout.dims.data_parallel
     longest = max(len(p) for p in prompts)
     max_len = longest + max_new_tokens
     tokens = np.zeros((batch, longest), np.int32)

@@ -168,27 +168,12 @@ class Layout:
         """The mesh and logical-rule context that tracing the model needs."""
         return _scope(self.mesh, self.rules)
 
-    # -- parallel facts (device-free: jaxtrain.parallel.dims) ------------------------------------------------------
+    # -- parallel facts (device-free: jaxtrain.parallel.dims; asked as layout.dims.<fact>, never forwarded here) ----
 
     @functools.cached_property
     def dims(self) -> ParallelDims:
         """The config's parallel facts on this mesh shape: batch axes, data-parallel size, stages, rows, ..."""
         return ParallelDims(self.cfg, self.shape)
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over (``mesh.rules.batch``), e.g. ``("data", "fsdp")``."""
-        return self.dims.batch_axes
-
-    @property
-    def data_parallel(self) -> int:
-        """Data-parallel size: the product of the batch axes' sizes (groups of devices holding distinct rows)."""
-        return self.dims.data_parallel
-
-    @property
-    def stages(self) -> int:
-        """Pipeline stages: the mesh's stage axis size (1: no pipeline)."""
-        return self.dims.stages
 
     @property
     def stage_axis(self) -> str:
@@ -197,41 +182,19 @@ class Layout:
         assert isinstance(axis, str)  # config validation: mesh.rules.stage is "stage" whenever stages > 1
         return axis
 
-    @property
-    def context(self) -> int:
-        """Context-parallel size: the mesh's context axis (1: the sequence is not split; docs/long-context.md)."""
-        return self.dims.context
-
-    @property
-    def local_seq(self) -> int:
-        """Tokens of each sequence one device holds: data.seq_len / context (two zigzag chunks when context > 1)."""
-        return self.dims.local_seq
-
     @functools.cached_property
     def token_order(self) -> np.ndarray | None:
         """int [seq_len]: the original position of each slot of the load-balanced (zigzag) order the step feeds the
         model when context > 1 (device i holds chunks i and 2 context - 1 - i of 2 context); None without context."""
-        return None if self.context == 1 else context_schedule.token_order(self.cfg.data.seq_len, self.context)
+        context = self.dims.context
+        return None if context == 1 else context_schedule.token_order(self.cfg.data.seq_len, context)
 
     @functools.cached_property
     def causal_pairs(self) -> np.ndarray:
         """float [context]: (query, key) pairs each context rank attends to per sequence and layer, in this order
         (the planner's attention compute per device; attention FLOPs = 4 * head_dim * heads per pair)."""
-        return context_schedule.causal_pairs(self.cfg.data.seq_len, self.context, balanced=self.context > 1)
-
-    @property
-    def microbatches(self) -> int:
-        return self.dims.microbatches
-
-    @property
-    def rows_per_microbatch(self) -> int:
-        """Sequences in one microbatch of the global batch."""
-        return self.dims.rows_per_microbatch
-
-    @property
-    def rows_per_group(self) -> int:
-        """Sequences of one microbatch that one data-parallel group holds."""
-        return self.dims.rows_per_group
+        context = self.dims.context
+        return context_schedule.causal_pairs(self.cfg.data.seq_len, context, balanced=context > 1)
 
     @functools.cached_property
     def local_rules(self) -> Rules:

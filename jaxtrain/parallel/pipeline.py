@@ -273,9 +273,10 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
             return model.embed_tokens(tokens)
 
     policy = REMAT_POLICIES[model.cfg.remat] if model.cfg.remat != "none" else None
-    out = circular(stage_fn, chunks, tokens, segment_ids, stages=layout.stages,
+    out = circular(stage_fn, chunks, tokens, segment_ids, stages=layout.dims.stages,
                    virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                   batch_axes=layout.batch_axes, embed=embed, remat_policy=policy, meta=meta, with_stats=with_stats)
+                   batch_axes=layout.dims.batch_axes, embed=embed, remat_policy=policy, meta=meta,
+                   with_stats=with_stats)
     return out if with_stats else (out, None)
 
 
@@ -283,12 +284,13 @@ def stack_chunks(stacked: Any, layout) -> Any:
     """The layer stack's state (leaves [L, ...], logical ``layers`` split over stages) -> the schedule's chunks,
     leaves [virtual, stages, L / (stages * virtual), ...] split over the stage axis on dim 1 and gathered over the
     batch axes (once per step, before the loop; the gradients are summed over them once, where they leave it)."""
-    stages, virtual, stage_axis = layout.stages, layout.cfg.train.virtual_stages, layout.stage_axis
+    stages, virtual, stage_axis = layout.dims.stages, layout.cfg.train.virtual_stages, layout.stage_axis
 
     def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
         # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual, stages,
         # layers per chunk, ...], the batch axes dropped (gathered once, before the loop).
-        return PartitionSpec(None, stage_axis, None, *without_axes(PartitionSpec(*tuple(spec)[1:]), layout.batch_axes))
+        return PartitionSpec(None, stage_axis, None,
+                             *without_axes(PartitionSpec(*tuple(spec)[1:]), layout.dims.batch_axes))
 
     def arrange(a, spec):
         return jax.lax.with_sharding_constraint(arrange_chunks(a, stages, virtual, stage_axis), chunk_spec(spec))

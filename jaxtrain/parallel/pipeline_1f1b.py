@@ -358,9 +358,9 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
         with nnx.logical_axis_rules(layout.local_rules):
             return loss_fn(view(r).head(h), targets_m) / m_n
 
-    schedule = partial(loss_and_grads, stage_fn, embed_fn, head_loss, stages=layout.stages,
+    schedule = partial(loss_and_grads, stage_fn, embed_fn, head_loss, stages=layout.dims.stages,
                        virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                       batch_axes=layout.batch_axes, stats_fn=stats_fn)
+                       batch_axes=layout.dims.batch_axes, stats_fn=stats_fn)
 
     @jax.custom_vjp
     def run(chunks, rest, tokens, targets, segments):

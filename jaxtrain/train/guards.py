@@ -62,7 +62,7 @@ def check_memory_fit(layout: Layout, compiled_step, recompile: Callable[[int], A
     total, state, temp = need.total, need.arguments, need.temporaries
     gib, cfg = 2**30, layout.cfg
     hints = []
-    rows = layout.rows_per_group
+    rows = layout.dims.rows_per_group
     k = math.ceil(temp / max(1, budget - (total - temp))) if state < budget else rows + 1
     tried = []
     for m in [m for m in range(max(k, 2), rows + 1) if rows % m == 0][:max_trials]:

@@ -118,7 +118,7 @@ class Step:
         inputs, targets, segments = self._context_order(inputs, targets, segments)
         hidden, collected = pipeline.pipelined_layers(model, inputs, segments, self.layout)
         # [stages, k / stages, ...]: stage j computes the logits and loss of its k / stages microbatches.
-        stages = self.layout.stages
+        stages = self.layout.dims.stages
         shares = hidden.reshape(stages, k // stages, *hidden.shape[1:])
         targets = targets.reshape(stages, k // stages, *targets.shape[1:])
 
@@ -187,7 +187,7 @@ class Step:
                                      has_aux=True)
         micro = self._microbatches(batch)
         lay = self.layout
-        dp_axes, dp, mesh = lay.batch_axes, lay.data_parallel, lay.mesh
+        dp_axes, dp, mesh = lay.dims.batch_axes, lay.dims.data_parallel, lay.mesh
         if self.cfg.train.accumulate == "sharded" or not dp_axes:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             no_metrics = sidestate.zero_metrics(self.cfg.model)
@@ -200,7 +200,8 @@ class Step:
             (metrics, grads), _ = jax.lax.scan(accumulate, (no_metrics, zeros), micro)
             return metrics, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
-        micro = micro.reshape(k, dp, lay.rows_per_group, -1)  # group g of a microbatch: rows of the g-th device block
+        # group g of a microbatch: rows of the g-th device block
+        micro = micro.reshape(k, dp, lay.dims.rows_per_group, -1)
         micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, PartitionSpec(None, dp_axes)))
         specs = jax.tree.map(lambda a: a.sharding.spec, lay.abstract_params)
         gathered_specs = jax.tree.map(lambda s: without_axes(s, dp_axes), specs)
@@ -235,7 +236,7 @@ class Step:
         """One optimizer step on the global batch int32 [global_batch, seq_len + 1]; returns (state, metrics)."""
         train_state = nnx.merge(self.layout.graphdef, state)
         model_def, params = nnx.split(train_state.model, sidestate.DIFFERENTIATED)
-        if self.layout.stages > 1:
+        if self.layout.dims.stages > 1:
             one_f_one_b = self.cfg.train.pipeline_schedule == "1f1b"
             pipelined = self._pipelined_1f1b_objective if one_f_one_b else self._pipelined_objective
             (loss, metrics), grads = jax.value_and_grad(pipelined, has_aux=True)(params, model_def, batch)
@@ -260,7 +261,7 @@ class Step:
     def eval_step(self, state, batch):
         """Mean loss on one batch, no update."""
         model_def, params = nnx.split(nnx.merge(self.layout.graphdef, state).model, sidestate.DIFFERENTIATED)
-        if self.layout.stages > 1:
+        if self.layout.dims.stages > 1:
             return self._pipelined_loss(params, model_def, batch)
         return self._loss(params, model_def, batch, self._trained_tokens(batch))
 

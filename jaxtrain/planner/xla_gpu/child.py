@@ -73,8 +73,8 @@ def main(request_path: str) -> dict:
         with open(req["hlo"], "w") as f:
             f.write(text)
     m = lay.cfg.model
-    expected = gpu_program.Expected(m.attention, lay.local_seq, lay.context, m.resolved_head_dim, m.dtype,
-                                    gpu_program.expected_collectives(lay.shape, lay.batch_axes, lay.param_axes))
+    expected = gpu_program.Expected(m.attention, lay.dims.local_seq, lay.dims.context, m.resolved_head_dim, m.dtype,
+                                    gpu_program.expected_collectives(lay.shape, lay.dims.batch_axes, lay.param_axes))
     return {**reading_json(comp), "device_kind": devices[0].device_kind, "jax": jax.__version__,
             "topology": f"1x{req['nodes']}x{req['per_node']}", "attention": m.attention, "stand_in": stand_in,
             "attention_calls": dict(gpu_program.attention_calls(text)),

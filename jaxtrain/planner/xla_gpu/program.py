@@ -41,7 +41,7 @@ FAMILY = {"all-gather": "gather", "all-reduce": "reduce", "reduce-scatter": "red
 @dataclass(frozen=True)
 class Expected:
     """What the program must hold: ``attention`` the resolved ``model.attention`` it was compiled with, ``seq_local``
-    the tokens of a sequence one device holds (``Layout.local_seq``), ``context`` the context-parallel size,
+    the tokens of a sequence one device holds (``ParallelDims.local_seq``), ``context`` the context-parallel size,
     ``head_dim`` the model's, ``dtype`` the compute dtype, ``collectives`` (families, mesh axis) pairs: on that
     axis, a collective of one of those families."""
 
