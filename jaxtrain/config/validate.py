@@ -48,6 +48,7 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
              "mesh.rules.act_seq=context (ring attention over the context axis) or null, or model.attention=xla")
     _require(not (m.attention == "cudnn" and cfg.data.document_mask),
              "model.attention=cudnn cannot mask documents (data.document_mask=true); use pallas, triton or xla")
+    _check_window(cfg)
     _positive("model.rope_theta", m.rope_theta)
     if m.rope_scaling.type != "none":
         rs = m.rope_scaling
@@ -98,6 +99,20 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
     validate_ops(cfg.dist, cfg.check, cfg.observe)  # dist.*, check.*, observe.* (jaxtrain/config/ops.py)
     _validate_mesh(cfg, num_devices)
     locations.check_paths(cfg)  # files and directories last: value mistakes are reported first
+
+
+def _check_window(cfg: Config) -> None:
+    """``model.sliding_window``: positive, on the attention that has a window mask (the XLA path; ``auto`` resolves
+    to it), and not over a context axis (ring attention merges whole key blocks, without a window)."""
+    w, impl = cfg.model.sliding_window, cfg.model.attention
+    if w is None:
+        return
+    _require(w > 0, f"model.sliding_window={w} must be > 0 (or null: full causal attention)")
+    _require(impl in ("xla", "auto"), f"model.attention={impl} has no sliding-window mask (model.sliding_window={w}); "
+             "use model.attention=xla (auto picks it), or model.sliding_window=null")
+    split = [f"mesh.{part}.context={n}" for (part, ax), n in cfg.mesh.sizes().items() if ax == Axis.CONTEXT and n != 1]
+    _require(not split, f"model.sliding_window={w} cannot run over a context axis ({split[0] if split else ''}): "
+             "ring attention has no window mask; set the context axis to 1")
 
 
 def config_warnings(cfg: Config) -> list[str]:

@@ -49,6 +49,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     instead of all of them; the embedding table counted once)."""
     d, hd, l = cfg.d_model, cfg.resolved_head_dim, cfg.n_layers
     attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    attn += hd * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.qkv_bias + 2 * hd * cfg.qk_norm  # biases, q/k norm scales
     mlp, active_mlp = mlp_weights(cfg)
     embed = cfg.vocab_size * d
     unembed = 0 if cfg.tie_embeddings else embed

@@ -1,8 +1,10 @@
 """Llama-style decoder in Flax NNX.
 
 Token embedding, pre-norm blocks of RMSNorm + grouped-query attention with rotary positions + SwiGLU MLP, a final
-RMSNorm, tied or untied output projection. Layers are created stacked (leading ``layers`` axis) and applied with
-``jax.lax.scan``: one compiled block whatever the depth, and few state leaves.
+RMSNorm, tied or untied output projection. The families differ by options of this one decoder, not by code paths:
+q/k/v biases (``model.qkv_bias``: Qwen2/2.5), per-head q/k RMSNorm (``model.qk_norm``: Qwen3), an explicit head dim
+(``model.head_dim``), a sliding window (``model.sliding_window``: Mistral). Layers are created stacked (leading
+``layers`` axis) and applied with ``jax.lax.scan``: one compiled block whatever the depth, and few state leaves.
 
 Every parameter names its logical axes (``embed``, ``mlp``, ``heads``, ...) and key activations are constrained to
 logical axes (``batch``, ``act_embed``, ...). The mapping to mesh axes lives in the config (``mesh.rules``) and is
@@ -21,7 +23,7 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.models.attention import REMAT_POLICIES, Local
+from jaxtrain.models.attention import REMAT_POLICIES, Local, window_mask
 from jaxtrain.models.fp8 import use_fp8
 
 # (q, k, v, segment_ids) -> out: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment
@@ -59,15 +61,16 @@ def rotary(x: jax.Array, freqs: jax.Array, positions: jax.Array | None = None) -
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def cached_attention(q, k_cache, v_cache, q_positions) -> jax.Array:
+def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None) -> jax.Array:
     """Attention of new queries over a KV cache, for decoding. q [batch, new, heads, head_dim], caches
     [batch, max_len, kv_heads, head_dim], q_positions int [batch, new]: a query attends to cache slots at or before
-    its own position (slots past it may hold stale values; they are masked). Same arithmetic as ``mha_reference``."""
+    its own position (slots past it may hold stale values; they are masked), and with a ``window``
+    (model.sliding_window) only to the last ``window`` of them. Same arithmetic as ``mha_reference``."""
     b, t, h, d = q.shape
     kv = k_cache.shape[2]
     qg = q.reshape(b, t, kv, h // kv, d)
     logits = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * d**-0.5
-    visible = jnp.arange(k_cache.shape[1])[None, None, :] <= q_positions[:, :, None]  # [batch, new, max_len]
+    visible = window_mask(q_positions, jnp.arange(k_cache.shape[1])[None, :], window)  # [batch, new, max_len]
     logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
@@ -78,16 +81,27 @@ CACHE_AXES = ("batch", None, "act_kv_heads", None)  # one layer's KV cache [batc
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention with rotary positions; by the config, q/k/v biases (``qkv_bias``, each bias
+    [heads or kv_heads, head_dim] on the logical axes of its kernel's outputs), an RMSNorm of each query and key head
+    over head_dim before rotary (``qk_norm``, scales [head_dim]) and a sliding window (``sliding_window``: the
+    ``attention`` callable applies it in training, :func:`cached_attention` in decoding)."""
+
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, rngs: nnx.Rngs):
         self.cfg, self.attention = cfg, attention
         d, hd = cfg.d_model, cfg.resolved_head_dim
         common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q = nnx.LinearGeneral(d, (cfg.n_heads, hd),
-                                   kernel_init=_init(cfg.init_std, ("embed", "heads", "head_dim")), **common)
-        self.k = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd),
-                                   kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
-        self.v = nnx.LinearGeneral(d, (cfg.n_kv_heads, hd),
-                                   kernel_init=_init(cfg.init_std, ("embed", "kv_heads", "head_dim")), **common)
+
+        def qkv(heads: int, axis: str) -> nnx.LinearGeneral:
+            bias = dict(use_bias=True, bias_init=nnx.with_partitioning(nnx.initializers.zeros, (axis, "head_dim")))
+            return nnx.LinearGeneral(d, (heads, hd), kernel_init=_init(cfg.init_std, ("embed", axis, "head_dim")),
+                                     **{**common, **(bias if cfg.qkv_bias else {})})
+
+        self.q = qkv(cfg.n_heads, "heads")
+        self.k = qkv(cfg.n_kv_heads, "kv_heads")
+        self.v = qkv(cfg.n_kv_heads, "kv_heads")
+        if cfg.qk_norm:
+            self.q_norm = _norm(cfg, dtype, param_dtype, rngs, hd)
+            self.k_norm = _norm(cfg, dtype, param_dtype, rngs, hd)
         # Scaled init of residual-branch outputs (GPT-2): keeps the residual stream's variance independent of depth.
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1),
@@ -105,6 +119,8 @@ class Attention(nnx.Module):
         q = with_logical_constraint(self.q(x), ("batch", "act_seq", "act_heads", None))
         k = with_logical_constraint(self.k(x), ("batch", "act_seq", "act_kv_heads", None))
         v = with_logical_constraint(self.v(x), ("batch", "act_seq", "act_kv_heads", None))
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         freqs = rope_frequencies(self.cfg)
         q, k = rotary(q, freqs, positions), rotary(k, freqs, positions)
         if cache is None:
@@ -113,7 +129,7 @@ class Attention(nnx.Module):
             rows = jnp.arange(x.shape[0])[:, None]
             k_cache = with_logical_constraint(cache[0].at[rows, positions].set(k.astype(cache[0].dtype)), CACHE_AXES)
             v_cache = with_logical_constraint(cache[1].at[rows, positions].set(v.astype(cache[1].dtype)), CACHE_AXES)
-            out = cached_attention(q, k_cache, v_cache, positions)
+            out = cached_attention(q, k_cache, v_cache, positions, self.cfg.sliding_window)
         out = with_logical_constraint(out, ("batch", "act_seq", "act_heads", None))
         return self.o(out) if cache is None else (self.o(out), (k_cache, v_cache))
 
@@ -134,8 +150,10 @@ class MLP(nnx.Module):
         return self.down(h)
 
 
-def _norm(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.RMSNorm:
-    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
+def _norm(cfg: ModelConfig, dtype, param_dtype, rngs: nnx.Rngs, width: int | None = None) -> nnx.RMSNorm:
+    """RMSNorm over the last axis, of ``width`` (default d_model); its scale is replicated (logical ``norm``)."""
+    return nnx.RMSNorm(cfg.d_model if width is None else width, epsilon=cfg.norm_eps, dtype=dtype,
+                       param_dtype=param_dtype,
                        scale_init=nnx.with_partitioning(nnx.initializers.ones, ("norm",)), rngs=rngs)
 
 
@@ -160,7 +178,8 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Decoder-only transformer for a resolved model config (``layout.resolve_auto``: no "auto" left).
 
-    ``attention``: the attention each layer calls (:data:`AttentionFn`); default ``Local(cfg.attention)``, on the
+    ``attention``: the attention each layer calls (:data:`AttentionFn`, with ``cfg.sliding_window`` if set); default
+    ``Local(cfg.attention, window=cfg.sliding_window)``, on the
     arrays as given (the layout passes the mesh-aware one, :class:`jaxtrain.parallel.attention.MeshAttention`).
     """
 
@@ -168,7 +187,7 @@ class Transformer(nnx.Module):
         if "auto" in (cfg.dtype, cfg.attention):
             raise ValueError("the model needs a resolved config (layout.resolve_auto): dtype and attention not auto")
         self.cfg = cfg
-        attention = Local(cfg.attention) if attention is None else attention
+        attention = Local(cfg.attention, window=cfg.sliding_window) if attention is None else attention
         dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
                                embedding_init=_init(cfg.init_std, ("vocab", "embed")), rngs=rngs)

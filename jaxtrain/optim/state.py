@@ -28,10 +28,12 @@ def lr_schedule(t: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(t: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(AdamW on :func:`lr_schedule` after global-norm clipping, that schedule). Norm scales are not decayed."""
+    """(AdamW on :func:`lr_schedule` after global-norm clipping, that schedule). Norm scales and biases (q/k/v's,
+    model.qkv_bias) are not decayed."""
 
     def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(lambda path, _: "scale" not in jax.tree_util.keystr(path), params)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not any(n in jax.tree_util.keystr(path) for n in ("'scale'", "'bias'")), params)
 
     schedule = lr_schedule(t)
     adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)

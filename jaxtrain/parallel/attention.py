@@ -43,13 +43,14 @@ class MeshAttention:
 
     impl: str
     interpret: bool = False
+    window: int | None = None  # model.sliding_window (the XLA path only; the config refuses the rest)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
         ring = 1 if mesh.empty else dict(mesh.shape).get(Axis.CONTEXT, 1)
         if ring > 1:  # the sequence is split over the context axis, in the zigzag order (parallel/context.py)
             return self._ring(q, k, v, segment_ids, mesh, ring)
-        local = Local(self.impl, self.interpret)
+        local = Local(self.impl, self.interpret, self.window)
         if self.impl not in ("pallas", "triton", "cudnn") or mesh.empty:
             return local(q, k, v, segment_ids)
         q_spec, kv_spec, seg_spec = (nn_partitioning.logical_to_mesh_axes(a) for a in (Q_AXES, KV_AXES, SEGMENT_AXES))
@@ -62,6 +63,8 @@ class MeshAttention:
     def _ring(self, q, k, v, segment_ids, mesh, ring: int) -> jax.Array:
         if self.impl not in ("xla", "pallas", "triton"):
             raise ValueError(f"attention impl {self.impl!r} cannot run over a context axis; use xla, pallas or triton")
+        if self.window is not None:  # the config refuses it (config/validate.py)
+            raise ValueError(f"a sliding window ({self.window}) cannot run over a context axis (ring attention)")
         blocks = context.XLA_BLOCKS if self.impl == "xla" else context.kernel_blocks(self.impl, self.interpret)
         specs = tuple(nn_partitioning.logical_to_mesh_axes(a) for a in (Q_AXES, KV_AXES, SEGMENT_AXES))
         return context.context_attention(q, k, v, segment_ids, mesh=mesh, specs=specs, n=ring, blocks=blocks)

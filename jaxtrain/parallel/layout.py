@@ -52,7 +52,8 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     (``parallel/attention.py`` calls it per device); else jaxtrain's flash kernel where it takes the head dim and the
     sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
     else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
-    checking, not speed; cuDNN has no float32 kernel). Concrete values pass through unchanged, so resolving twice is
+    checking, not speed; cuDNN has no float32 kernel), and with a sliding window (``model.sliding_window``: neither
+    kernel has its mask). Concrete values pass through unchanged, so resolving twice is
     harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError. ``model.moe.gemm``:
     :func:`jaxtrain.parallel.expert.resolve_gemm`.
     """
@@ -72,7 +73,8 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
         attention = "xla"
         seq_rule = cfg.mesh.rules.get("act_seq")
         ring = seq_rule == Axis.CONTEXT and shards is not None and shards > 1  # ring attention (parallel/context.py)
-        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring):
+        # A sliding window (model.sliding_window) has its mask on the XLA path only.
+        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring) and m.sliding_window is None:
             segments = cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)  # chat packs too
             if shards == 1 and not segments and m.resolved_head_dim in CUDNN_HEAD_DIMS:
                 attention = "cudnn"
@@ -281,7 +283,7 @@ class Layout:
 def _model(cfg: Config, seed: int, interpret_kernels: bool) -> Transformer:
     """The model, with its attention (and an MoE model's experts) laid out on the mesh in scope (parallelism applied
     to the model here)."""
-    attention = MeshAttention(cfg.model.attention, interpret_kernels)
+    attention = MeshAttention(cfg.model.attention, interpret_kernels, cfg.model.sliding_window)
     return make_model(cfg.model, rngs=nnx.Rngs(seed), attention=attention,
                       experts=MeshExperts(cfg.model.moe.dispatch, cfg.model.moe.gemm, interpret_kernels))
 
