@@ -189,8 +189,9 @@ def _bad_inputs(tmp):
     cases.append(("architecture", variant("arch", lambda c: c.update(architectures=["Qwen3MoeForCausalLM"])),
                   "unsupported architecture Qwen3MoeForCausalLM"))
     cases.append(("biases", variant("bias", lambda c: c.update(attention_bias=True)), "attention biases"))
-    cases.append(("sliding window", variant("window", lambda c: c.update(architectures=["MistralForCausalLM"],
-                                                                          sliding_window=4096)), "sliding-window"))
+    cases.append(("sliding window on some layers", variant("window", lambda c: c.update(
+        architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+        "a sliding window on 1 of 2 layers"))
     cases.append(("rope type", variant("yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn",
                                                                                    "rope_theta": 1e4, "factor": 4})),
                   "unsupported rope scaling 'yarn'"))

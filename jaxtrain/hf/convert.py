@@ -163,7 +163,8 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
         tokenizer = hf.copy_tokenizer(src, out)
         eos = hf_cfg.get("eos_token_id")
         meta = {**ckpt.describe(to_dict(cfg), layout.shape.label, layout.num_devices),
-                "hf": {"source": os.path.abspath(src), "bos_token_id": hf_cfg.get("bos_token_id"),
+                "hf": {"source": os.path.abspath(src), "architecture": _architecture(hf_cfg),
+                       "bos_token_id": hf_cfg.get("bos_token_id"),
                        "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
                        "max_position_embeddings": hf_cfg.get("max_position_embeddings"),
                        "tokenizer_dir": os.path.abspath(out) if "tokenizer.json" in tokenizer else None}}
@@ -182,6 +183,12 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
         raise
     n_params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(abstract))
     return {"params": n_params, "seconds": time.perf_counter() - t0, "tokenizer": tokenizer}
+
+
+def _architecture(hf_cfg: dict) -> str | None:
+    """The class of an imported config.json that jaxtrain maps (the export writes it again where it can)."""
+    known = hf.ARCHITECTURES + hf.MOE_ARCHITECTURES
+    return next((a for a in hf_cfg.get("architectures") or [] if a in known), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -211,6 +218,11 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
 
     origin = hf_origin(meta)
     eos = origin.get("eos_token_id") or [cfg.data.eos_id]
+    # The class the model was imported from where it still holds the model; refused before anything is written.
+    config = moe_hf.hf_config(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
+                              bos_token_id=origin.get("bos_token_id"),
+                              max_position_embeddings=origin.get("max_position_embeddings") or cfg.data.seq_len,
+                              architecture=origin.get("architecture"))
     t0 = time.perf_counter()
     existed = os.path.isdir(out)  # and empty: checked before
     try:
@@ -235,9 +247,6 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
         if len(files) > 1:
             with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
-        config = moe_hf.hf_config(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
-                                  bos_token_id=origin.get("bos_token_id"),
-                                  max_position_embeddings=origin.get("max_position_embeddings") or cfg.data.seq_len)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         tokenizer = tokenizer_source(meta)

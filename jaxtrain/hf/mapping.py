@@ -1,4 +1,7 @@
-"""Hugging Face Llama checkpoints in and out: ``config.json`` <-> ModelConfig, safetensors <-> the model's parameters.
+"""Hugging Face dense checkpoints in and out: ``config.json`` <-> ModelConfig, safetensors <-> the model's parameters.
+
+The dense families (Llama, Mistral, Qwen2/2.5, Qwen3) are one decoder with options, so each maps onto the same
+parameters, plus its biases or q/k norm scales; which options each class's config.json sets: :mod:`.families`.
 
 Both directions stream. Import builds each parameter with ``jax.make_array_from_callback``: every device shard reads
 only its own slice of each layer's tensor from the (memory-mapped) safetensors files, so no host ever holds more than
@@ -25,8 +28,9 @@ import numpy as np
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError, one_line
+from jaxtrain.hf.families import MODEL_TYPES, attention_fields, class_entries, dense_architecture
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")  # Mistral without a sliding window is a Llama
+ARCHITECTURES = tuple(MODEL_TYPES)  # the dense classes (jaxtrain.hf.families)
 MOE_ARCHITECTURES = ("MixtralForCausalLM",)  # mapped by jaxtrain.hf.moe_mapping
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
@@ -77,12 +81,9 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 
 def check_common(hf: dict) -> None:
     """The checks every architecture mapped here shares: ConfigError naming the first feature jaxtrain's decoder
-    lacks (biases, sliding windows, partial rotary, split linear layers, activations other than SiLU)."""
-    for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases")):
-        if hf.get(key):
-            raise ConfigError(f"unsupported feature: {what} ({key}={hf[key]!r} in config.json)")
-    if hf.get("sliding_window") and hf.get("use_sliding_window", True):
-        raise ConfigError(f"unsupported feature: sliding-window attention (sliding_window={hf['sliding_window']})")
+    lacks (MLP biases, partial rotary, split linear layers, activations other than SiLU)."""
+    if hf.get("mlp_bias"):
+        raise ConfigError(f"unsupported feature: MLP biases (mlp_bias={hf['mlp_bias']!r} in config.json)")
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"unsupported feature: hidden_act={hf['hidden_act']!r} (jaxtrain's MLP is SwiGLU, silu)")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
@@ -124,21 +125,22 @@ def decoder_fields(hf: dict) -> dict:
 
 
 def model_fields_from_hf(hf: dict) -> dict:
-    """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Llama (or Mistral without a sliding
-    window) ``config.json``; Mixtral's are :func:`jaxtrain.hf.moe_mapping.model_fields_from_hf`.
+    """ModelConfig field values (dotted ``model.*`` keys) for a Hugging Face Llama, Mistral, Qwen2/2.5 or Qwen3
+    ``config.json``; Mixtral's are :func:`jaxtrain.hf.moe_mapping.model_fields_from_hf`.
 
-    Raises ConfigError naming the first unsupported architecture or feature (biases, sliding windows, MoE in a Llama
-    config, partial rotary, activations other than SiLU).
+    Raises ConfigError naming the first unsupported architecture or feature (an output-projection bias, a sliding
+    window on some layers only, MoE in a dense config, partial rotary, activations other than SiLU).
     """
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
-    if not any(a in ARCHITECTURES for a in archs):
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
         raise ConfigError(f"unsupported architecture {', '.join(map(str, archs))} "
                           f"(supported: {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)})")
     for key in ("num_local_experts", "num_experts"):
         if hf.get(key):
             raise ConfigError(f"unsupported feature: mixture of experts ({key}={hf[key]!r} in config.json)")
     check_common(hf)
-    return decoder_fields(hf)
+    return {**decoder_fields(hf), **attention_fields(hf, arch)}
 
 
 def rope_entries(m: ModelConfig) -> tuple[dict, dict | None]:
@@ -155,17 +157,18 @@ def rope_entries(m: ModelConfig) -> tuple[dict, dict | None]:
 
 
 def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
-                         max_position_embeddings: int = 2048) -> dict:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with the shapes of the dense model ``m`` (an MoE model's:
-    :func:`jaxtrain.hf.moe_mapping.hf_config_from_model`).
+                         max_position_embeddings: int = 2048, architecture: str | None = None) -> dict:
+    """The ``config.json`` of the dense class that holds ``m`` (:func:`dense_architecture`, preferring
+    ``architecture``) with the shapes of the dense model ``m``: the keys ``save_pretrained`` writes for that class
+    (an MoE model's: :func:`jaxtrain.hf.moe_mapping.hf_config_from_model`).
 
     Rotary settings are written both ways, as transformers 5's ``rope_parameters`` and as 4.x's ``rope_theta`` /
     ``rope_scaling``, so that older readers (and serving tools that read the 4.x keys) get the same model.
     """
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            **decoder_config_entries(m, m.d_ff, max_position_embeddings),
-            "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-            "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    arch = dense_architecture(m, architecture)
+    return {"architectures": [arch], "model_type": MODEL_TYPES[arch],
+            **decoder_config_entries(m, m.d_ff, max_position_embeddings), **class_entries(m, arch),
+            "pad_token_id": None, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
 
 
 def decoder_config_entries(m: ModelConfig, intermediate_size: int, max_position_embeddings: int) -> dict:
@@ -251,9 +254,18 @@ class TensorMap:
         return np.ascontiguousarray(np.transpose(x, order)).reshape(self.hf_shape(x.shape))
 
 
-def attention_maps(layer: str, block: tuple[str, ...]) -> list[TensorMap]:
-    """A layer's attention and norms: Hugging Face names ``layer`` + ..., parameters under the stacked ``block``."""
-    return [
+def attention_maps(layer: str, block: tuple[str, ...], m: ModelConfig | None = None) -> list[TensorMap]:
+    """A layer's attention and norms: Hugging Face names ``layer`` + ..., parameters under the stacked ``block``;
+    with ``m``, its q/k/v biases (``qkv_bias``) and q/k norms (``qk_norm``) too."""
+    attn = (*block, "attn")
+    extra = []
+    if m is not None and m.qkv_bias:  # b [heads * head_dim]; bias [heads, head_dim]
+        extra += [TensorMap(layer + f"self_attn.{p}_proj.bias", (*attn, p, "bias"), True, (0, 1), ())
+                  for p in "qkv"]
+    if m is not None and m.qk_norm:  # [head_dim]
+        extra += [TensorMap(layer + f"self_attn.{p}_norm.weight", (*attn, f"{p}_norm", "scale"), True, (0,), ())
+                  for p in "qk"]
+    return extra + [
         # q, k, v: W [heads * head_dim, d_model]; kernel [d_model, heads, head_dim].
         TensorMap(layer + "self_attn.q_proj.weight", (*block, "attn", "q", "kernel"), True, (1, 2), (0,)),
         TensorMap(layer + "self_attn.k_proj.weight", (*block, "attn", "k", "kernel"), True, (1, 2), (0,)),
@@ -281,7 +293,7 @@ def tensor_maps(m: ModelConfig) -> list[TensorMap]:
            TensorMap(layer + "mlp.up_proj.weight", ("blocks", "mlp", "up", "kernel"), True, (1,), (0,)),
            TensorMap(layer + "mlp.down_proj.weight", ("blocks", "mlp", "down", "kernel"), True, (1,), (0,))]
     before, after = outer_maps(m)
-    return before + attention_maps(layer, ("blocks",)) + mlp + after
+    return before + attention_maps(layer, ("blocks",), m) + mlp + after
 
 
 def _bounds(s: slice, n: int) -> tuple[int, int]:

@@ -14,9 +14,9 @@ per layer i and expert j, in the layout Hub checkpoints have and transformers' `
 Import also reads transformers 5's fused names (``mlp.gate.weight``, ``mlp.experts.gate_up_proj [E, 2f, d]``: w1
 then w3 of each expert, ``mlp.experts.down_proj [E, d, f]``), as in a state_dict saved without save_pretrained.
 
-Other MoE families are refused with the reason they do not fit (:func:`refuse_unfitting`): Qwen2-MoE's shared
-experts and sigmoid gate exist in jaxtrain (``model.moe.shared_experts``, ``shared_gate``), but its attention has q/k/v
-biases, which jaxtrain's attention projections lack.
+Other MoE families are refused with one line (:func:`refuse_unfitting`): Qwen2-MoE's q/k/v biases
+(``model.qkv_bias``), shared experts and sigmoid gate (``model.moe.shared_experts``, ``shared_gate``) exist in jaxtrain,
+but its tensors are not mapped yet.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Collection
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import mapping
+from jaxtrain.hf import families, mapping
 
 ARCHITECTURES = mapping.MOE_ARCHITECTURES
 _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's in-memory names
@@ -47,17 +47,20 @@ def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping
     return tensor_maps(m, fused=is_fused(names)) if m.moe.experts else mapping.tensor_maps(m)
 
 
-def hf_config(m: ModelConfig, **kw) -> dict:
-    """``config.json`` for the model ``m``, dense (Llama) or MoE (Mixtral); ``kw`` as :func:`hf_config_from_model`."""
-    return hf_config_from_model(m, **kw) if m.moe.experts else mapping.hf_config_from_model(m, **kw)
+def hf_config(m: ModelConfig, *, architecture: str | None = None, **kw) -> dict:
+    """``config.json`` for the model ``m``, dense (the class :func:`jaxtrain.hf.mapping.dense_architecture` picks,
+    preferring ``architecture``) or MoE (Mixtral); ``kw`` as :func:`hf_config_from_model`."""
+    if m.moe.experts:
+        return hf_config_from_model(m, **kw)
+    return mapping.hf_config_from_model(m, architecture=architecture, **kw)
 
 
 def refuse_unfitting(archs: list, hf: dict) -> None:
     """ConfigError naming what does not fit for MoE architectures jaxtrain knows of but cannot represent."""
-    if "Qwen2MoeForCausalLM" in archs and hf.get("qkv_bias", True):
-        raise ConfigError("unsupported architecture Qwen2MoeForCausalLM: its attention has q/k/v biases "
-                          "(qkv_bias=true), which jaxtrain's attention projections lack (MoE import: "
-                          f"{', '.join(ARCHITECTURES)})")
+    if "Qwen2MoeForCausalLM" in archs:
+        raise ConfigError("unsupported architecture Qwen2MoeForCausalLM: its tensors are not mapped yet (its q/k/v "
+                          "biases, shared expert and sigmoid gate exist as model.qkv_bias, model.moe.shared_experts "
+                          f"and shared_gate; MoE import: {', '.join(ARCHITECTURES)})")
 
 
 def model_fields_from_hf(hf: dict) -> dict:
@@ -65,6 +68,7 @@ def model_fields_from_hf(hf: dict) -> dict:
     naming the first feature jaxtrain cannot represent (sliding windows, biases, an expert count or top-k out of
     range, activations other than SiLU)."""
     mapping.check_common(hf)
+    families.refuse_attention_options(hf)
     experts, top_k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
     if not isinstance(experts, int) or experts < 1:
         raise ConfigError(f"num_local_experts={experts!r} in config.json must be a positive integer")
@@ -132,6 +136,9 @@ def check_exportable(m: ModelConfig) -> None:
         (moe.shared_experts != 0, f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none: 0)"),
         (moe.router != "softmax", f"model.moe.router={moe.router} (Mixtral's is softmax)"),
         (not moe.normalize, "model.moe.normalize=false (Mixtral renormalises the top-k weights: true)"),
+        (m.qkv_bias, "model.qkv_bias=true (Mixtral's attention has no biases)"),
+        (m.qk_norm, "model.qk_norm=true (Mixtral's attention has no q/k norms)"),
+        (m.sliding_window is not None, f"model.sliding_window={m.sliding_window} (not mapped for Mixtral)"),
     ]
     for bad, what in problems:
         if bad:
