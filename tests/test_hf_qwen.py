@@ -224,16 +224,22 @@ def test_logits_match_transformers_and_the_round_trip_is_bit_exact(hf, tmp_path,
 PROMPTS = [[5, 17, 3, 44, 9, 71, 30, 12, 8, 61, 22], [40, 6], [9, 9, 81, 13, 50, 3]]
 
 
-@pytest.mark.parametrize("case", ["qwen2.5_tied_window", "qwen3_window", "mistral_window"])
-def test_greedy_generation_matches_transformers(hf, tmp_path, case):
+MESH = ["runtime.cpu_devices=8", "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"]
+
+
+@pytest.mark.parametrize("case, mesh", [("qwen2.5_tied_window", []), ("qwen3_window", []), ("mistral_window", []),
+                                        ("qwen3_window", MESH)],
+                         ids=["qwen2.5_tied_window", "qwen3_window", "mistral_window", "qwen3_window_mesh"])
+def test_greedy_generation_matches_transformers(hf, tmp_path, case, mesh):
     """20 new tokens on three prompts of different lengths decoded as one batch (past the window of 8, so the KV
-    cache's window mask matters) equal transformers' greedy generate on each prompt alone."""
+    cache's window mask matters) equal transformers' greedy generate on each prompt alone, on one device and on a
+    data x fsdp x tensor mesh."""
     from jaxtrain.hf import generate
 
     torch, _ = hf
     family, overrides = CASES[case]
     hf_model = make_family_model(hf, tmp_path / "hf", family, seed=3, **overrides)
-    cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
+    cfg = import_dir(tmp_path / "hf", tmp_path / "jt", *mesh)
     model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
     res = generate.generate(model, layout, PROMPTS, max_new_tokens=20, eos_ids=(HF_BASE["eos_token_id"],))
     for prompt, got in zip(PROMPTS, res.new_ids):
