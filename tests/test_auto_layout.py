@@ -211,6 +211,41 @@ def test_the_model_is_not_timed_where_its_copy_per_device_would_not_fit_the_host
     assert any("the model's own step is not timed" in line for line in said), said
 
 
+def test_mesh_sizes_set_beside_mesh_auto_hold_its_search(make_config):
+    """The issue's `mesh.auto=true mesh.ici.data=4 mesh.ici.fsdp=2` trained data 2 x fsdp 4: sizes set on the
+    command line (either spelling) are kept, the axes left alone stay free, a -1 keeps nothing, and a config
+    file's sizes (tiny.yaml's fsdp -1, data 1) are its own layout, which the search replaces."""
+    cfg = make_config("model.n_layers=4", "train.global_batch=16", "mesh.auto=true", "mesh.ici.data=4",
+                      "mesh.ici.fsdp=2")
+    assert cfg.mesh.auto_keep == ["ici.data", "ici.fsdp"]
+    assert {c.shape.label for c in space.candidates(cfg, 8, 1)} == {"data4 fsdp2"}
+    free = make_config("model.n_layers=4", "train.global_batch=16", "mesh.auto=true", "mesh.ici={data: 2}")
+    assert free.mesh.kept() == {("ici", "data"): 2}
+    labels = {c.shape.label for c in space.candidates(free, 8, 1)}
+    assert labels and all(c.shape.size("data") == 2 for c in space.candidates(free, 8, 1)) and len(labels) > 1
+    assert make_config("mesh.auto=true", "mesh.ici.fsdp=-1").mesh.kept() == {}
+    tiny = load_config("tiny", ["mesh.auto=true", "model.n_layers=4", "train.global_batch=16"])
+    assert tiny.mesh.auto_keep == [] and len({c.shape.label for c in space.candidates(tiny, 8, 1)}) > 1
+    with pytest.raises(ConfigError) as e:
+        space.candidates(make_config("train.global_batch=6", "mesh.auto=true", "mesh.ici.data=3"), 8, 1)
+    assert str(e.value) == ("mesh.auto: no valid layout over 8 device(s) on 1 node(s) has the sizes given "
+                            "(mesh.ici.data=3; mesh.auto keeps the sizes set beside it); valid layouts: "
+                            "mesh.ici.data takes 1, 2; change or drop them")
+    with pytest.raises(ConfigError, match="mesh.auto_keep names 'ici.foo': each must be one of ici.data"):
+        make_config("mesh.auto_keep=[ici.foo]")
+
+
+def test_a_mesh_size_no_layout_has_is_refused_in_one_line_by_train(tmp_path):
+    from jaxtrain_testing import run_cli
+
+    proc = run_cli("train", *SMALL, "train.global_batch=6", "mesh.auto=true", "mesh.ici.data=3",
+                   "runtime.cpu_devices=8", f"run.dir={tmp_path / 'run'}", timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: mesh.auto: no valid layout over 8 device(s) on 1 node(s) has the sizes given "
+                               "(mesh.ici.data=3;"), lines[0]
+
+
 def test_margin_is_validated_once(make_config):
     with pytest.raises(ConfigError, match=r"mesh.auto_memory_margin=1.0 must be in \[0, 1\)"):
         make_config("mesh.auto_memory_margin=1.0")

@@ -89,10 +89,25 @@ class MeshConfig:
     # warm-up step each, and the fastest measured is chosen; 0: the estimate alone (docs/auto-layout.md says what
     # a trial costs on GPUs)
     auto_trial_steps: int = 6
+    # mesh.auto: the sizes the search keeps as configured, as "ici.data", "dcn.fsdp", ... (a size of -1 keeps
+    # nothing); the loader lists every mesh.ici.* / mesh.dcn.* size a key=value override sets, so that
+    # `mesh.auto=true mesh.ici.data=4` searches only the layouts with ici data 4 (a config file's sizes are its own
+    # layout, which mesh.auto replaces)
+    auto_keep: list[str] = field(default_factory=list)
 
     def sizes(self) -> dict[tuple[str, str], int]:
         """``{("ici", "data"): 1, ...}``: the configured sizes (ici and dcn of each axis), ``-1`` included."""
         return {(part, ax): getattr(getattr(self, part), ax) for part in ("ici", "dcn") for ax in MESH_AXES}
+
+    def kept(self) -> dict[tuple[str, str], int]:
+        """The sizes ``auto_keep`` holds mesh.auto's search to: ``{("ici", "data"): 4}`` (those of -1 left out)."""
+        sizes = self.sizes()
+        kept = {}
+        for name in self.auto_keep:
+            part, _, ax = name.partition(".")
+            if sizes[(part, ax)] > 0:
+                kept[(part, ax)] = sizes[(part, ax)]
+        return kept
 
 
 @dataclass

@@ -137,6 +137,9 @@ def _validate_mesh(cfg: Config, num_devices: Callable[[Config], int | None] | No
     for k, v in sizes.items():
         _require(v == -1 or v >= 1, f"{k}={v} must be >= 1 (or -1 for one axis to fill the rest)")
 
+    names = [f"{part}.{ax}" for part in ("ici", "dcn") for ax in MESH_AXES]
+    bad = [n for n in cfg.mesh.auto_keep if n not in names]
+    _require(not bad, f"mesh.auto_keep names {', '.join(map(repr, bad))}: each must be one of {', '.join(names)}")
     _require(0 <= cfg.mesh.auto_memory_margin < 1,
              f"mesh.auto_memory_margin={cfg.mesh.auto_memory_margin} must be in [0, 1)")
     _require(cfg.mesh.auto_trial_steps >= 0,

@@ -31,14 +31,14 @@ def affordable(cfg: Config, devices: list, nodes: int = 1, progress: Callable[[s
     """Before anything is measured or compiled: ConfigError (one line, exit 2) when no candidate's parameters,
     optimizer state and layer inputs (``space.closed_form``'s lower bound, at the dtypes the run will use) fit the
     devices' memory less ``mesh.auto_memory_margin``; else one progress line with the candidates' count."""
-    from jaxtrain.parallel.layout import resolve_auto
     from jaxtrain.planner.cost.measure import usable_at_hand
 
     usable = usable_at_hand(devices)
     budget = usable * (1 - cfg.mesh.auto_memory_margin)
-    resolved = resolve_auto(cfg, devices[0].platform, len(devices))
+    cands = candidates(cfg, len(devices), nodes)  # first: sizes given that no layout has are the error to name
+    resolved = _resolved(cfg, devices)
     rows = []
-    for c in candidates(cfg, len(devices), nodes):
+    for c in cands:
         applied = c.apply(resolved)
         need = cost.state_bytes_lower(applied, c.shape) + cost.activation_bytes(applied, c.shape)[0]
         rows.append(Row(c, need, need, 0.0, 0.0))
@@ -46,8 +46,24 @@ def affordable(cfg: Config, devices: list, nodes: int = 1, progress: Callable[[s
     if over == len(rows):
         raise ConfigError(nothing_fits(cfg, rows, [], budget, len(devices), usable))
     progress(f"mesh.auto: {len(rows)} candidate layouts over {len(devices)} {devices[0].device_kind} device(s)"
-             f"{f' on {nodes} nodes' if nodes > 1 else ''}; {over} cannot fit {gb(budget)} a device by their "
-             "parameters, optimizer state and layer inputs alone")
+             f"{f' on {nodes} nodes' if nodes > 1 else ''}"
+             + (f" with {', '.join(f'mesh.{p}.{a}={v}' for (p, a), v in cfg.mesh.kept().items())} as given"
+                if cfg.mesh.kept() else "")
+             + f"; {over} cannot fit {gb(budget)} a device by their parameters, optimizer state and layer inputs alone")
+
+
+def _resolved(cfg: Config, devices: list) -> Config:
+    """``cfg`` with its "auto" values resolved for ``devices`` (``layout.resolve_auto``): over their count where the
+    configured mesh covers them, else with the count unknown (sizes kept beside mesh.auto, ``mesh.ici.fsdp=2`` on 8
+    devices, leave the configured mesh short of the devices: the search fills the rest)."""
+    from jaxtrain.parallel.dims import MeshShape
+    from jaxtrain.parallel.layout import resolve_auto
+
+    try:
+        MeshShape.resolve(cfg.mesh, len(devices))
+    except ConfigError:
+        return resolve_auto(cfg, devices[0].platform)
+    return resolve_auto(cfg, devices[0].platform, len(devices))
 
 
 def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None, nodes: int = 1,
@@ -61,11 +77,10 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     file's figures are in: it is a fraction of ``peak_flops``, so it must be taken against the peak the estimate
     will use (measured against the one at hand, then multiplied by a file's other peak, it had put the tiny model's
     calibrated estimate at 1.8x its measured step)."""
-    from jaxtrain.parallel.layout import resolve_auto
     from jaxtrain.planner.cost import calibration, measure
 
     affordable(cfg, devices, nodes, progress)
-    resolved = resolve_auto(cfg, devices[0].platform, len(devices))
+    resolved = _resolved(cfg, devices)
     dtype = resolved.model.dtype
     if devices[0].platform != "cpu":
         return calibration.for_plan(measure.hardware_at_hand(devices, None), calibration_path, cfg.run.dir, dtype)

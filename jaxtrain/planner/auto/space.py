@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
-from jaxtrain.parallel.dims import Axis, MeshShape
+from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape
 from jaxtrain.planner.cost import model as cost
 from jaxtrain.planner.search import meshes as search
 
@@ -70,6 +70,26 @@ def candidates(cfg: Config, n_devices: int, nodes: int, remats=REMATS, microbatc
             out += [Candidate(shape, r, k, s) for r in remats for s in schedules]
     if not out:
         raise ConfigError(f"mesh.auto: no valid layout over {n_devices} device(s): {why}")
+    return keep_given(cfg, out, n_devices, nodes)
+
+
+def keep_given(cfg: Config, cands: list[Candidate], n_devices: int, nodes: int) -> list[Candidate]:
+    """The candidates with the sizes ``mesh.auto_keep`` holds (``cfg.mesh.kept()``: those set on the command line
+    beside ``mesh.auto=true``); ConfigError (one line, exit 2) naming them and the sizes valid layouts take when
+    none has them."""
+    kept = cfg.mesh.kept()
+
+    def size(c: Candidate, part: str, ax: str) -> int:
+        return (c.shape.ici if part == "ici" else c.shape.dcn)[MESH_AXES.index(ax)]
+
+    out = [c for c in cands if all(size(c, part, ax) == v for (part, ax), v in kept.items())]
+    if not out:
+        given = " ".join(f"mesh.{part}.{ax}={v}" for (part, ax), v in kept.items())
+        valid = "; ".join(f"mesh.{part}.{ax} takes {', '.join(map(str, sorted({size(c, part, ax) for c in cands})))}"
+                          for part, ax in kept)
+        raise ConfigError(f"mesh.auto: no valid layout over {n_devices} device(s) on {nodes} node(s) has the sizes "
+                          f"given ({given}; mesh.auto keeps the sizes set beside it); valid layouts: {valid}; change "
+                          "or drop them")
     return out
 
 

@@ -95,7 +95,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
     notes: list[str] = []
 
     def shapes_for(c: Config, n: int, k: int) -> list[MeshShape]:
-        if mesh_given(overrides):
+        if mesh_given(overrides) and not c.mesh.auto:  # mesh.auto searches, keeping the sizes given (auto_keep)
             return [given_shape(c, n, k)]
         shapes, rejected = search_shapes(c, n, k)
         note = pipeline_note(c, rejected, shapes)
