@@ -1,6 +1,6 @@
 """The decoder's family options (q/k/v biases, per-head q/k norms, an explicit head dim, a sliding window): the
 window against a float64 NumPy reference, the refusals where an attention cannot take it, and every option on a
-data x fsdp x tensor mesh giving one device's losses."""
+data x fsdp x tensor mesh (and, slow, a pipeline of 2 stages) giving one device's losses."""
 
 import jax
 import jax.numpy as jnp
@@ -79,16 +79,24 @@ OPTIONS = ["model.qk_norm=true", "model.qkv_bias=true", "model.head_dim=32", "mo
            "train.eval_every=0"]
 
 
-def test_every_option_on_data_fsdp_tensor_gives_one_devices_losses(tmp_path):
-    def losses(n, *mesh):
-        cfg = load_config(None, [f"run.dir={tmp_path / str(n)}", *FAST, *OPTIONS, *mesh])
-        result = loop.train(cfg, devices=jax.devices()[:n])
-        return np.array([result.losses[s] for s in range(1, 7)])
+def _losses(tmp_path, n, *mesh):
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", *FAST, *OPTIONS, *mesh])
+    result = loop.train(cfg, devices=jax.devices()[:n])
+    return np.array([result.losses[s] for s in range(1, 7)])
 
-    one = losses(1, "mesh.ici.fsdp=1")
-    eight = losses(8, "mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2")
-    np.testing.assert_allclose(eight, one, rtol=1e-4)
-    assert one[-1] < one[0]  # it trained
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("one"), 1, "mesh.ici.fsdp=1")
+
+
+@pytest.mark.parametrize("n, mesh", [
+    (8, ["mesh.ici.data=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"]),
+    pytest.param(4, ["mesh.ici.stage=2", "mesh.ici.fsdp=2", "train.microbatches=2"], marks=pytest.mark.slow),
+], ids=["data2_fsdp2_tensor2", "stage2_fsdp2"])
+def test_every_option_on_a_mesh_gives_one_devices_losses(one_device, tmp_path, n, mesh):
+    np.testing.assert_allclose(_losses(tmp_path, n, *mesh), one_device, rtol=1e-4)
+    assert one_device[-1] < one_device[0]  # it trained
 
 
 def test_the_parameter_count_includes_biases_and_norm_scales():
