@@ -25,7 +25,8 @@ COMMANDS = {
     "plan": ("jaxtrain.commands.plan", "compile the step for candidate meshes; memory, collectives, est. step time"),
     "sweep": ("jaxtrain.commands.sweep", "short real runs over meshes from an experiment file, vs the plan"),
     "env": ("jaxtrain.commands.env", "what jax.distributed would get here (coordinator, process id, GPUs), from where"),
-    "convert": ("jaxtrain.commands.convert", "Hugging Face Llama checkpoints in (from-hf) and out (to-hf)"),
+    "convert": ("jaxtrain.commands.convert",
+                "Hugging Face checkpoints in (from-hf) and out (to-hf): Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral"),
     "generate": ("jaxtrain.commands.generate", "generate text from a checkpoint (KV-cached, greedy or sampled)"),
 }
 

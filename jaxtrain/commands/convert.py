@@ -2,14 +2,16 @@
 
 import re
 
+FAMILIES = "Llama, Mistral, Qwen2/2.5, Qwen3 or Mixtral"
+
 
 def add_arguments(p):
-    p.description = ("Convert Hugging Face Llama and Mixtral checkpoints (safetensors + config.json) to and from "
-                     "jaxtrain's.")
+    p.description = ("Convert Hugging Face Llama, Mistral, Qwen2/2.5, Qwen3 and Mixtral checkpoints (safetensors + "
+                     "config.json) to and from jaxtrain's.")
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION", parser_class=type(p))
     sub.required = True
     a = sub.add_parser("from-hf", help="import a local Hugging Face model directory as a jaxtrain checkpoint",
-                       description="Import a local Hugging Face Llama or Mixtral directory (config.json + "
+                       description=f"Import a local Hugging Face {FAMILIES} directory (config.json + "
                        "*.safetensors, nothing is downloaded): writes DIR/config.yaml, an Orbax checkpoint "
                        "DIR/checkpoints/0 (usable as checkpoint.init_from or generate --checkpoint DIR) and the "
                        "tokenizer files. Overrides (key=value) set the mesh the parameters are sharded for, e.g. "
@@ -17,7 +19,7 @@ def add_arguments(p):
     a.add_argument("src", help="Hugging Face model directory")
     a.add_argument("--out", required=True, help="new output directory")
     a.add_argument("overrides", nargs="*", metavar="key=value")
-    b = sub.add_parser("to-hf", help="export a jaxtrain checkpoint as a Hugging Face Llama or Mixtral directory",
+    b = sub.add_parser("to-hf", help=f"export a jaxtrain checkpoint as a Hugging Face {FAMILIES} directory",
                        description="Export a checkpoint (a run directory, its checkpoints directory, one step, or "
                        "a convert from-hf output) as config.json + safetensors shards (+ index) + tokenizer files, "
                        "loadable with transformers' AutoModelForCausalLM.from_pretrained.")

@@ -1,5 +1,6 @@
 """Hugging Face interchange: the mapping between jaxtrain's parameters and a Hugging Face checkpoint's tensors
-(names, layouts, the config fields; :mod:`.mapping` for Llama, :mod:`.moe_mapping` for Mixtral), import and export of
+(names, layouts, the config fields; :mod:`.mapping` for the dense classes, Llama, Mistral, Qwen2/2.5 and Qwen3, whose
+options :mod:`.families` reads; :mod:`.moe_mapping` for Mixtral), import and export of
 safetensors checkpoints with their tokenizer files (:mod:`.convert`), and KV-cached greedy or sampled generation from
 a checkpoint (:mod:`.generate`).
 
