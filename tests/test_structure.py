@@ -154,6 +154,24 @@ def test_the_kernels_import_nothing_else_of_jaxtrain():
     assert not bad, "the kernels import the rest of jaxtrain:\n" + "\n".join(bad)
 
 
+# The kinds of state that ride the step beside the gradients (FP8 amax histories, router statistics) are declared in
+# jaxtrain.models.sidestate; the step, the pipelines and the checkpoint package ask it and import no kind's module.
+KIND_MODULES = {"jaxtrain.models.fp8", "jaxtrain.models.fp8_experts", "jaxtrain.models.moe", "jaxtrain.models.routing"}
+
+
+def test_the_step_pipelines_and_checkpoints_name_no_kind_of_side_state():
+    modules = _modules()
+    askers = [n for n in modules if n in ("jaxtrain.train.step", "jaxtrain.parallel.pipeline",
+                                          "jaxtrain.parallel.pipeline_1f1b") or n.startswith("jaxtrain.checkpoint")]
+    assert len(askers) >= 5
+    bad = []
+    for name in sorted(askers):
+        for target in sorted(_imports(name, modules[name], set(modules))):
+            if target in KIND_MODULES or (name.startswith("jaxtrain.checkpoint") and target.startswith("jaxtrain.models")):
+                bad.append(f"{name} imports {target}")
+    assert not bad, "side state named outside jaxtrain.models.sidestate:\n" + "\n".join(bad)
+
+
 def _members(path: str, cls: str) -> set[str]:
     """Names of the public methods and properties class ``cls`` of the module at ``path`` defines."""
     node = next(n for n in ast.parse(open(path).read()).body if isinstance(n, ast.ClassDef) and n.name == cls)
