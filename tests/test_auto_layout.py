@@ -141,7 +141,8 @@ def test_a_calibration_files_peak_leaves_the_measured_model_time_as_measured(mak
     monkeypatch.setattr(measure, "_best_time", lambda fn, seconds, times=None, at_least=1, warm_up=True: 0.05)
     plain = auto.hardware_for(cfg, devices).hw
     path = calibration.write(str(tmp_path / calibration.FILE), device_kind=devices[0].device_kind, platform="cpu",
-                             devices=1, hosts=1, matmul_gflops={"float32": plain.peak_flops / 3e9}, axes={})
+                             devices=1, hosts=1, matmul_gflops={"float32": plain.peak_flops / 3e9}, axes={},
+                             origin=calibration.origin("cpu", "cpu", processes=1, local_devices=1, host="here"))
     cal = auto.hardware_for(cfg, devices, path)
     assert cal.measured == ("peak_flops",) and cal.hw.peak_flops == pytest.approx(plain.peak_flops / 3)
     ref = next(c for c in space.candidates(cfg, 1, 1, microbatches=[1]) if c.remat == "none")
@@ -269,19 +270,83 @@ def test_calibration_round_trip_flags_measured_figures(tmp_path):
     assert note.endswith("; from the hardware file fixed: inter_node_bandwidth")
     assert calibration.apply(hw(1e9), calibration.read(path), path, "bfloat16").hw.peak_flops == 1e10  # other dtype
     h100 = dataclasses.replace(hw(1e9), name="h100", device_kind="NVIDIA H100 80GB HBM3")
-    with pytest.raises(ConfigError, match="measured 'cpu' devices but the plan is for h100"):
+    with pytest.raises(ConfigError, match="does not fit: it measured 'cpu' devices, the plan is for h100"):
         calibration.apply(h100, calibration.read(path), path)
     # A plan finds the run directory's file itself: used for its own devices, left out (and said so) for others;
     # named with --calibration, a file of other devices is an error.
     assert calibration.for_plan(hw(1e9), None, str(tmp_path / "run"), "float32").measured == cal.measured
     other = calibration.for_plan(h100, None, str(tmp_path / "run"), "bfloat16")
     assert other.measured == () and other.hw == h100
-    assert other.note("the hardware file h100").endswith(f"; {path} measured 'cpu' devices, not used")
-    with pytest.raises(ConfigError, match="measured 'cpu' devices but the plan is for h100"):
+    assert other.note("the hardware file h100").endswith(
+        f"; {path}: it measured 'cpu' devices, the plan is for h100 ('NVIDIA H100 80GB HBM3'), not used")
+    with pytest.raises(ConfigError, match="does not fit: it measured 'cpu' devices, the plan is for h100"):
         calibration.for_plan(h100, path, str(tmp_path / "run"), "bfloat16")
     (tmp_path / "bad.json").write_text(json.dumps({"version": 0}))
     with pytest.raises(ConfigError, match="is not a version-1 calibration"):
         calibration.read(str(tmp_path / "bad.json"))
+
+
+def _calibration(path, *, kind="cpu", platform="cpu", devices=1, hosts=1, processes=1, local=1, machine=None):
+    """A hand-made calibration file: 10 GFLOP/s a device, one axis (2 GB/s, 1 ms), measured on ``machine`` (default:
+    this one, as ``check`` records it)."""
+    origin = calibration.origin(platform, kind, processes=processes, local_devices=local, host="h0")
+    if machine is not None:
+        origin["machine"] = machine
+    return calibration.write(str(path), device_kind=kind, platform=platform, devices=devices, hosts=hosts,
+                             matmul_gflops={"float32": 10.0, "bfloat16": 10.0}, origin=origin,
+                             axes={"fsdp": calibration.axis_entry(devices, False, 2.0, 1e-3)})
+
+
+def test_a_calibration_applies_only_where_it_fits_what_it_is_applied_to(tmp_path):
+    """The issue: `check` wrote a calibration from one CPU device and `plan runtime.cpu_devices=8 mesh.ici.fsdp=8`
+    took its whole-host matmul rate for each of 8 devices (step 690.6 -> 170.5 ms, measured 378-665 ms). Now: the
+    same count: every figure; another count on the same machine: the matmul rate alone, on CPUs scaled to each
+    device's share of the cores; another machine, device kind or a file without an origin: nothing, said in one
+    line (the run directory's) or refused (--calibration)."""
+    here = calibration.Devices("cpu", 8, calibration.machine("cpu", "cpu"), processes=1, local=8)
+    same = _calibration(tmp_path / "same.json", devices=8, local=8)
+    full = calibration.for_plan(hw(1e9), same, str(tmp_path), "float32", here)
+    assert full.measured == ("peak_flops", "intra_node_bandwidth", "collective_latency") and not full.partly
+    assert full.hw.peak_flops == 1e10 and full.hw.intra_node_bandwidth == 2e9 and full.hw.collective_latency == 1e-3
+    # One device measured, eight planned: the host's rate shared by 8, the links of the hardware at hand.
+    one = _calibration(tmp_path / "run" / calibration.FILE, devices=1, local=1)
+    body = calibration.read(one)
+    assert {"machine", "processes", "local_devices", "host", "jax", "jaxlib", "date", "command"} <= set(body["origin"])
+    assert body["origin"]["machine"] == f"{calibration.cpu_model()}, {calibration.cpus()} CPUs"
+    for cal in (calibration.for_plan(hw(1e9), None, str(tmp_path / "run"), "float32", here),
+                calibration.for_plan(hw(1e9), one, str(tmp_path), "float32", here)):
+        assert cal.measured == ("peak_flops",) and cal.hw.peak_flops == pytest.approx(1e10 / 8)
+        assert cal.hw.intra_node_bandwidth == hw(1e9).intra_node_bandwidth
+        note = cal.note("the devices at hand")
+        assert "\n" not in note and note.endswith(
+            "; the calibration measured another count of devices (devices: 1 measured, 8 planned; devices per "
+            "process: 1 measured, 8 planned): its matmul rate is taken x1/8 (emulated devices share the host's "
+            "cores: each device's share), its links and collective latency are not (measured over other devices)")
+    # GPUs: the rate per device as measured (no shared cores), the links not; a hardware file's hosts compared.
+    h100 = dataclasses.replace(hw(1e9), name="h100-8x", device_kind="NVIDIA H100 80GB HBM3", devices_per_node=8)
+    gpu = _calibration(tmp_path / "gpu.json", kind="NVIDIA H100 80GB HBM3", platform="gpu", devices=8, processes=8)
+    cal = calibration.for_plan(h100, gpu, str(tmp_path), "bfloat16", calibration.Devices.of_hardware(h100, 2))
+    assert cal.measured == ("peak_flops",) and cal.hw.peak_flops == 1e10 and "(per device)" in cal.partly
+    assert "devices: 8 measured, 16 planned; hosts: 1 measured, 2 planned" in cal.partly
+    assert calibration.for_plan(h100, gpu, str(tmp_path), "bfloat16",
+                                calibration.Devices.of_hardware(h100, 1)).measured == full.measured
+    # Another machine, or no origin: nothing applies.
+    other = _calibration(tmp_path / "run" / calibration.FILE, devices=8, local=8, machine="Some CPU, 64 CPUs")
+    left = calibration.for_plan(hw(1e9), None, str(tmp_path / "run"), "float32", here)
+    assert left.measured == () and left.hw == hw(1e9)
+    assert left.note("the devices at hand").endswith(
+        f"; {other}: it was measured on 'Some CPU, 64 CPUs', this machine is {here.machine!r}, not used")
+    with pytest.raises(ConfigError, match="does not fit: it was measured on 'Some CPU, 64 CPUs', this machine is"):
+        calibration.for_plan(hw(1e9), other, str(tmp_path), "float32", here)
+    old = calibration.write(str(tmp_path / "run" / calibration.FILE), device_kind="cpu", platform="cpu", devices=8,
+                            hosts=1, matmul_gflops={"float32": 10.0}, axes={})
+    left = calibration.for_plan(hw(1e9), None, str(tmp_path / "run"), "float32", here)
+    assert left.measured == () and "\n" not in left.note("x")
+    assert left.note("x").endswith(f"; {old}: it does not say what it was measured on (written before calibrations "
+                                   "recorded their origin); `jaxtrain check run.dir=DIR` on the devices planned for "
+                                   "remakes it, not used")
+    with pytest.raises(ConfigError, match="does not say what it was measured on"):
+        calibration.for_plan(hw(1e9), old, str(tmp_path), "float32", here)
 
 
 @pytest.fixture(scope="module")

@@ -197,7 +197,11 @@ def test_check_writes_a_calibration_the_planner_reads(make_config, capsys):
     assert body["device_kind"] == "cpu" and body["devices"] == 8 and set(body["axes"]) == {"fsdp"}
     fsdp = body["axes"]["fsdp"]
     assert fsdp["devices"] == 8 and not fsdp["crosses_hosts"] and fsdp["busbw_gbps"] > 0
-    cal = calibration.apply(measure_cpu(jax.devices(), seconds=0.05), body, path, "float32")
+    # What it was measured on, compared where it is applied (test_auto_layout: what of it applies where).
+    here = calibration.Devices.at_hand(jax.devices())
+    assert body["origin"]["machine"] == here.machine and body["origin"]["local_devices"] == 8
+    assert body["origin"]["processes"] == 1 and body["origin"]["jax"] == jax.__version__
+    cal = calibration.apply(measure_cpu(jax.devices(), seconds=0.05), body, path, "float32", here)
     assert cal.hw.peak_flops == body["matmul_gflops"]["float32"] * 1e9
     assert cal.hw.intra_node_bandwidth == fsdp["busbw_gbps"] * 1e9
     assert "peak_flops, intra_node_bandwidth" in cal.note("the devices at hand")

@@ -118,7 +118,9 @@ def _budget(cfg, args) -> int:
     from jaxtrain.planner.cost import calibration
 
     for t in targets:  # measured figures replace the hardware file's, as in a single plan
-        cal = calibration.for_plan(t.hw, args.calibration, t.cfg.run.dir, t.cfg.model.dtype)
+        cal = calibration.for_plan(t.hw, args.calibration, t.cfg.run.dir, t.cfg.model.dtype,
+                                   calibration.Devices.of_hardware(t.hw, t.nodes) if args.hardware else
+                                   calibration.Devices.at_hand(t.devices))
         t.hw = cal.hw
         t.notes.append(cal.note(f"the hardware file {t.hw.name}" if args.hardware else
                                 "the devices at hand (measured by plan)"))

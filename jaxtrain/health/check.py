@@ -463,7 +463,10 @@ def _decide(job: _Job, findings: list[Finding], calib_rate: float, calib_axes: d
     if job.main:
         path = calibration.write(os.path.join(job.cfg.run.dir, calibration.FILE), device_kind=device.device_kind,
                                  platform=device.platform, devices=job.mesh.devices.size, hosts=len(set(hosts)),
-                                 matmul_gflops={jnp.dtype(job.dtype).name: calib_rate}, axes=calib_axes)
+                                 matmul_gflops={jnp.dtype(job.dtype).name: calib_rate}, axes=calib_axes,
+                                 origin=calibration.origin(device.platform, device.device_kind,
+                                                           processes=jax.process_count(),
+                                                           local_devices=len(jax.local_devices()), host=hosts[0]))
         job.say(f"check: calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}; "
                 "`jaxtrain plan --calibration` and mesh.auto read it")
     for line in decision.misfits + decision.notes:

@@ -62,7 +62,9 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
         cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log,
                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
     else:
-        cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype)
+        cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype,
+                                   calibration.Devices.of_hardware(target.hw, target.nodes) if hardware_name else
+                                   calibration.Devices.at_hand(target.devices))
     target.hw = cal.hw
     target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
                                  "the devices at hand (measured by plan)"))

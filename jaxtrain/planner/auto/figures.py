@@ -83,7 +83,8 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     resolved = _resolved(cfg, devices)
     dtype = resolved.model.dtype
     if devices[0].platform != "cpu":
-        return calibration.for_plan(measure.hardware_at_hand(devices, None), calibration_path, cfg.run.dir, dtype)
+        return calibration.for_plan(measure.hardware_at_hand(devices, None), calibration_path, cfg.run.dir, dtype,
+                                    calibration.Devices.at_hand(devices))
     # The sized and model timings on this process's devices only: they share its cores, and a timing loop of
     # collectives across processes could run a different number of times on each.
     import jax
@@ -92,7 +93,7 @@ def hardware_for(cfg: Config, devices: list, calibration_path: str | None = None
     points = measure.model_points(cfg, len(local), REMATS)
     timed = _timings(resolved, devices, local, points, progress, cache_dir)
     cal = calibration.for_plan(measure.cpu_hardware(devices, **timed["at_hand"]), calibration_path, cfg.run.dir,
-                               dtype)
+                               dtype, calibration.Devices.at_hand(devices))
     hw = cal.hw
     if not hw.matmul_rows and timed["sized"]:  # a file's table, where it has one, is the measurement of record
         hw = calibration.sized(hw, tuple(map(tuple, timed["sized"][0])), timed["sized"][1])
