@@ -60,6 +60,8 @@ TRITON_CAUSAL = ("tests/test_flash_attention.py::test_triton_kernels_in_triton_i
 PIPE_SCHEDULE = "tests/test_pipeline.py::test_circular_schedule_matches_sequential_layers"
 PIPE_1F1B = "tests/test_pipeline_1f1b.py::test_timetable_moves_each_item_one_stage_per_iteration"
 PIPE_1F1B_TOY = "tests/test_pipeline_1f1b.py::test_toy_stack_loss_and_gradients_match_numpy_float64"
+MOE_ROUTING = "tests/test_moe_routing_reference.py::"
+MOE_FP8 = "tests/test_reference_moe_fp8.py::"
 
 MUTANTS = [
     # -- config --------------------------------------------------------------------------------------------------
@@ -312,6 +314,52 @@ MUTANTS = [
            "valid = valid & (offs_q[None, :] >= pos_k[:, None])",
            "valid = valid & (offs_q[None, :] > pos_k[:, None])",
            (TRITON_CAUSAL,), "dk/dv kernel's diagonal mask off by one"),
+    # -- MoE and FP8 (issue 40: each of these passed the default suite before its test) ----------------------------
+    Mutant("moe-padding-routed", "moe", "jaxtrain/models/routing.py",
+           "if routed is not None:  # not routed", "if False:  # not routed",
+           (MOE_ROUTING + "test_padding_takes_no_slot_and_counts_nowhere",
+            MOE_ROUTING + "test_chat_padding_is_flagged_and_never_routed_through_the_step"),
+           "padding routed: it takes capacity slots and counts in the balance loss, z-loss and load figures"),
+    Mutant("moe-step-drops-the-padding-mask", "moe", "jaxtrain/train/step.py",
+           "sidestate.forward(model, self.cfg.model, inputs, segments, positions, routed)",
+           "sidestate.forward(model, self.cfg.model, inputs, segments, positions)",
+           (MOE_ROUTING + "test_chat_padding_is_flagged_and_never_routed_through_the_step",),
+           "the step never tells the router which positions are padding"),
+    Mutant("moe-balance-forms-swapped", "moe", "jaxtrain/models/routing.py",
+           'if form == "pooled":', 'if form != "pooled":',
+           (MOE_ROUTING + "test_balance_loss_forms_equal_numpy",),
+           "the pooled balance loss where the per-layer one is asked for (layers' collapses cancel)"),
+    Mutant("moe-z-loss-takes-aux-weight", "moe", "jaxtrain/models/moe.py",
+           "moe.aux_loss * balance + moe.z_loss * z", "moe.aux_loss * balance + moe.aux_loss * z",
+           (MOE_ROUTING + "test_loss_weights_are_each_terms_own",), "the z-loss weighted by aux_loss"),
+    Mutant("moe-slots-floor", "moe", "jaxtrain/models/routing.py",
+           "return min(seq, math.ceil(exact))", "return min(seq, math.floor(exact))",
+           (MOE_FP8 + "test_capacity_slots_by_hand",), "capacity slots rounded down: assignments dropped early"),
+    Mutant("moe-keep-token-major", "moe", "jaxtrain/models/routing.py",
+           "flat = experts.transpose(0, 2, 1).reshape(b, k * s)", "flat = experts.reshape(b, k * s)",
+           (MOE_FP8 + "test_keep_mask_on_a_hand_built_routing",),
+           "a token's second choice served before others' first"),
+    Mutant("planner-counts-active-experts", "planner", "jaxtrain/planner/cost/model.py",
+           'return counts["total"] - counts["experts"]', 'return counts["active"] - counts["experts"]',
+           (MOE_FP8 + "test_planner_counts_every_experts_parameters",),
+           "the planner's memory from active, not total, parameters"),
+    Mutant("fp8-on-the-output-projection", "fp8", "jaxtrain/models/llama.py",
+           "use_fp8(cfg, self.q, self.k, self.v, self.o)", "use_fp8(cfg, self.q, self.k, self.v)",
+           (MOE_FP8 + "test_exactly_the_attention_and_mlp_projections_multiply_in_fp8",),
+           "the attention output projection left out of FP8"),
+    Mutant("fp8-expert-amax-not-over-expert-axis", "fp8", "jaxtrain/parallel/expert.py",
+           "tuple(a for a in mesh.axis_names if a in manual)",
+           'tuple(a for a in mesh.axis_names if a in manual and a != "expert")',
+           (MOE_FP8 + "test_fp8_experts_on_an_expert_mesh_equal_one_device",),
+           "the experts' tensorwise amax of one device's tokens, not the whole tensor's"),
+    Mutant("fp8-amax-summed", "fp8", "jaxtrain/models/fp8.py",
+           "return lax.pmax(a, reduce) if reduce else a", "return lax.psum(a, reduce) if reduce else a",
+           (MOE_FP8 + "test_fp8_experts_on_an_expert_mesh_equal_one_device",), "amaxes summed over devices, not maxed"),
+    Mutant("fp8-resume-fresh-histories", "checkpoint", "jaxtrain/checkpoint/format.py",
+           'return out["state"], step, out["meta"]["data_iterator"]',
+           'return {**out["state"], "model": with_fresh_rest(fresh_state()["model"], '
+           'params_only(out["state"]["model"]))}, step, out["meta"]["data_iterator"]',
+           (MOE_FP8 + "test_delayed_histories_resume_bit_exact",), "a resume restarts the delayed-scaling histories"),
 ]
 
 
