@@ -160,12 +160,12 @@ def test_cli_from_hf_generate_to_hf(tmp_path):
 
 
 def _qwen2_moe(path):
-    """A tiny Qwen2-MoE (shared experts, q/k/v biases) saved at ``path``."""
+    """A tiny Qwen2-MoE whose layer 1 is dense by mlp_only_layers (which jaxtrain refuses) saved at ``path``."""
     torch.manual_seed(0)
     cfg = transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
                                       shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                      max_position_embeddings=64)
+                                      max_position_embeddings=64, mlp_only_layers=[1])
     transformers.Qwen2MoeForCausalLM(cfg).save_pretrained(path)
 
 
@@ -173,7 +173,7 @@ def _bad_inputs(tmp):
     """(name, SRC directory, the phrase the one-line error must contain)."""
     make_mixtral(tmp / "good")
     _qwen2_moe(tmp / "qwen2_moe")
-    cases = [("qwen2-moe", tmp / "qwen2_moe", "Qwen2MoeForCausalLM: its tensors are not mapped yet")]
+    cases = [("qwen2-moe mlp_only_layers", tmp / "qwen2_moe", "unsupported feature: mlp_only_layers=[1]")]
 
     def variant(name, edit):
         return config_variant(tmp / "good", tmp / name, edit)
@@ -207,15 +207,15 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(tmp_path):
         assert not out.exists(), name
 
 
-def test_export_refuses_moe_models_mixtral_cannot_hold(tmp_path):
-    """Settings a Mixtral checkpoint cannot hold are refused before anything is written."""
+def test_export_refuses_moe_models_no_class_can_hold(tmp_path):
+    """Settings no MoE class (Mixtral, Qwen3-MoE, Qwen2-MoE) can hold are refused before anything is written."""
     base = ["model.moe.experts=4", "model.n_layers=2"]
     for extra, phrase in [("model.moe.every=2", "model.moe.every=2"),
-                          ("model.moe.shared_experts=1", "model.moe.shared_experts=1"),
+                          ("model.moe.shared_experts=1", "model.moe.shared_gate=false"),
                           ("model.moe.router=sigmoid", "model.moe.router=sigmoid"),
                           ("model.moe.normalize=false", "model.moe.normalize=false")]:
         cfg = load_config(None, base + [extra])
-        with pytest.raises(ConfigError, match="no Hugging Face \\(Mixtral\\) form") as e:
+        with pytest.raises(ConfigError, match="no Hugging Face form: MixtralForCausalLM: ") as e:
             convert.export_hf(cfg, str(tmp_path / "nowhere"), 0, {"config": {}}, str(tmp_path / "out"))
         assert phrase in str(e.value)
         assert not (tmp_path / "out").exists()

@@ -31,7 +31,7 @@ from jaxtrain.errors import ConfigError, one_line
 from jaxtrain.hf.families import MODEL_TYPES, attention_fields, class_entries, dense_architecture
 
 ARCHITECTURES = tuple(MODEL_TYPES)  # the dense classes (jaxtrain.hf.families)
-MOE_ARCHITECTURES = ("MixtralForCausalLM",)  # mapped by jaxtrain.hf.moe_mapping
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")  # jaxtrain.hf.moe_mapping
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 # Hugging Face's default max_shard_size for save_pretrained; published checkpoints use 5 GB shards.
@@ -213,6 +213,10 @@ class TensorMap:
 
     ``part`` (k, n), for import only: the tensor holds all experts of a layer stacked on its first axis (no ``{j}``
     in the name; transformers 5's fused layout) and the matrix ``W`` is the k-th of n equal blocks of its rows.
+
+    Layers grouped ``stride`` at a time (an MoE model with ``model.moe.every`` = stride): the parameter's layer g is
+    Hugging Face layer ``g * stride + offset``; with ``sublayers`` its second stacked axis j is the group's dense
+    layer j, Hugging Face layer ``g * stride + j``.
     """
 
     hf: str
@@ -222,14 +226,22 @@ class TensorMap:
     cols: tuple[int, ...]
     experts: bool = False
     part: tuple[int, int] | None = None
+    sublayers: bool = False
+    stride: int = 1
+    offset: int = 0
 
     @property
     def lead(self) -> int:
-        """How many leading axes of the parameter index Hugging Face tensors (layers, experts)."""
-        return int(self.layered) + int(self.experts)
+        """How many leading axes of the parameter index Hugging Face tensors (layers, sublayers or experts)."""
+        return int(self.layered) + int(self.experts) + int(self.sublayers)
 
-    def name(self, layer: int | None = None, expert: int | None = None) -> str:
-        return self.hf.format(i=layer, j=expert)
+    def name(self, layer: int | None = None, second: int | None = None) -> str:
+        """The tensor name of parameter index (layer, expert) or, with ``sublayers``, (group, dense layer)."""
+        if layer is None:
+            return self.hf.format(i=None, j=second)
+        if self.sublayers:
+            return self.hf.format(i=layer * self.stride + (second or 0))
+        return self.hf.format(i=layer * self.stride + self.offset, j=second)
 
     def keys(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The (layer, expert) indices of the Hugging Face tensors of a parameter of shape ``shape``, in order

@@ -14,9 +14,7 @@ per layer i and expert j, in the layout Hub checkpoints have and transformers' `
 Import also reads transformers 5's fused names (``mlp.gate.weight``, ``mlp.experts.gate_up_proj [E, 2f, d]``: w1
 then w3 of each expert, ``mlp.experts.down_proj [E, d, f]``), as in a state_dict saved without save_pretrained.
 
-Other MoE families are refused with one line (:func:`refuse_unfitting`): Qwen2-MoE's q/k/v biases
-(``model.qkv_bias``), shared experts and sigmoid gate (``model.moe.shared_experts``, ``shared_gate``) exist in jaxtrain,
-but its tensors are not mapped yet.
+Qwen3-MoE and Qwen2-MoE: :mod:`.qwen_moe`; this module picks the class (:func:`moe_architecture`) and the maps.
 """
 
 from __future__ import annotations
@@ -25,42 +23,58 @@ from collections.abc import Collection
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import families, mapping
+from jaxtrain.hf import families, mapping, qwen_moe
 
 ARCHITECTURES = mapping.MOE_ARCHITECTURES
 _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's in-memory names
 
 
 def model_fields(hf: dict) -> dict:
-    """ModelConfig field values for any ``config.json`` :mod:`jaxtrain.hf` reads: Mixtral's here, the others'
-    from :func:`jaxtrain.hf.mapping.model_fields_from_hf`; ConfigError naming what does not fit."""
+    """ModelConfig field values for any ``config.json`` :mod:`jaxtrain.hf` reads: Mixtral's here, Qwen3-MoE's and
+    Qwen2-MoE's from :mod:`.qwen_moe`, the dense ones' from :func:`jaxtrain.hf.mapping.model_fields_from_hf`;
+    ConfigError naming what does not fit."""
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
+    qwen = next((a for a in archs if a in qwen_moe.MODEL_TYPES), None)
+    if qwen is not None:
+        return qwen_moe.model_fields_from_hf(hf, qwen)
     if any(a in ARCHITECTURES for a in archs):
         return model_fields_from_hf(hf)
-    refuse_unfitting(archs, hf)
     return mapping.model_fields_from_hf(hf)
 
 
+def moe_architecture(m: ModelConfig, preferred: str | None = None) -> str:
+    """The Hugging Face MoE class that holds the MoE model ``m``: ``preferred`` (the class it was imported from)
+    where it can, else the first of Mixtral, Qwen3-MoE, Qwen2-MoE that can; ConfigError naming, for each, the
+    first setting it cannot hold."""
+    why = {"MixtralForCausalLM": mixtral_problem(m),
+           **{arch: qwen_moe.fits(m, arch) for arch in qwen_moe.MODEL_TYPES}}
+    if preferred in why and why[preferred] is None:
+        return preferred
+    for arch, problem in why.items():
+        if problem is None:
+            return arch
+    raise ConfigError("this MoE model has no Hugging Face form: " + "; ".join(f"{a}: {p}" for a, p in why.items()))
+
+
 def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping.TensorMap]:
-    """Every parameter of the model ``m``, dense or MoE; ``names``: the tensor names of the checkpoint to read (an
-    MoE import reads the fused layout when they have it)."""
-    return tensor_maps(m, fused=is_fused(names)) if m.moe.experts else mapping.tensor_maps(m)
+    """Every parameter of the model ``m``, dense or MoE (in the class :func:`moe_architecture` picks); ``names``:
+    the tensor names of the checkpoint to read (an MoE import reads the fused layout when they have it)."""
+    if not m.moe.experts:
+        return mapping.tensor_maps(m)
+    if moe_architecture(m) == "MixtralForCausalLM":
+        return tensor_maps(m, fused=is_fused(names))
+    return qwen_moe.tensor_maps(m, fused=is_fused(names))
 
 
 def hf_config(m: ModelConfig, *, architecture: str | None = None, **kw) -> dict:
     """``config.json`` for the model ``m``, dense (the class :func:`jaxtrain.hf.mapping.dense_architecture` picks,
-    preferring ``architecture``) or MoE (Mixtral); ``kw`` as :func:`hf_config_from_model`."""
+    preferring ``architecture``) or MoE (:func:`moe_architecture`'s); ``kw`` as :func:`hf_config_from_model`."""
     if m.moe.experts:
-        return hf_config_from_model(m, **kw)
+        arch = moe_architecture(m, architecture)
+        if arch == "MixtralForCausalLM":
+            return hf_config_from_model(m, **kw)
+        return qwen_moe.hf_config_from_model(m, arch, **kw)
     return mapping.hf_config_from_model(m, architecture=architecture, **kw)
-
-
-def refuse_unfitting(archs: list, hf: dict) -> None:
-    """ConfigError naming what does not fit for MoE architectures jaxtrain knows of but cannot represent."""
-    if "Qwen2MoeForCausalLM" in archs:
-        raise ConfigError("unsupported architecture Qwen2MoeForCausalLM: its tensors are not mapped yet (its q/k/v "
-                          "biases, shared expert and sigmoid gate exist as model.qkv_bias, model.moe.shared_experts "
-                          f"and shared_gate; MoE import: {', '.join(ARCHITECTURES)})")
 
 
 def model_fields_from_hf(hf: dict) -> dict:
@@ -128,8 +142,8 @@ def tensor_maps(m: ModelConfig, fused: bool = False) -> list[mapping.TensorMap]:
     return before + mapping.attention_maps(layer, ("blocks", "moe")) + experts + after
 
 
-def check_exportable(m: ModelConfig) -> None:
-    """ConfigError naming the first setting of ``m`` (an MoE model) that a Mixtral checkpoint cannot hold."""
+def mixtral_problem(m: ModelConfig) -> str | None:
+    """The first setting of ``m`` (an MoE model) that a Mixtral checkpoint cannot hold, or None."""
     moe = m.moe
     problems = [
         (moe.every != 1, f"model.moe.every={moe.every} (Mixtral routes every layer: 1)"),
@@ -140,9 +154,14 @@ def check_exportable(m: ModelConfig) -> None:
         (m.qk_norm, "model.qk_norm=true (Mixtral's attention has no q/k norms)"),
         (m.sliding_window is not None, f"model.sliding_window={m.sliding_window} (not mapped for Mixtral)"),
     ]
-    for bad, what in problems:
-        if bad:
-            raise ConfigError(f"this MoE model has no Hugging Face (Mixtral) form: {what}")
+    return next((what for bad, what in problems if bad), None)
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """ConfigError naming the first setting of ``m`` (an MoE model) that a Mixtral checkpoint cannot hold."""
+    problem = mixtral_problem(m)
+    if problem is not None:
+        raise ConfigError(f"this MoE model has no Hugging Face (Mixtral) form: {problem}")
 
 
 def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None,
