@@ -101,7 +101,7 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
 
 @pytest.mark.parametrize("name, millions", [("tiny", 0.82), ("125m", 123.6), ("1b", 1235.8), ("7b", 6738.4),
                                             ("70b", 68976.6), ("tiny-moe", 2.594), ("mixtral-8x7b", 46702.8),
-                                            ("tiny-qwen3", 1.017)])
+                                            ("tiny-qwen3", 1.017), ("tiny-qwen3-moe", 2.795)])
 def test_shipped_configs_build_the_advertised_model(name, millions):
     cfg = load_config(os.path.join(REPO, f"configs/{name}.yaml"))
     with nnx.use_eager_sharding(False):  # no mesh here: only shapes are wanted

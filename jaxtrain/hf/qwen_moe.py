@@ -107,10 +107,7 @@ def model_fields_from_hf(hf: dict, arch: str) -> dict:
 def fits(m: ModelConfig, arch: str) -> str | None:
     """None if class ``arch`` holds the MoE model ``m``, else the first setting it cannot hold (a phrase)."""
     moe = m.moe
-    common = [
-        (moe.router != "softmax", f"model.moe.router={moe.router} (its router is softmax)"),
-        (moe.z_loss != 0, f"model.moe.z_loss={moe.z_loss} (it has no router z-loss)"),
-    ]
+    common = [(moe.router != "softmax", f"model.moe.router={moe.router} (its router is softmax)")]
     if arch == "Qwen3MoeForCausalLM":
         problems = common + [
             (moe.shared_experts != 0, f"model.moe.shared_experts={moe.shared_experts} (Qwen3-MoE has none: 0)"),
