@@ -179,6 +179,35 @@ def test_the_export_class_holds_the_model():
     assert str(e.value).count("model.moe.router=sigmoid") == 3 and "\n" not in str(e.value)
 
 
+# Qwen2-MoE's options (q/k/v biases, a gated shared expert of 2 x d_ff, every second layer routed, top 4 of 8 narrow
+# experts not renormalised, the pooled balance loss) with Qwen3-MoE's q/k norms and a window: all at once.
+MOE_OPTIONS = ["model.qkv_bias=true", "model.qk_norm=true", "model.head_dim=32", "model.sliding_window=12",
+               "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+               "model.moe.experts=8", "model.moe.top_k=4", "model.moe.d_ff=32",
+               "model.moe.shared_experts=2", "model.moe.shared_gate=true", "model.moe.every=2",
+               "model.moe.normalize=false", "model.moe.balance_loss=pooled", "model.moe.aux_loss=0.01",
+               "model.moe.capacity_factor=0", "data.seq_len=32", "train.global_batch=8", "train.steps=4",
+               "train.warmup_steps=2", "train.eval_every=0"]
+
+
+@pytest.mark.slow  # two train-step compilations: about 50 s on 2 busy cores
+def test_the_qwen_moe_options_on_an_expert_mesh_give_one_devices_losses(tmp_path):
+    """Sharded over expert 2 x fsdp 2 x tensor 2, the Qwen MoE options train to one device's losses."""
+    import jax
+
+    from jaxtrain.train import loop
+    from jaxtrain_testing import FAST
+
+    def losses(n, *mesh):
+        cfg = load_config(None, [f"run.dir={tmp_path / str(n)}", *FAST, *MOE_OPTIONS, *mesh])
+        result = loop.train(cfg, devices=jax.devices()[:n])
+        return np.array([result.losses[s] for s in range(1, 5)])
+
+    one = losses(1, "mesh.ici.fsdp=1")
+    np.testing.assert_allclose(losses(8, "mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"), one, rtol=1e-4)
+    assert one[-1] < one[0]  # it trained
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Against transformers (the hf-parity extra)
 
