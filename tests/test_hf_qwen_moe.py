@@ -79,7 +79,7 @@ def test_parameters_are_the_hugging_face_tensors_reshaped_and_export_writes_them
     """Each imported expert, router, shared-expert and dense-layer parameter equals its tensor under the layout
     models/moe.py defines (Hugging Face layer g x every + every - 1 is blocks.moe [g], g x every + j blocks.dense
     [g, j]), on an expert 2 x fsdp 2 x tensor 2 mesh; the export writes the same names and bits back, and the class."""
-    t = _moe_dir(tmp_path / "hf", arch, n_layers, step)
+    t = _moe_dir(tmp_path / "hf", arch, n_layers, step, output_router_logits=step == 1)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt", "runtime.cpu_devices=8", "mesh.ici.expert=2",
                      "mesh.ici.fsdp=2", "mesh.ici.tensor=2")
     m, moe = cfg.model, cfg.model.moe
@@ -124,6 +124,7 @@ def test_parameters_are_the_hugging_face_tensors_reshaped_and_export_writes_them
     assert saved["architectures"] == [arch] and saved["decoder_sparse_step"] == step
     assert saved["moe_intermediate_size"] == FE and saved["intermediate_size"] == F
     assert saved.get("shared_expert_intermediate_size") == (2 * FE if qwen2 else None)
+    assert saved["output_router_logits"] == (step == 1)  # as the source had it
 
 
 def _fields(arch, **kw):

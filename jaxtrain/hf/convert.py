@@ -167,6 +167,7 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
                        "bos_token_id": hf_cfg.get("bos_token_id"),
                        "eos_token_id": eos if isinstance(eos, list) else ([eos] if eos is not None else []),
                        "max_position_embeddings": hf_cfg.get("max_position_embeddings"),
+                       "output_router_logits": bool(hf_cfg.get("output_router_logits", False)),
                        "tokenizer_dir": os.path.abspath(out) if "tokenizer.json" in tokenizer else None}}
         checkpoints = os.path.abspath(rundir.path(out, rundir.CHECKPOINTS))
         ckpt.write(checkpoints, 0, {"model": params}, meta)
@@ -222,7 +223,8 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     config = moe_hf.hf_config(cfg.model, eos_token_id=eos[0] if len(eos) == 1 else eos,
                               bos_token_id=origin.get("bos_token_id"),
                               max_position_embeddings=origin.get("max_position_embeddings") or cfg.data.seq_len,
-                              architecture=origin.get("architecture"))
+                              architecture=origin.get("architecture"),
+                              output_router_logits=bool(origin.get("output_router_logits", False)))
     t0 = time.perf_counter()
     existed = os.path.isdir(out)  # and empty: checked before
     try:

@@ -66,14 +66,15 @@ def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping
     return qwen_moe.tensor_maps(m, fused=is_fused(names))
 
 
-def hf_config(m: ModelConfig, *, architecture: str | None = None, **kw) -> dict:
+def hf_config(m: ModelConfig, *, architecture: str | None = None, output_router_logits: bool = False, **kw) -> dict:
     """``config.json`` for the model ``m``, dense (the class :func:`jaxtrain.hf.mapping.dense_architecture` picks,
-    preferring ``architecture``) or MoE (:func:`moe_architecture`'s); ``kw`` as :func:`hf_config_from_model`."""
+    preferring ``architecture``) or MoE (:func:`moe_architecture`'s, with ``output_router_logits`` as the imported
+    config had it); ``kw`` as :func:`hf_config_from_model`."""
     if m.moe.experts:
         arch = moe_architecture(m, architecture)
-        if arch == "MixtralForCausalLM":
-            return hf_config_from_model(m, **kw)
-        return qwen_moe.hf_config_from_model(m, arch, **kw)
+        config = (hf_config_from_model(m, **kw) if arch == "MixtralForCausalLM"
+                  else qwen_moe.hf_config_from_model(m, arch, **kw))
+        return {**config, "output_router_logits": output_router_logits}
     return mapping.hf_config_from_model(m, architecture=architecture, **kw)
 
 
