@@ -148,6 +148,38 @@ def test_fine_grained_configs_map_onto_the_moe_options():
     assert _fields("Qwen3MoeForCausalLM", use_sliding_window=False, sliding_window=8)["model.sliding_window"] is None
 
 
+# The released configs' shapes (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen1.5-MoE-A2.7B).
+RELEASED = {
+    "Qwen3-30B-A3B": ({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                       "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128,
+                       "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "max_window_layers": 48, "use_sliding_window": False,
+                       "sliding_window": None, "tie_word_embeddings": False, "rope_theta": 1e6,
+                       "torch_dtype": "bfloat16"}, 30.53, 3.35),
+    "Qwen1.5-MoE-A2.7B": ({"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                           "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+                           "num_key_value_heads": 16, "moe_intermediate_size": 1408, "num_experts": 60,
+                           "num_experts_per_tok": 4, "norm_topk_prob": False, "shared_expert_intermediate_size": 5632,
+                           "decoder_sparse_step": 1, "max_window_layers": 21, "use_sliding_window": False,
+                           "sliding_window": 32768, "tie_word_embeddings": False, "rope_theta": 1e6,
+                           "torch_dtype": "bfloat16"}, 14.32, 2.69),
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_configs_give_the_advertised_parameter_counts(name):
+    """Qwen3-30B-A3B is 30.5B parameters with 3.3B active, Qwen1.5-MoE-A2.7B 14.3B with 2.7B active (their model
+    cards): the mapped config counts both."""
+    from jaxtrain.models.flops import count_params
+
+    hf, total, active = RELEASED[name]
+    fields = moe_mapping.model_fields(hf)
+    counts = count_params(load_config(None, [f"{k}={json.dumps(v)}" for k, v in fields.items()]).model)
+    assert counts["total"] / 1e9 == pytest.approx(total, abs=0.005)
+    assert counts["active"] / 1e9 == pytest.approx(active, abs=0.005)
+
+
 @pytest.mark.parametrize("arch, fields, phrase", [
     ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[0]), "mlp_only_layers=[0] in config.json"),
     ("Qwen2MoeForCausalLM", dict(shared_expert_intermediate_size=24), "shared_expert_intermediate_size=24"),
