@@ -208,7 +208,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     cfg, abstract = layout.cfg, layout.abstract_params
     shapes = _leaf_shapes(abstract)
     dtypes = {ckpt.leaf_path(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    maps = moe_hf.tensor_maps_for(cfg.model)  # refuses an MoE model Mixtral cannot hold
+    maps = moe_hf.tensor_maps_for(cfg.model)  # refuses an MoE model no MoE class can hold
     # Parameter by parameter (all layers of q, then of k, ...): each parameter is restored from the checkpoint once.
     # The index maps names to files, so readers do not depend on the order.
     order = [(tm, key) for tm in maps for key in tm.keys(shapes[tm.path])]
