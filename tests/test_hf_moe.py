@@ -76,8 +76,8 @@ def test_import_logits_match_transformers_and_round_trip(tmp_path, case):
     assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in saved_names(tmp_path / "hf")  # legacy layout
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")  # default mesh: fsdp over all 8 test devices
     moe = cfg.model.moe
-    assert (moe.experts, moe.top_k, moe.every, moe.d_ff, moe.aux_loss) == (
-        hf_model.config.num_local_experts, hf_model.config.num_experts_per_tok, 1, 48, 0.02)
+    assert (moe.experts, moe.top_k, moe.every, moe.d_ff, moe.aux_loss, moe.balance_loss) == (
+        hf_model.config.num_local_experts, hf_model.config.num_experts_per_tok, 1, 48, 0.02, "pooled")
     toks = tokens((8, 40))  # MoE layers split the batch over the 8 devices (shard_map: evenly)
     want = hf_logits(hf_model, toks)
     got = jax_logits(cfg, tmp_path / "jt", toks)

@@ -101,8 +101,10 @@ def model_fields_from_hf(hf: dict) -> dict:
         "model.moe.router": "softmax",
         "model.moe.normalize": True,
         "model.moe.capacity_factor": 0.0,  # Mixtral is dropless
-        # Mixtral's training weight of the load-balancing loss (transformers adds it with output_router_logits).
+        # Mixtral's training weight of the load-balancing loss (transformers adds it with output_router_logits) and
+        # the form it weighs: load_balancing_loss_func pools the counts over layers (model.moe.balance_loss=pooled).
         "model.moe.aux_loss": float(hf.get("router_aux_loss_coef", 0.001)),
+        "model.moe.balance_loss": "pooled",
         "model.moe.z_loss": 0.0,
     })
     return fields
