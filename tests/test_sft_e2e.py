@@ -1,4 +1,5 @@
-"""End to end (slow pass, hf-parity extra): a tiny Hugging Face Llama made with transformers, with a chat tokenizer
+"""End to end (slow pass, hf-parity extra): a tiny Hugging Face Llama or Qwen3 (q/k norms, head_dim != d_model /
+heads) made with transformers, with a chat tokenizer
 -> ``convert from-hf`` -> supervised fine-tuning on chat .jsonl for a few steps from it (``checkpoint.init_from``) ->
 ``generate`` -> ``convert to-hf`` -> transformers loads the result, and its loss on the held-out chat rows, masked
 to the assistant tokens, equals the run's own evaluation loss."""
@@ -8,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxtrain_testing import make_chat_tokenizer, make_hf_model, run_cli
+from jaxtrain_testing import HF_BASE, make_chat_tokenizer, make_hf_model, randomize_norms, run_cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -18,8 +19,21 @@ QUESTIONS = [("what is the colour of the sky ?", "blue ."), ("what is the colour
              ("why ?", "maybe the sun"), ("hello", "hi ! you are good"), ("one two three ?", "four five")]
 
 
+def _make_model(path, family):
+    """A random float32 ``family`` model saved at ``path`` (its norm scales randomised); its class name."""
+    if family == "llama":
+        make_hf_model(path)
+        return "LlamaForCausalLM"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**HF_BASE, "head_dim": 16})).eval()
+    randomize_norms(model)
+    model.save_pretrained(path)
+    return "Qwen3ForCausalLM"
+
+
 @pytest.mark.slow
-def test_import_finetune_on_chat_generate_export(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_import_finetune_on_chat_generate_export(tmp_path, family):
     from jaxtrain import data as data_lib
     from jaxtrain.checkpoint import format as ckpt
     from jaxtrain.config import load_config
@@ -27,7 +41,7 @@ def test_import_finetune_on_chat_generate_export(tmp_path):
     from jaxtrain.hf import convert
     from jaxtrain.train import loop
 
-    make_hf_model(tmp_path / "hf")
+    arch = _make_model(tmp_path / "hf", family)
     make_chat_tokenizer(tmp_path / "hf")  # the model's tokenizer files sit next to its weights, as on the Hub
     r = run_cli("convert", "from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "jt"))
     assert r.returncode == 0, r.stderr
@@ -56,6 +70,7 @@ def test_import_finetune_on_chat_generate_export(tmp_path):
     directory, step = ckpt.resolve(str(tmp_path / "run"))
     convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert type(tuned).__name__ == arch  # exported as the class it was imported from
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")  # the tokenizer came along
     assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<s>")
     rows = data_lib.eval_batches(data_lib.load_tokens(cfg.data, cfg.model.vocab_size), cfg.data, global_batch=8,
