@@ -101,7 +101,10 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
 
 @pytest.mark.parametrize("name, millions", [("tiny", 0.82), ("125m", 123.6), ("1b", 1235.8), ("7b", 6738.4),
                                             ("70b", 68976.6), ("tiny-moe", 2.594), ("mixtral-8x7b", 46702.8),
-                                            ("tiny-qwen3", 1.017), ("tiny-qwen3-moe", 2.795)])
+                                            ("tiny-qwen3", 1.017), ("tiny-qwen3-moe", 2.795),
+                                            # released models: hand counts from their config.json, the published totals
+                                            ("qwen2.5-7b", 7615.617), ("qwen3-8b", 8190.735),
+                                            ("mistral-7b", 7248.024), ("qwen3-30b-a3b", 30532.123)])
 def test_shipped_configs_build_the_advertised_model(name, millions):
     cfg = load_config(os.path.join(REPO, f"configs/{name}.yaml"))
     with nnx.use_eager_sharding(False):  # no mesh here: only shapes are wanted
