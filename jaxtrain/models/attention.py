@@ -46,12 +46,10 @@ class Local:
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment_ids int [batch, seq]
         or None -> [batch, seq, heads, head_dim]."""
-        if self.window is not None:
-            if self.impl != "xla":  # the config refuses it (config/validate.py); a direct caller is told here
-                raise ValueError(f"attention impl {self.impl!r} has no sliding window; use xla")
-            return windowed_attention(q, k, v, segment_ids, self.window)
+        if self.window is not None and self.impl != "xla":  # the config refuses it; a direct caller is told here
+            raise ValueError(f"attention impl {self.impl!r} has no sliding window; use xla")
         if self.impl == "xla":
-            return mha_reference(q, k, v, causal=True, segment_ids=segment_ids)
+            return mha_reference(q, k, v, causal=True, segment_ids=segment_ids, window=self.window)
         if self.impl == "cudnn":
             if segment_ids is not None:
                 raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
@@ -68,22 +66,6 @@ def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | No
     ``q_positions`` int [..., queries], ``k_positions`` int [..., keys]."""
     diff = q_positions[..., :, None] - k_positions[..., None, :]
     return (diff >= 0) if window is None else (diff >= 0) & (diff < window)
-
-
-def windowed_attention(q, k, v, segment_ids, window: int) -> jax.Array:
-    """Causal grouped-query attention with a sliding window: the arithmetic of ``mha_reference`` (float32 logits and
-    softmax, k and v not repeated) with :func:`window_mask`. Shapes as :meth:`Local.__call__`'s."""
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, s, kv, h // kv, d)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * d**-0.5
-    pos = jnp.arange(s)
-    mask = window_mask(pos, pos, window)[None, None, None]
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
-    probs = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, h, d).astype(q.dtype)
 
 
 def keep_residuals(fn):

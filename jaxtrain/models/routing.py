@@ -99,7 +99,7 @@ def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None,
     counts = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=(0, 1, 2))
     dropped = jnp.zeros((), acc)
     if slots is not None:
-        keep = keep_mask(experts, e, slots) | (experts == e)  # a sentinel is not a drop
+        keep = keep_mask(experts, e, slots)  # the sentinel claims no slot and is kept: not a drop
         experts, weights = jnp.where(keep, experts, e), jnp.where(keep, weights, 0.0)
         dropped = jnp.sum(~keep).astype(acc)
     z = jax.nn.logsumexp(logits, axis=-1)

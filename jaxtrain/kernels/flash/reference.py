@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 
-def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None):
+def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
+                  window: int | None = None):
     """Grouped-query attention without repeating k and v.
 
     Args:
@@ -16,6 +17,8 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: f
       causal: mask keys after the query position.
       segment_ids: optional int [batch, seq]; a token attends only to tokens with the same id (packed sequences).
       sm_scale: softmax scale, default 1/sqrt(head_dim).
+      window: with ``causal``, keys within this many positions up to the query, itself included (a sliding window:
+        q - window < k <= q, as transformers masks it); None: every earlier key.
 
     Returns:
       [batch, seq, heads, head_dim] in q's dtype. Logits and softmax are computed in float32.
@@ -29,7 +32,7 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: f
     logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * scale
     mask = jnp.ones((s, s), dtype=bool)
     if causal:
-        mask = jnp.tril(mask)
+        mask = jnp.tril(mask) if window is None else jnp.tril(mask) & jnp.triu(mask, 1 - window)
     mask = mask[None, None, None]
     if segment_ids is not None:
         same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [b, q, s]
