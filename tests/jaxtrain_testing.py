@@ -142,6 +142,63 @@ def make_hf_model(path, seed=0, **overrides):
     return model
 
 
+def make_family_model(path, family, base=None, seed=0, moe=False, **overrides):
+    """A random float32 ``<family>ForCausalLM`` (transformers' class name prefix: Llama, Qwen2, Qwen3, Mistral,
+    Qwen3Moe, ...) of config ``base`` (default :data:`HF_BASE`) updated by ``overrides``, saved at ``path``: norm
+    scales and biases randomised (the initialisation zeroes biases) so that each one shows in the logits; ``moe``:
+    eager experts, and router weights spread so that the choice of experts matters."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{family}Config")(**{**(HF_BASE if base is None else base), **overrides})
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    if moe:
+        model.set_experts_implementation("eager")
+    randomize_norms(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or (moe and name.endswith("mlp.gate.weight")):
+                p.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
+
+
+def export_round_trip(cfg, tmp_path):
+    """Export the import at ``tmp_path / "jt"`` to ``tmp_path / "out"`` and check it against the source at
+    ``tmp_path / "hf"``: the same tensor names and bits, the same class and model_type. Returns (the source's
+    config.json, the export's) for the caller's checks of the other keys."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from jaxtrain.checkpoint import format as ckpt
+    from jaxtrain.hf import convert
+
+    directory, step = ckpt.resolve(str(tmp_path / "jt"))
+    convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
+    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert np.array_equal(after[name].view(np.uint32), before[name].view(np.uint32)), name
+    src, out = (json.load(open(tmp_path / d / "config.json")) for d in ("hf", "out"))
+    assert out["architectures"] == src["architectures"] and out["model_type"] == src["model_type"]
+    return src, out
+
+
+def load_export(path):
+    """The export at ``path`` loaded by transformers in float32, checked to have no missing, unexpected or
+    mismatched keys."""
+    import torch
+    import transformers
+
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
+                                                                   dtype=torch.float32)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return back.eval()
+
+
 def randomize_norms(model) -> None:
     """Norm scales of a transformers model drawn from U(0.5, 1.5), so that a misplaced one changes the logits."""
     import torch

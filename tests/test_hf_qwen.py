@@ -14,7 +14,15 @@ from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.hf import convert, families  # noqa: E402
 from jaxtrain.hf import mapping as hf_map  # noqa: E402
-from jaxtrain_testing import HF_BASE, hf_logits, import_dir, jax_logits, randomize_norms  # noqa: E402
+from jaxtrain_testing import (  # noqa: E402
+    HF_BASE,
+    export_round_trip,
+    hf_logits,
+    import_dir,
+    jax_logits,
+    load_export,
+    make_family_model,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The mapping, without transformers
@@ -169,22 +177,6 @@ def hf():
     return torch, transformers
 
 
-def make_family_model(hf, path, family, seed=0, **overrides):
-    """A random float32 ``<family>ForCausalLM`` saved at ``path``, its norm scales and biases randomised too (the
-    initialisation zeroes biases) so that each one shows in the logits."""
-    torch, transformers = hf
-    torch.manual_seed(seed)
-    config = getattr(transformers, f"{family}Config")(**{**HF_BASE, **overrides})
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    randomize_norms(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return model
-
-
 def tokens(shape=(2, 24), seed=1):
     return np.random.default_rng(seed).integers(0, HF_BASE["vocab_size"], size=shape)
 
@@ -193,32 +185,21 @@ def tokens(shape=(2, 24), seed=1):
 def test_logits_match_transformers_and_the_round_trip_is_bit_exact(hf, tmp_path, case):
     """Import -> logits equal transformers' (1e-4, float32, fsdp over 8 devices); export -> the same class and
     config keys save_pretrained wrote, the same tensor names and bits, loaded cleanly by transformers."""
-    from safetensors.numpy import load_file
 
     torch, transformers = hf
     family, overrides = CASES[case]
-    hf_model = make_family_model(hf, tmp_path / "hf", family, **overrides)
+    hf_model = make_family_model(tmp_path / "hf", family, **overrides)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
     toks = tokens()
     want = hf_logits(hf_model, toks)
     assert want.std() > 0.1
     np.testing.assert_allclose(jax_logits(cfg, tmp_path / "jt", toks), want, atol=1e-4, rtol=0)
 
-    directory, step = ckpt.resolve(str(tmp_path / "jt"))
-    convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
-    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
-    assert sorted(before) == sorted(after)
-    for name in before:
-        assert np.array_equal(after[name].view(np.uint32), before[name].view(np.uint32)), name
-    src, out = (json.load(open(tmp_path / d / "config.json")) for d in ("hf", "out"))
-    assert out["architectures"] == src["architectures"] and out["model_type"] == src["model_type"]
+    src, out = export_round_trip(cfg, tmp_path)
     assert set(src) - {"transformers_version"} <= set(out), set(src) - set(out)
     for key in ("sliding_window", "use_sliding_window", "layer_types", "attention_bias", "tie_word_embeddings"):
         assert out.get(key) == src.get(key), key
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True,
-                                                                   dtype=torch.float32)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    np.testing.assert_allclose(hf_logits(back.eval(), toks), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(hf_logits(load_export(tmp_path / "out"), toks), want, atol=1e-5, rtol=0)
 
 
 PROMPTS = [[5, 17, 3, 44, 9, 71, 30, 12, 8, 61, 22], [40, 6], [9, 9, 81, 13, 50, 3]]
@@ -238,7 +219,7 @@ def test_greedy_generation_matches_transformers(hf, tmp_path, case, mesh):
 
     torch, _ = hf
     family, overrides = CASES[case]
-    hf_model = make_family_model(hf, tmp_path / "hf", family, seed=3, **overrides)
+    hf_model = make_family_model(tmp_path / "hf", family, seed=3, **overrides)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt", *mesh)
     model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
     res = generate.generate(model, layout, PROMPTS, max_new_tokens=20, eos_ids=(HF_BASE["eos_token_id"],))
@@ -252,7 +233,7 @@ def test_greedy_generation_matches_transformers(hf, tmp_path, case, mesh):
 
 def test_transformers_disagrees_without_the_window(hf, tmp_path):
     """The window is what makes the match: the same Mistral imported with its window removed differs."""
-    hf_model = make_family_model(hf, tmp_path / "hf", "Mistral", sliding_window=8)
+    hf_model = make_family_model(tmp_path / "hf", "Mistral", sliding_window=8)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt", "model.sliding_window=null")
     toks = tokens()
     assert np.abs(jax_logits(cfg, tmp_path / "jt", toks) - hf_logits(hf_model, toks)).max() > 1e-2

@@ -13,7 +13,15 @@ import pytest  # noqa: E402
 from jaxtrain.checkpoint import format as ckpt  # noqa: E402
 from jaxtrain.config import ConfigError, load_config  # noqa: E402
 from jaxtrain.hf import convert, moe_mapping  # noqa: E402
-from jaxtrain_testing import HF_BASE, hf_logits, import_dir, jax_logits, randomize_norms  # noqa: E402
+from jaxtrain_testing import (  # noqa: E402
+    HF_BASE,
+    export_round_trip,
+    hf_logits,
+    import_dir,
+    jax_logits,
+    load_export,
+    make_family_model,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The mapping, without transformers
@@ -263,23 +271,10 @@ def hf():
     return torch, transformers
 
 
-def make_moe_model(hf, path, family, seed=0, **overrides):
-    """A random float32 ``<family>ForCausalLM`` saved at ``path`` with eager experts; norm scales and biases
-    randomised (the initialisation zeroes biases) so that each one shows in the logits."""
-    torch, transformers = hf
-    torch.manual_seed(seed)
-    config = getattr(transformers, f"{family}Config")(**{**QWEN_MOE, **overrides})
-    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
-    model.set_experts_implementation("eager")
-    randomize_norms(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)
-            if name.endswith("mlp.gate.weight"):  # the router: spread its logits so that the choice matters
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return model
+def make_moe_model(path, family, seed=0, **overrides):
+    """A random float32 ``<family>ForCausalLM`` of :data:`QWEN_MOE` saved at ``path`` with eager experts
+    (:func:`jaxtrain_testing.make_family_model`)."""
+    return make_family_model(path, family, QWEN_MOE, seed=seed, moe=True, **overrides)
 
 
 def tokens(shape=(8, 24), seed=1):
@@ -290,34 +285,24 @@ def tokens(shape=(8, 24), seed=1):
 def test_logits_match_transformers_and_the_round_trip_is_bit_exact(hf, tmp_path, case):
     """Import -> logits equal transformers' (1e-4, float32, fsdp over 8 devices); export -> the same class and
     config keys save_pretrained wrote, the same tensor names and bits, loaded cleanly by transformers."""
-    from safetensors.numpy import load_file
 
     torch, transformers = hf
     family, overrides = CASES[case]
-    hf_model = make_moe_model(hf, tmp_path / "hf", family, **overrides)
+    hf_model = make_moe_model(tmp_path / "hf", family, **overrides)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
     toks = tokens()
     want = hf_logits(hf_model, toks)
     assert want.std() > 0.1
     np.testing.assert_allclose(jax_logits(cfg, tmp_path / "jt", toks), want, atol=1e-4, rtol=0)
 
-    directory, step = ckpt.resolve(str(tmp_path / "jt"))
-    convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
-    before, after = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
-    assert sorted(before) == sorted(after)
-    for name in before:
-        assert np.array_equal(after[name].view(np.uint32), before[name].view(np.uint32)), name
-    src, out = (json.load(open(tmp_path / d / "config.json")) for d in ("hf", "out"))
-    assert out["architectures"] == src["architectures"] and out["model_type"] == src["model_type"]
+    src, out = export_round_trip(cfg, tmp_path)
     assert set(src) - {"transformers_version"} == set(out) - {"rope_theta", "rope_scaling"}, set(src) ^ set(out)
     for key in src:
         if key not in ("transformers_version", "max_position_embeddings", "max_window_layers", "initializer_range"):
             assert out[key] == src[key], key
-    back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True,
-                                                                   dtype=torch.float32)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    back = load_export(tmp_path / "out")
     back.set_experts_implementation("eager")
-    np.testing.assert_allclose(hf_logits(back.eval(), toks), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(hf_logits(back, toks), want, atol=1e-5, rtol=0)
 
 
 def test_import_reads_fused_expert_tensors_and_routing_matters(hf, tmp_path):
@@ -326,7 +311,7 @@ def test_import_reads_fused_expert_tensors_and_routing_matters(hf, tmp_path):
     swapping two experts changes them (the comparison can fail)."""
     from safetensors.torch import save_file
 
-    hf_model = make_moe_model(hf, tmp_path / "hf", "Qwen2Moe", seed=6, **CASES["qwen2_moe_shared_sparse_step_2"][1])
+    hf_model = make_moe_model(tmp_path / "hf", "Qwen2Moe", seed=6, **CASES["qwen2_moe_shared_sparse_step_2"][1])
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
     for name, edit in (("fused", None), ("swapped", (0, 3))):
@@ -359,7 +344,7 @@ def test_greedy_generation_matches_transformers(hf, tmp_path, case):
 
     torch, _ = hf
     family, overrides = CASES[case]
-    hf_model = make_moe_model(hf, tmp_path / "hf", family, seed=3, **overrides)
+    hf_model = make_moe_model(tmp_path / "hf", family, seed=3, **overrides)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
     model, layout = convert.load_model(cfg, *ckpt.resolve(str(tmp_path / "jt")))
     eos = QWEN_MOE["eos_token_id"]
@@ -384,7 +369,7 @@ def test_balance_loss_equals_transformers_aux_loss(hf, tmp_path, case):
 
     torch, _ = hf
     family, overrides = CASES[case]
-    hf_model = make_moe_model(hf, tmp_path / "hf", family, seed=7, **overrides)
+    hf_model = make_moe_model(tmp_path / "hf", family, seed=7, **overrides)
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt")
     toks = tokens()
     with torch.no_grad():

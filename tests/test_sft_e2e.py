@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxtrain_testing import HF_BASE, make_chat_tokenizer, make_hf_model, randomize_norms, run_cli
+from jaxtrain_testing import make_chat_tokenizer, make_family_model, make_hf_model, run_cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,10 +24,7 @@ def _make_model(path, family):
     if family == "llama":
         make_hf_model(path)
         return "LlamaForCausalLM"
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**HF_BASE, "head_dim": 16})).eval()
-    randomize_norms(model)
-    model.save_pretrained(path)
+    make_family_model(path, "Qwen3", head_dim=16)
     return "Qwen3ForCausalLM"
 
 

@@ -289,6 +289,19 @@ def attention_maps(layer: str, block: tuple[str, ...], m: ModelConfig | None = N
     ]
 
 
+def fused_expert_maps(layer: str) -> list[TensorMap]:
+    """An MoE layer's router and routed experts as transformers 5 holds them in memory for every MoE class (Mixtral,
+    Qwen-MoE): ``mlp.gate.weight`` [E, d] (the router transposed), ``mlp.experts.gate_up_proj`` [E, 2f, d] (each
+    expert's gate then up rows) and ``mlp.experts.down_proj`` [E, d, f]. Import only."""
+    path = ("blocks", "moe", "mlp")
+    return [
+        TensorMap(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,)),
+        TensorMap(layer + "mlp.experts.gate_up_proj", (*path, "w_gate"), True, (1,), (0,), True, (0, 2)),
+        TensorMap(layer + "mlp.experts.down_proj", (*path, "w_down"), True, (1,), (0,), True, (0, 1)),
+        TensorMap(layer + "mlp.experts.gate_up_proj", (*path, "w_up"), True, (1,), (0,), True, (1, 2)),
+    ]
+
+
 def outer_maps(m: ModelConfig) -> tuple[list[TensorMap], list[TensorMap]]:
     """(the tensors before the layers, those after): embedding; final norm and, untied, the output projection."""
     after = [TensorMap("model.norm.weight", ("final_norm", "scale"), False, (0,), ())]

@@ -124,13 +124,7 @@ def tensor_maps(m: ModelConfig, fused: bool = False) -> list[mapping.TensorMap]:
     path = ("blocks", "moe", "mlp")
     TM = mapping.TensorMap
     if fused:
-        # gate_up_proj [E, 2f, d]: w1 then w3 of each expert; down_proj [E, d, f]: w2.
-        experts = [
-            TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,)),
-            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_gate"), True, (1,), (0,), True, (0, 2)),
-            TM(layer + "mlp.experts.down_proj", (*path, "w_down"), True, (1,), (0,), True, (0, 1)),
-            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_up"), True, (1,), (0,), True, (1, 2)),
-        ]
+        experts = mapping.fused_expert_maps(layer)
     else:
         # router [d, E] = gate.weight [E, d] transposed; w_gate, w_up [d, f] = w1, w3 [f, d] transposed; w_down
         # [f, d] = w2 [d, f] transposed.

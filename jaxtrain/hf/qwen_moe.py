@@ -130,12 +130,7 @@ def tensor_maps(m: ModelConfig, fused: bool = False) -> list[mapping.TensorMap]:
     TM, every = mapping.TensorMap, m.moe.every
     layer, path = "model.layers.{i}.", ("blocks", "moe", "mlp")
     if fused:
-        experts = [
-            TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,)),
-            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_gate"), True, (1,), (0,), True, (0, 2)),
-            TM(layer + "mlp.experts.down_proj", (*path, "w_down"), True, (1,), (0,), True, (0, 1)),
-            TM(layer + "mlp.experts.gate_up_proj", (*path, "w_up"), True, (1,), (0,), True, (1, 2)),
-        ]
+        experts = mapping.fused_expert_maps(layer)
     else:
         experts = [TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,))] + [
             TM(layer + f"mlp.experts.{{j}}.{p}_proj.weight", (*path, f"w_{p}"), True, (1,), (0,), experts=True)
