@@ -254,7 +254,9 @@ def job_state(env, job):
 @pytest.mark.slow
 def test_real_slurm_runs_the_sbatch_script(slurm, tmp_path):
     run_dir, out = tmp_path / "run", tmp_path / "job.out"
-    check = ["check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256"]  # the check step reads them too
+    # The check step reads them too. Two processes time their matmuls at once on shared cores, so their rates are
+    # not comparable here: the median test is off, as in the other multi-process checks.
+    check = ["check.sizes_mb=[0.25]", "check.iters=2", "check.matmul_size=256", "check.min_matmul_fraction=0"]
     submit, job = sbatch(slurm, "-N1", "--ntasks-per-node=2", f"--output={out}",
                          os.path.join(REPO, "launch/slurm.sbatch"), "train", f"run.dir={run_dir}",
                          "runtime.cpu_devices=2", "mesh.dcn.data=2", "mesh.ici.fsdp=2", "train.steps=4", *check, *F32,
