@@ -51,9 +51,8 @@ def test_sliding_window_attention_equals_a_float64_reference():
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.sliding_window=0"], "model.sliding_window=0 must be > 0 (or null: full causal attention)"),
-    (["model.sliding_window=64", "model.attention=pallas", "model.head_dim=64"],
-     "model.attention=pallas has no sliding-window mask (model.sliding_window=64); use model.attention=xla"),
-    (["model.sliding_window=64", "model.attention=cudnn"], "model.attention=cudnn has no sliding-window mask"),
+    (["model.sliding_window=64", "model.attention=triton", "model.head_dim=64"],
+     "model.attention=triton has no sliding-window mask (model.sliding_window=64); use model.attention=pallas"),
     (["model.sliding_window=64", "mesh.ici.context=2", "mesh.ici.fsdp=1"],
      "model.sliding_window=64 cannot run over a context axis (mesh.ici.context=2)"),
 ])
@@ -63,13 +62,35 @@ def test_a_window_an_attention_cannot_take_is_refused_in_one_line(overrides, mes
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-def test_auto_attention_keeps_the_window_on_gpus():
-    """model.attention=auto on a GPU picks cuDNN or a flash kernel, which have no window: with one, XLA's."""
-    plain = load_config(None, ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1"])
-    assert resolve_auto(plain, "gpu", 1).model.attention == "cudnn"
-    windowed = load_config(None, ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1",
-                                  "model.sliding_window=32"])
-    assert resolve_auto(windowed, "gpu", 1).model.attention == "xla"
+def test_auto_attention_keeps_a_kernel_with_a_window_on_gpus():
+    """model.attention=auto on a GPU with a window: cuDNN (its sliding-window mask), or with document masking the
+    Pallas flash kernel (the Triton-language one has no window mask), never a silent fall back to XLA's."""
+    base = ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1", "model.sliding_window=32"]
+    assert resolve_auto(load_config(None, base), "gpu", 1).model.attention == "cudnn"
+    packed = load_config(None, [*base, "data.document_mask=true", "model.head_dim=64"])
+    assert resolve_auto(packed, "gpu", 1).model.attention == "pallas"
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla-entry"])
+def test_the_window_kernels_equal_the_float64_reference(impl):
+    """The Pallas flash kernel (interpreted; its float32 tiles of 32 over 40 tokens padded to 64, so the window's
+    edge crosses tiles) and
+    ``jax.nn.dot_product_attention`` with the arguments cuDNN gets (its XLA implementation: the same window
+    convention) against the NumPy loop above; head dim 32, GQA 2."""
+    from jaxtrain.models.attention import window_kwargs
+
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(2, 40, 4, 32)), rng.normal(size=(2, 40, 2, 32)), rng.normal(size=(2, 40, 2, 32))
+    segments = np.array([[0] * 40, [0] * 19 + [1] * 21])
+    x = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+    for window in (1, 5, 17, 40):
+        if impl == "pallas":
+            got = Local("pallas", interpret=True, window=window)(*x, jnp.asarray(segments))
+            want = numpy_window_attention(q, k, v, segments, window)
+        else:  # no segments: cuDNN's entry takes none
+            got = jax.nn.dot_product_attention(*x, implementation="xla", **window_kwargs(window))
+            want = numpy_window_attention(q, k, v, np.zeros_like(segments), window)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
 # Qwen3-shaped (q/k norms, head_dim 32 != d_model / heads) with Qwen2's q/k/v biases and a window shorter than the

@@ -8,6 +8,7 @@ under ``shard_map``, ring attention over the context axis). The model takes eith
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from jaxtrain.kernels import flash_attention, mha_reference
 from jaxtrain.kernels.flash.pallas import CHECKPOINT_NAMES
 
 IMPLS = ("xla", "cudnn", "pallas", "triton")  # the resolved values of model.attention
+WINDOW_IMPLS = ("xla", "cudnn", "pallas")  # those with a sliding-window mask (model.sliding_window)
 
 # The flash kernels and cuDNN's attention (keep_residuals) name their forward results (output and log-sum-exp or
 # softmax statistics, CHECKPOINT_NAMES): saving them costs [batch, seq, heads, head_dim] + [batch, heads, seq] per
@@ -41,23 +43,24 @@ class Local:
 
     impl: str
     interpret: bool = False
-    window: int | None = None  # model.sliding_window: keys within this many positions up to the query (xla only)
+    window: int | None = None  # model.sliding_window: keys within this many positions up to the query
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment_ids int [batch, seq]
         or None -> [batch, seq, heads, head_dim]."""
-        if self.window is not None and self.impl != "xla":  # the config refuses it; a direct caller is told here
-            raise ValueError(f"attention impl {self.impl!r} has no sliding window; use xla")
+        if self.window is not None and self.impl not in WINDOW_IMPLS:  # the config refuses it; a caller is told
+            raise ValueError(f"attention impl {self.impl!r} has no sliding window; use one of {WINDOW_IMPLS}")
         if self.impl == "xla":
             return mha_reference(q, k, v, causal=True, segment_ids=segment_ids, window=self.window)
         if self.impl == "cudnn":
             if segment_ids is not None:
                 raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
-            return _cudnn_attention(q, k, v)
+            return _cudnn_attention(q, k, v) if self.window is None else _cudnn_window_attention(self.window)(q, k, v)
         if self.impl not in ("pallas", "triton"):
             raise ValueError(f"attention impl {self.impl!r} is not resolved; expected one of {', '.join(IMPLS)}")
+        window = {} if self.window is None else {"window": self.window}  # the triton impl takes no window
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl,
-                               interpret=self.interpret)
+                               interpret=self.interpret, **window)
 
 
 def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | None) -> jax.Array:
@@ -133,3 +136,16 @@ jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda valu
 # policies (REMAT_POLICIES save CHECKPOINT_NAMES).
 _cudnn_attention = keep_residuals(
     lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+
+
+def window_kwargs(window: int) -> dict:
+    """``jax.nn.dot_product_attention``'s arguments for a causal sliding window of ``window`` keys, the query's own
+    included: (left, right) = (window - 1, 0) keys beside the query."""
+    return {"is_causal": True, "local_window_size": (window - 1, 0)}
+
+
+@functools.cache
+def _cudnn_window_attention(window: int):
+    """cuDNN's fused attention with a sliding window (its sliding-window causal mask), residuals named as above."""
+    return keep_residuals(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **window_kwargs(window)))

@@ -43,7 +43,7 @@ class MeshAttention:
 
     impl: str
     interpret: bool = False
-    window: int | None = None  # model.sliding_window (the XLA path only; the config refuses the rest)
+    window: int | None = None  # model.sliding_window (xla, cudnn, pallas; not over a context axis)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()

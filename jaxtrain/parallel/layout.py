@@ -52,8 +52,9 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     (``parallel/attention.py`` calls it per device); else jaxtrain's flash kernel where it takes the head dim and the
     sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
     else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
-    checking, not speed; cuDNN has no float32 kernel), and with a sliding window (``model.sliding_window``: neither
-    kernel has its mask). Concrete values pass through unchanged, so resolving twice is
+    checking, not speed; cuDNN has no float32 kernel). A sliding window (``model.sliding_window``) keeps cuDNN (its
+    sliding-window causal mask) or the Pallas flash kernel (the Triton-language one has no window mask). Concrete
+    values pass through unchanged, so resolving twice is
     harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError. ``model.moe.gemm``:
     :func:`jaxtrain.parallel.expert.resolve_gemm`.
     """
@@ -73,8 +74,7 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
         attention = "xla"
         seq_rule = cfg.mesh.rules.get("act_seq")
         ring = seq_rule == Axis.CONTEXT and shards is not None and shards > 1  # ring attention (parallel/context.py)
-        # A sliding window (model.sliding_window) has its mask on the XLA path only.
-        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring) and m.sliding_window is None:
+        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring):
             segments = cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)  # chat packs too
             if shards == 1 and not segments and m.resolved_head_dim in CUDNN_HEAD_DIMS:
                 attention = "cudnn"
@@ -82,7 +82,8 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
                 # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
                 # tiles and wgmma counts for sm_90a (docs/kernels.md).
-                attention = "triton" if importlib.util.find_spec("jax_triton") else "pallas"
+                triton = importlib.util.find_spec("jax_triton") and m.sliding_window is None
+                attention = "triton" if triton else "pallas"
     moe = dataclasses.replace(m.moe, gemm=resolve_gemm(m.moe.gemm, platform)) if m.moe.experts else m.moe
     return dataclasses.replace(cfg, model=dataclasses.replace(m, dtype=dtype, attention=attention, moe=moe))
 

@@ -46,7 +46,7 @@ def _check_dtype(name, dtype):
 
 
 def validate(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0, sm_scale=None,
-             impl="pallas", interpret=False, backend="triton", out_dtype=None, grad_dtype=None):
+             impl="pallas", interpret=False, backend="triton", out_dtype=None, grad_dtype=None, window=None):
     """Raise ValueError naming the first problem with the arguments of ``flash_attention``; launch nothing."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
@@ -96,12 +96,24 @@ def validate(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_o
         raise ValueError(f"causal must be a bool, got {causal!r}")
     if sm_scale is not None and (not isinstance(sm_scale, numbers.Real) or not np.isfinite(sm_scale)):
         raise ValueError(f"sm_scale must be a finite real number or None, got {sm_scale!r}")
+    _check_window(window, causal, impl)
     if impl == "triton" and interpret:
         raise ValueError("interpret=True is only available for impl='pallas'; impl='triton' runs on a CUDA GPU")
     if impl == "pallas" and backend not in pallas_launch.BACKENDS:
         raise ValueError(pallas_launch.backend_error(backend))
     if impl == "triton" and backend != "triton":
         raise ValueError(f"backend={backend!r} applies to impl='pallas' only")
+
+
+def _check_window(window, causal, impl) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if not causal:
+        raise ValueError(f"window={window} needs causal=True (a sliding window is a causal mask's lower edge)")
+    if impl != "pallas":
+        raise ValueError(f"window={window} is implemented by impl='pallas' only (impl={impl!r})")
 
 
 def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_segments: bool = False,
@@ -126,7 +138,7 @@ def launch_settings(q_shape, kv_heads: int, dtype, *, causal: bool = True, has_s
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
                     kv_offset=0, sm_scale: float | None = None, impl: str = "pallas", interpret: bool = False,
-                    backend: str = "triton", **block_sizes):
+                    backend: str = "triton", window: int | None = None, **block_sizes):
     """Flash multi-head attention with grouped-query support, differentiable w.r.t. q, k and v.
 
     Args:
@@ -140,6 +152,9 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segmen
       q_offset, kv_offset: absolute positions of the first query / key: Python ints (compiled in) or traced int32
         scalars (e.g. from ``lax.axis_index`` inside ``shard_map``; passed to the kernels as an operand).
       sm_scale: softmax scale; default 1 / sqrt(head_dim).
+      window: with causal, a sliding window: query i sees key j only when 0 <= (q_offset + i) - (kv_offset + j)
+        < window (Mistral's and transformers' sliding_window); key tiles wholly outside it are skipped. None: no
+        lower bound. impl="pallas" only.
       impl: "pallas" (Pallas kernel; CPU via interpret=True, GPU via Pallas' Triton lowering) or "triton"
         (Triton language via jax-triton; CUDA GPU only).
       interpret: run the Pallas kernels in the Pallas interpreter (CPU; slow, for testing).
@@ -162,18 +177,19 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None, kv_segmen
       RuntimeError: impl="triton" without a CUDA GPU or without triton / jax-triton installed.
     """
     kw = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
-              kv_offset=kv_offset, sm_scale=sm_scale)
+              kv_offset=kv_offset, sm_scale=sm_scale, window=window)
     validate(q, k, v, impl=impl, interpret=interpret, backend=backend, **kw)
     kw["causal"] = bool(causal)
     if impl == "pallas":
         return flash_pallas.flash_attention_pallas(q, k, v, interpret=interpret, backend=backend, **kw,
                                                    **block_sizes)
+    kw.pop("window")  # validate() allowed only None for triton
     return flash_triton.flash_attention_triton(q, k, v, **kw, **block_sizes)
 
 
 def flash_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
                         kv_offset=0, sm_scale: float | None = None, impl: str = "pallas", interpret: bool = False,
-                        backend: str = "triton", out_dtype=None, **block_sizes):
+                        backend: str = "triton", out_dtype=None, window: int | None = None, **block_sizes):
     """The forward kernel alone, for callers that merge several key blocks (ring attention): same arguments as
     ``flash_attention``.
 
@@ -183,18 +199,20 @@ def flash_attention_fwd(q, k, v, *, causal: bool = True, segment_ids=None, kv_se
       included). A query row with no visible key: out 0, lse -inf. Not differentiable (see flash_attention_bwd).
     """
     kw = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
-              kv_offset=kv_offset, sm_scale=sm_scale)
+              kv_offset=kv_offset, sm_scale=sm_scale, window=window)
     validate(q, k, v, impl=impl, interpret=interpret, backend=backend, out_dtype=out_dtype, **kw)
     kw["causal"] = bool(causal)
     if impl == "pallas":
         return flash_pallas.flash_attention_fwd_pallas(q, k, v, interpret=interpret, backend=backend,
                                                        out_dtype=out_dtype, **kw, **block_sizes)
+    kw.pop("window")  # validate() allowed only None for triton
     return flash_triton.flash_attention_fwd_triton(q, k, v, out_dtype=out_dtype, **kw, **block_sizes)
 
 
 def flash_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None, kv_segment_ids=None,
                         q_offset=0, kv_offset=0, sm_scale: float | None = None, impl: str = "pallas",
-                        interpret: bool = False, backend: str = "triton", grad_dtype=None, **block_sizes):
+                        interpret: bool = False, backend: str = "triton", grad_dtype=None, window: int | None = None,
+                        **block_sizes):
     """The backward kernels alone: this key block's contributions to the gradients, given the *final* out and lse
     (merged over every key block by the caller) and dout [batch, sq, heads, head_dim].
 
@@ -204,7 +222,7 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
       the caller accumulate over blocks). Rows with lse -inf contribute nothing.
     """
     kw = dict(causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
-              kv_offset=kv_offset, sm_scale=sm_scale)
+              kv_offset=kv_offset, sm_scale=sm_scale, window=window)
     validate(q, k, v, impl=impl, interpret=interpret, backend=backend, grad_dtype=grad_dtype, **kw)
     b, sq, h, _ = q.shape
     for name, x, want in (("out", out, q.shape), ("dout", dout, q.shape), ("lse", lse, (b, h, sq))):
@@ -214,5 +232,6 @@ def flash_attention_bwd(q, k, v, out, lse, dout, *, causal: bool = True, segment
     if impl == "pallas":
         return flash_pallas.flash_attention_bwd_pallas(q, k, v, out, lse, dout, interpret=interpret,
                                                        backend=backend, grad_dtype=grad_dtype, **kw, **block_sizes)
+    kw.pop("window")  # validate() allowed only None for triton
     return flash_triton.flash_attention_bwd_triton(q, k, v, out, lse, dout, grad_dtype=grad_dtype, **kw,
                                                    **block_sizes)

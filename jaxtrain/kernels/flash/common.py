@@ -49,7 +49,10 @@ def split_shift(q_offset, kv_offset):
     return None, (jnp.asarray(q_offset, jnp.int32) - jnp.asarray(kv_offset, jnp.int32)).reshape(1)
 
 
-def may_have_empty_rows(causal: bool, static_shift: int | None, separate_kv_segments: bool) -> bool:
+def may_have_empty_rows(causal: bool, static_shift: int | None, separate_kv_segments: bool,
+                        window: int | None = None, lengths_differ: bool = False) -> bool:
     """Can a query row see no key? Only with separate key segments or a causal shift that is traced or < 0 (with
-    a shift >= 0 every row sees key 0 or its own position)."""
-    return separate_kv_segments or (causal and (static_shift is None or static_shift < 0))
+    a shift >= 0 every row sees key 0 or its own position), or a sliding window that a shift or a query past the
+    last key can move off every key."""
+    slid = window is not None and (static_shift != 0 or lengths_differ)
+    return separate_kv_segments or (causal and (static_shift is None or static_shift < 0 or slid))

@@ -139,7 +139,7 @@ def _bwd_entry(q, k, v, out, lse, do, seg_q, seg_k, shift, cfg: CallConfig):
 
 
 def _prepare(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, sm_scale, interpret, backend,
-             block_sizes, out_dtype=None, grad_dtype=None):
+             block_sizes, out_dtype=None, grad_dtype=None, window=None):
     if backend not in BACKENDS:
         raise ValueError(backend_error(backend))
     static_shift, traced = split_shift(q_offset, kv_offset)
@@ -148,8 +148,9 @@ def _prepare(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, 
     cfg = call_config(q.shape, q.dtype, causal=causal, sm_scale=sm_scale, has_segments=segment_ids is not None,
                       interpret=interpret, backend=backend, block_sizes=block_sizes, kv_heads=k.shape[2],
                       seq_k=k.shape[1], shift=static_shift,
-                      empty_rows=may_have_empty_rows(causal, static_shift, kv_segment_ids is not None),
-                      out_dtype=out_dtype, grad_dtype=grad_dtype)
+                      empty_rows=may_have_empty_rows(causal, static_shift, kv_segment_ids is not None,
+                                                     window, q.shape[1] != k.shape[1]),
+                      out_dtype=out_dtype, grad_dtype=grad_dtype, window=window)
     seg_q = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
     seg_k = None if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32)
     return cfg, seg_q, seg_k, traced
@@ -157,7 +158,7 @@ def _prepare(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, 
 
 def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
                            kv_offset=0, sm_scale: float | None = None, interpret: bool = False,
-                           backend: str = "triton", **block_sizes):
+                           backend: str = "triton", window: int | None = None, **block_sizes):
     """Pallas flash attention. Inputs are assumed validated (see ``jaxtrain.kernels.flash.api.flash_attention``).
 
     Args:
@@ -166,6 +167,7 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, kv
       q_offset, kv_offset: positions of the first query / key (ints, or traced int32 scalars).
       interpret: run the kernels with the Pallas interpreter (CPU).
       backend: GPU lowering, "triton" (Pallas' Triton backend); see the module docstring.
+      window: with causal, a sliding window (q - window < k <= q); key tiles outside it are never visited.
       block_sizes: fields of ``jaxtrain.kernels.flash.tiling.BlockSizes``.
 
     Returns:
@@ -173,29 +175,32 @@ def flash_attention_pallas(q, k, v, *, causal: bool = True, segment_ids=None, kv
     """
     cfg, seg_q, seg_k, shift = _prepare(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                         q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale,
-                                        interpret=interpret, backend=backend, block_sizes=block_sizes)
+                                        interpret=interpret, backend=backend, block_sizes=block_sizes,
+                                        window=window)
     return _flash_attention(q, k, v, seg_q, seg_k, shift, cfg)
 
 
 def flash_attention_fwd_pallas(q, k, v, *, causal: bool = True, segment_ids=None, kv_segment_ids=None, q_offset=0,
                                kv_offset=0, sm_scale: float | None = None, interpret: bool = False,
-                               backend: str = "triton", out_dtype=None, **block_sizes):
+                               backend: str = "triton", out_dtype=None, window: int | None = None,
+                               **block_sizes):
     """-> (out [batch, sq, heads, head_dim] in out_dtype or q's, lse [batch, heads, sq] float32, natural log)."""
     cfg, seg_q, seg_k, shift = _prepare(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                         q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale,
                                         interpret=interpret, backend=backend, block_sizes=block_sizes,
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, window=window)
     return _fwd_entry(q, k, v, seg_q, seg_k, shift, cfg)
 
 
 def flash_attention_bwd_pallas(q, k, v, out, lse, dout, *, causal: bool = True, segment_ids=None,
                                kv_segment_ids=None, q_offset=0, kv_offset=0, sm_scale: float | None = None,
-                               interpret: bool = False, backend: str = "triton", grad_dtype=None, **block_sizes):
+                               interpret: bool = False, backend: str = "triton", grad_dtype=None,
+                               window: int | None = None, **block_sizes):
     """-> (dq [batch, sq, heads, head_dim], dk, dv [batch, skv, kv_heads, head_dim]) of this key block, from the
     final (merged) out and natural-log lse [batch, heads, sq]; in grad_dtype or the inputs' dtype."""
     cfg, seg_q, seg_k, shift = _prepare(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                         q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale,
                                         interpret=interpret, backend=backend, block_sizes=block_sizes,
-                                        grad_dtype=grad_dtype)
+                                        grad_dtype=grad_dtype, window=window)
     return _bwd_entry(q, k, v, out, jnp.asarray(lse, jnp.float32), dout, seg_q, seg_k, shift, cfg)
 

@@ -53,7 +53,7 @@ def _dq_kernel(*refs, cfg: CallConfig):
         s = dot_nt(q, k) * qk_scale
         k_pos = start + jnp.arange(block_k, dtype=jnp.int32)
         k_seg = None if seg_k_ref is None else seg_k_ref[pl.ds(start, block_k)]
-        mask = tile_mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len)
+        mask = tile_mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, window=cfg.window)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         p = jnp.exp2(s - lse[:, None])
@@ -64,7 +64,7 @@ def _dq_kernel(*refs, cfg: CallConfig):
     dq = jnp.zeros((block_q, head_dim), jnp.float32)
     num_k_blocks = cfg.padded_k // block_k
     for lo, hi, on_diagonal in clamp_ranges(kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift,
-                                                  cfg.padded_q > cfg.padded_k),
+                                                  cfg.padded_q > cfg.padded_k, cfg.window),
                                       ref_bounds(bounds_ref)):
         dq = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), dq)
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
@@ -87,7 +87,8 @@ def _dkdv_kernel(*refs, cfg: CallConfig, group: int, want: tuple[str, ...]):
     qk_scale = cfg.sm_scale * LOG2E
     pad_len = plus(cfg.seq_k, 0 if is_zero(shift) else -shift) if cfg.padded else None
     num_q_blocks = cfg.padded_q // block_q
-    ranges = clamp_ranges(q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal, shift), ref_bounds(bounds_ref))
+    ranges = clamp_ranges(q_ranges(j, block_q, block_k, num_q_blocks, cfg.causal, shift, cfg.window),
+                          ref_bounds(bounds_ref))
 
     def step(t, carry, g, on_diagonal):
         # Transposed: rows are keys, columns queries, so P^T and dS^T are produced, not transposed.
@@ -101,7 +102,8 @@ def _dkdv_kernel(*refs, cfg: CallConfig, group: int, want: tuple[str, ...]):
         s_t = dot_nt(k, q) * qk_scale  # [bk, bq]
         q_pos = start + jnp.arange(block_q, dtype=jnp.int32)
         q_seg = None if seg_q_ref is None else seg_q_ref[rows]
-        mask = tile_mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, kv_major=True)
+        mask = tile_mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, kv_major=True,
+                         window=cfg.window)
         if mask is not None:
             s_t = jnp.where(mask, s_t, MASK_VALUE)
         p_t = jnp.exp2(s_t - lse[None, :])

@@ -47,7 +47,7 @@ def _fwd_kernel(*refs, cfg: CallConfig):
         s = dot_nt(q, k) * qk_scale  # [bq, bk] float32
         k_pos = start + jnp.arange(block_k, dtype=jnp.int32)
         k_seg = None if seg_k_ref is None else seg_k_ref[pl.ds(start, block_k)]
-        mask = tile_mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len)
+        mask = tile_mask(q_pos, k_pos, q_seg, k_seg, causal=on_diagonal, seq_len=pad_len, window=cfg.window)
         if mask is not None:
             s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -64,7 +64,7 @@ def _fwd_kernel(*refs, cfg: CallConfig):
     )
     num_k_blocks = cfg.padded_k // block_k
     for lo, hi, on_diagonal in clamp_ranges(kv_ranges(i, block_q, block_k, num_k_blocks, cfg.causal, shift,
-                                                  cfg.padded_q > cfg.padded_k),
+                                                  cfg.padded_q > cfg.padded_k, cfg.window),
                                       ref_bounds(bounds_ref)):
         carry = lax.fori_loop(lo, hi, functools.partial(step, on_diagonal=on_diagonal), carry)
     acc, m, l = carry

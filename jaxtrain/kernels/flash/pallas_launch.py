@@ -37,6 +37,7 @@ class CallConfig:
     empty_rows: bool = False  # a query row may see no key (offsets, separate key segments): out 0, lse -inf
     out_dtype: str | None = None  # forward output (None: q's dtype)
     grad_dtype: str | None = None  # dq, dk, dv (None: the inputs' dtype)
+    window: int | None = None  # causal sliding window: q - window < k <= q (None: every earlier key)
 
     @property
     def padded(self) -> bool:  # keys past seq_k exist and must be masked
@@ -60,7 +61,7 @@ def _round_up(x: int, m: int) -> int:
 
 def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float, has_segments: bool,
                 interpret: bool, backend: str, sizes: BlockSizes, seq_k: int | None = None, shift: int | None = 0,
-                empty_rows: bool = False, out_dtype=None, grad_dtype=None) -> CallConfig:
+                empty_rows: bool = False, out_dtype=None, grad_dtype=None, window: int | None = None) -> CallConfig:
     """Per-kernel launches (defaults by dtype and head_dim, user overrides, query tiles clamped to the query length
     and key tiles to the key length), the padded lengths (multiples of every tile: all are powers of two, so the
     largest is their lcm) and the dk/dv split of a GQA group."""
@@ -82,20 +83,21 @@ def make_config(q_shape, kv_heads: int, dtype, *, causal: bool, sm_scale: float,
                       padded_q=_round_up(seq_q, tile), padded_k=_round_up(seq_k, tile), splits=splits,
                       has_segments=has_segments, interpret=interpret, backend=backend,
                       shift=shift if causal else 0, empty_rows=empty_rows, out_dtype=name(out_dtype),
-                      grad_dtype=name(grad_dtype), **launches)
+                      grad_dtype=name(grad_dtype), window=window if causal else None, **launches)
 
 
 def call_config(q_shape, dtype, *, causal: bool, sm_scale: float | None, has_segments: bool, interpret: bool = False,
                 backend: str = "triton", block_sizes: dict | None = None, kv_heads: int | None = None,
                 seq_k: int | None = None, shift: int | None = 0, empty_rows: bool = False, out_dtype=None,
-                grad_dtype=None) -> CallConfig:
+                grad_dtype=None, window: int | None = None) -> CallConfig:
     """The static configuration of a call; ValueError on bad block sizes. q_shape [batch, seq, heads, head_dim]."""
     sizes = BlockSizes.from_kwargs(block_sizes or {}, "pallas")
     d = q_shape[-1]
     scale = d**-0.5 if sm_scale is None else sm_scale
     return make_config(tuple(q_shape), kv_heads or q_shape[2], dtype, causal=causal, sm_scale=scale,
                        has_segments=has_segments, interpret=interpret, backend=backend, sizes=sizes, seq_k=seq_k,
-                       shift=shift, empty_rows=empty_rows, out_dtype=out_dtype, grad_dtype=grad_dtype)
+                       shift=shift, empty_rows=empty_rows, out_dtype=out_dtype, grad_dtype=grad_dtype,
+                       window=window)
 
 
 def backend_error(backend) -> str:

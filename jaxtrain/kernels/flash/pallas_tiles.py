@@ -38,11 +38,13 @@ def plus(x, shift):
     return x if is_zero(shift) else x + shift
 
 
-def tile_mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None, kv_major: bool = False):
+def tile_mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None, kv_major: bool = False,
+              window: int | None = None):
     """Boolean mask of visible (query, key) pairs, [bq, bk] (or [bk, bq] with ``kv_major``); None when all visible.
 
     q_pos [bq] (shifted into key positions), k_pos [bk]: absolute positions; q_seg [bq] / k_seg [bk]: segment ids
-    or None; seq_len: mask keys at or past it (sequence padding), or None when there is no padding.
+    or None; seq_len: mask keys at or past it (sequence padding), or None when there is no padding; window: with
+    ``causal``, also mask keys ``window`` or more positions before the query (q - window < k <= q).
     """
     if kv_major:  # rows are keys
         q_, k_ = (lambda x: x[None, :]), (lambda x: x[:, None])  # noqa: E731
@@ -55,6 +57,8 @@ def tile_mask(q_pos, k_pos, q_seg, k_seg, *, causal: bool, seq_len: int | None, 
 
     if causal:
         mask = _and(mask, q_(q_pos) >= k_(k_pos))
+    if causal and window is not None:
+        mask = _and(mask, q_(q_pos) - k_(k_pos) < window)
     if seq_len is not None:
         mask = _and(mask, k_(k_pos) < seq_len)
     if q_seg is not None:
@@ -70,10 +74,12 @@ def clamp_ranges(ranges, bounds):
     return [(jnp.maximum(a, lo), jnp.minimum(b, hi), diag) for a, b, diag in ranges]
 
 
-def kv_ranges(q_block, block_q, block_k, num_k_blocks, causal, shift=0, more_queries=False):
+def kv_ranges(q_block, block_q, block_k, num_k_blocks, causal, shift=0, more_queries=False, window=None):
     """[(lo, hi, on_diagonal)] kv-tile ranges a query tile must visit, unmasked first; tiles the causal mask hides
     wholly (past the tile's last query + shift) are not listed, so never loaded or computed. ``more_queries``: the
-    padded queries outnumber the padded keys (the diagonal can pass the last key tile)."""
+    padded queries outnumber the padded keys (the diagonal can pass the last key tile). ``window``: tiles wholly
+    before the sliding window of the tile's first query are not listed either; those its lower edge crosses are
+    masked ("on_diagonal")."""
     if not causal:
         return [(0, num_k_blocks, False)]
     first = plus(q_block * block_q, shift)  # the tile's first query, in key positions
@@ -85,24 +91,38 @@ def kv_ranges(q_block, block_q, block_k, num_k_blocks, causal, shift=0, more_que
     else:  # lax.div truncates toward zero: clamp negative numerators (a tile before every key visits none)
         end = jnp.minimum(lax.div(jnp.maximum(first + block_q - 1, -1) + block_k, block_k), num_k_blocks)
         full = jnp.minimum(lax.div(jnp.maximum(first + 1, 0), block_k), end)
-    return [(0, full, False), (full, end, True)]
+    if window is None:
+        return [(0, full, False), (full, end, True)]
+    # Query q sees keys from q - window + 1: the tile's first query from first - window + 1 (tiles wholly below are
+    # skipped), its last from first + block_q - window (tiles from there up are in every row's window).
+    lo = lax.div(jnp.maximum(first - window + 1, 0), block_k)
+    edge = jnp.clip(lax.div(jnp.maximum(first + block_q - window, 0) + block_k - 1, block_k), lo, full)
+    return [(edge, full, False), (lo, edge, True), (full, end, True)]
 
 
-def q_ranges(k_block, block_q, block_k, num_q_blocks, causal, shift=0):
+def q_ranges(k_block, block_q, block_k, num_q_blocks, causal, shift=0, window=None):
     """[(lo, hi, on_diagonal)] query-tile ranges that can see kv tile ``k_block``, unmasked first (the masked
     diagonal loop last: a loop of only-unmasked steps is what lets wgmma run without serialising); tiles wholly
-    before it skipped."""
+    before it skipped, and with a sliding ``window`` those wholly past its upper edge too."""
     if not causal:
         return [(0, num_q_blocks, False)]
     # In query positions, the tile's keys span [first, last]. Query tile t sees some of them when its last row
     # (t+1)*bq - 1 >= first; all of them when its first row t*bq >= last.
     first = plus(k_block * block_k, 0 if is_zero(shift) else -shift)
     last = first + (block_k - 1)
+    raw_first, raw_last = first, last
     if not is_zero(shift):  # lax.div truncates toward zero: negative numerators mean query tile 0
         first, last = jnp.maximum(first, 0), jnp.maximum(last, 0)
     start = lax.div(first, block_q)
     full = jnp.minimum(lax.div(last + block_q - 1, block_q), num_q_blocks)
-    return [(full, num_q_blocks, False), (start, full, True)]
+    if window is None:
+        return [(full, num_q_blocks, False), (start, full, True)]
+    # Query q sees key k while q < k + window: every key of the tile up to raw_first + window - 1, some of them up
+    # to raw_last + window - 1 (tile `stop` and later see none).
+    reach = raw_last + window - 1
+    stop = jnp.minimum(jnp.where(reach < 0, 0, lax.div(jnp.maximum(reach, 0), block_q) + 1), num_q_blocks)
+    inside = jnp.clip(lax.div(jnp.maximum(raw_first + window, 0), block_q), full, stop)
+    return [(full, inside, False), (start, jnp.minimum(full, stop), True), (inside, stop, True)]
 
 
 def tile_index(cfg: CallConfig, i, num_tiles: int):
