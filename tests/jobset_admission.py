@@ -2,7 +2,13 @@
 tests/test_jobset.py: the API server's checks of JobSet's CRD (schema, defaults, strict fields, list-map keys, the CEL
 rule on create), JobSet's mutating and validating webhooks (pkg/webhooks/jobset_webhook.go) and, for the Job template
 inside, Kubernetes' own schema (kubernetes-validate). Both JobSet sources are read at kubernetes-sigs/jobset commit
-01078527ec4383c3d7289b5af3e0a788324e14ec (tests/jobset/ holds the CRD)."""
+01078527ec4383c3d7289b5af3e0a788324e14ec (tests/jobset/ holds the CRD), plus one later webhook check that catches at
+admission what that commit's controller fails on at run time (the coordinator label, v0.11.0).
+
+And, for what happens after admission, the parts launch/ relies on: the labels and annotations JobSet's controller
+puts on each pod (including the coordinator's address), the environment the kubelet builds from them, the Job
+controller's podFailurePolicy and JobSet's failurePolicy deciding whether a failed pod restarts the set and whether
+that restart counts against maxRestarts."""
 
 import copy
 import os
@@ -26,6 +32,9 @@ MAX_RULE_NAME = 128
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 MAX_INT32 = 2**31 - 1
+# validation.IsValidLabelValue: at most 63 characters, alphanumerics with '-', '_', '.' inside.
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+COORDINATOR_KEY = "jobset.sigs.k8s.io/coordinator"  # api/jobset/v1alpha2/jobset_types.go, since v0.6.0
 
 
 # ---- the API server: CRD schema, defaults, list-map keys, CEL on create -----------------------------------------
@@ -130,7 +139,8 @@ def _dns1035(value: str, too_long: str) -> list[str]:
 
 def _failure_policy_errors(policy: dict, rjob_names: list[str]) -> list[str]:
     """validateFailurePolicy."""
-    errors, seen = [], {}
+    errors: list[str] = []
+    seen: dict[str, list[int]] = {}
     for index, rule in enumerate(policy.get("rules", [])):
         name = rule["name"]
         if not 1 <= len(name) <= MAX_RULE_NAME:
@@ -162,6 +172,11 @@ def _coordinator_errors(js: dict) -> list[str]:
         return ["job for coordinator pod must be indexed completion mode"]
     if not 0 <= coord.get("podIndex", 0) < job.get("completions", 0):
         return [f"coordinator pod index {coord.get('podIndex', 0)} is invalid for replicatedJob {rjob['name']}"]
+    # validateCoordinatorLabelValue (jobset a9461e60, v0.11.0). Before it, the controller put the same value on
+    # every Job and pod as a label and the API server refused the Job at run time: the set never started.
+    value = coordinator_endpoint(js)
+    if len(value) > 63 or not LABEL_VALUE.match(value):
+        return [f"spec will lead to invalid label value {value!r} for coordinator label {COORDINATOR_KEY!r}"]
     return []
 
 
@@ -222,3 +237,121 @@ def admission_errors(js: dict) -> list[str]:
         except kubernetes_validate.ValidationError as e:
             errors.append(f"replicatedJobs[{rjob['name']}].template: {e.message}")
     return errors
+
+
+# ---- after admission: the pods' metadata and environment -------------------------------------------------------
+
+def subdomain(js: dict) -> str:
+    """GetSubdomain (pkg/controllers/jobset_controller.go): spec.network.subdomain, else the JobSet's name."""
+    return js["spec"].get("network", {}).get("subdomain") or js["metadata"]["name"]
+
+
+def coordinator_endpoint(js: dict) -> str:
+    """coordinatorEndpoint: <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>, the DNS name of that pod
+    (its hostname <job name>-<completion index> in the headless service named by the subdomain)."""
+    c = js["spec"]["coordinator"]
+    return (f"{js['metadata']['name']}-{c['replicatedJob']}-{c.get('jobIndex', 0)}-{c.get('podIndex', 0)}."
+            f"{subdomain(js)}")
+
+
+def pod_metadata(js: dict, rjob_name: str, job_index: int, restarts: int = 0) -> dict:
+    """The labels and annotations JobSet's controller puts on the pod template of Job `job_index` of `rjob_name`
+    (labelAndAnnotateObject: the keys launch/ reads or that identify the attempt; the controller writes each key
+    as both label and annotation), on top of the template's own."""
+    (rjob,) = [r for r in js["spec"]["replicatedJobs"] if r["name"] == rjob_name]
+    meta = rjob["template"]["spec"]["template"].get("metadata", {})
+    ours = {"jobset.sigs.k8s.io/jobset-name": js["metadata"]["name"],
+            "jobset.sigs.k8s.io/replicatedjob-name": rjob_name,
+            "jobset.sigs.k8s.io/restart-attempt": str(restarts),
+            "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob["replicas"]),
+            "jobset.sigs.k8s.io/job-index": str(job_index)}
+    if "coordinator" in js["spec"]:
+        ours[COORDINATOR_KEY] = coordinator_endpoint(js)
+    return {"labels": meta.get("labels", {}) | ours, "annotations": meta.get("annotations", {}) | ours}
+
+
+def expand(value: str, defined: dict) -> str:
+    """Kubernetes' $(VAR) expansion of an env value (third_party/forked/golang/expansion): $(NAME) of a variable
+    defined before it is replaced, an undefined one is left as written, $$ is a literal $."""
+    out, i = [], 0
+    while i < len(value):
+        if value.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif value.startswith("$(", i) and ")" in value[i + 2:]:
+            end = value.index(")", i + 2)
+            name = value[i + 2:end]
+            out.append(defined.get(name, value[i:end + 1]))
+            i = end + 1
+        else:
+            out.append(value[i])
+            i += 1
+    return "".join(out)
+
+
+_FIELD = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
+
+
+def container_environment(container: dict, metadata: dict, config_maps: dict) -> dict:
+    """The environment the kubelet starts `container` with (makeEnvironmentVariables): each envFrom ConfigMap's
+    data, then `env` in order, later names replacing earlier ones; a value is expanded with the variables before
+    it; a fieldRef to metadata.labels['k'] / metadata.annotations['k'] reads the pod's (the empty string where the
+    key is absent, as the downward API gives)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+            continue
+        match = _FIELD.match(var["valueFrom"]["fieldRef"]["fieldPath"])
+        if match is None:
+            raise NotImplementedError(f"env {var['name']}: {var['valueFrom']}")
+        env[var["name"]] = metadata[match.group(1)].get(match.group(2), "")
+    return env
+
+
+# ---- after admission: a failed pod, its Job, the JobSet -----------------------------------------------------------
+
+def job_failure_reason(job: dict, pod_status: dict) -> str | None:
+    """The reason the Job controller fails a Job of parallelism 1 when its pod fails with `pod_status`
+    ({"exitCodes": {container: code}, "conditions": {type: status}}), or None if the Job does not fail (it
+    replaces the pod). kubernetes pkg/controller/job/pod_failure_policy.go, matchPodFailurePolicy: the first rule
+    matching wins; onExitCodes looks at terminated containers with a non-zero code; FailJob fails the Job with
+    reason PodFailurePolicy, Ignore does not count the failure; else it counts against backoffLimit."""
+    for rule in job.get("podFailurePolicy", {}).get("rules", []):
+        if "onExitCodes" in rule:
+            req = rule["onExitCodes"]
+            codes = [c for name, c in pod_status.get("exitCodes", {}).items()
+                     if c != 0 and req.get("containerName") in (None, name)]
+            hit = any((c in req["values"]) == (req["operator"] == "In") for c in codes)
+        else:
+            hit = any(pod_status.get("conditions", {}).get(p["type"]) == p["status"] for p in rule["onPodConditions"])
+        if hit and rule["action"] == "FailJob":
+            return "PodFailurePolicy"
+        if hit and rule["action"] == "Ignore":
+            return None
+        if hit:  # Count (FailIndex needs backoffLimitPerIndex, which launch/ does not use)
+            break
+    return "BackoffLimitExceeded" if job.get("backoffLimit", 6) < 1 else None
+
+
+def jobset_on_job_failure(js: dict, rjob_name: str, reason: str, status: dict) -> str:
+    """What JobSet's controller does when a Job of `rjob_name` fails with `reason` (pkg/controllers/
+    failure_policy.go, executeFailurePolicy): the first rule whose onJobFailureReasons and targetReplicatedJobs
+    (empty: any) match gives the action, none matching gives RestartJobSet. Updates `status` ("restarts",
+    "restartsCountTowardsMax") and returns "restart" or "failed"."""
+    policy = js["spec"].get("failurePolicy")
+    if policy is None:
+        return "failed"
+    action = next((r["action"] for r in policy.get("rules", [])
+                   if reason in r.get("onJobFailureReasons", [reason])
+                   and rjob_name in r.get("targetReplicatedJobs", [rjob_name])), "RestartJobSet")
+    if action == "FailJobSet":
+        return "failed"
+    counts = action == "RestartJobSet"
+    if counts and status["restartsCountTowardsMax"] >= policy.get("maxRestarts", 0):
+        return "failed"  # ReachedMaxRestarts
+    status["restarts"] += 1
+    status["restartsCountTowardsMax"] += counts
+    return "restart"

@@ -182,6 +182,9 @@ def test_dockerfile_pins_the_base_by_digest_and_installs_the_project_itself():
     parser, steps = _instructions()
     known = {"ARG", "FROM", "COPY", "RUN", "WORKDIR", "ENV", "LABEL"}
     assert {kind for kind, _ in steps} <= known, steps
+    # No ENTRYPOINT or CMD: the base image's entrypoint (NVIDIA's, which sets up CUDA forward compatibility and then
+    # runs its arguments) stays, and launch/k8s/jaxtrain.yaml passes `args:` to it (tests/test_jobset.py).
+    assert not {"ENTRYPOINT", "CMD"} & {kind for kind, _ in steps}
     (arg, base), (frm, image) = steps[:2]
     assert arg == "ARG" and frm == "FROM" and image == "${BASE}"
     default = base.partition("=")[2]

@@ -9,8 +9,12 @@ webhooks would check on create:
 - the Job template inside it against Kubernetes' own schema (kubernetes-validate, strict);
 - JobSet's mutating then validating webhook (pkg/webhooks/jobset_webhook.go at the same commit): failure-policy rule
   names (pattern, length, uniqueness), job failure reasons, target replicated jobs, the DNS-1035 length of the Job
-  and Pod names it will generate, the network subdomain, the coordinator, dependsOn.
-Those checks live in tests/jobset_admission.py.
+  and Pod names it will generate, the network subdomain, the coordinator (and its label value, JobSet v0.11.0),
+  dependsOn.
+Then what happens after admission, for the parts launch/ relies on: the environment each pod starts with (JobSet's
+pod labels and annotations, the kubelet's downward API and $(VAR) expansion) read by jaxtrain's own cluster
+detection, and which failures restart the set with or without counting against maxRestarts (the Job controller's
+podFailurePolicy, JobSet's failurePolicy). Those checks and models live in tests/jobset_admission.py.
 """
 
 import os
@@ -22,6 +26,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+import jobset_admission as ja
+from jaxtrain.cluster.distributed import resolve
+from jaxtrain.config.ops import DistConfig
 from jaxtrain_testing import REPO
 from jobset_admission import K8S_VERSION, admission_errors
 
@@ -210,6 +217,18 @@ REJECTED = {
     "JobSet name with capitals": (lambda js: js["metadata"].update(name="JaxTrain"), "metadata.name: Invalid value"),
     "typo in the pod template": (lambda js: _at(js, POD)["containers"][0].update(resource={}),
                                  "replicatedJobs[workers].template"),
+    "unknown restart strategy": (lambda js: js["spec"]["failurePolicy"].update(restartStrategy="Blocking"),
+                                 "'Blocking' is not one of ['Recreate', 'BlockingRecreate']"),
+    "coordinator of a replicated job that does not exist": (
+        lambda js: js["spec"]["coordinator"].update(replicatedJob="worker"),
+        "coordinator replicatedJob worker does not exist"),
+    # 44 characters: every generated Job and Pod name fits in 63 (the pod name check above), the coordinator's
+    # address (label value) does not: jaxtrain-xx...x-workers-0-0.jaxtrain is 65 characters.
+    "coordinator address over 63 characters": (lambda js: js["metadata"].update(name="jaxtrain-" + "x" * 35),
+                                               "invalid label value"),
+    "pod condition pattern without status": (
+        lambda js: js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][0]
+        ["onPodConditions"][0].pop("status"), "'status' is a required property"),
 }
 
 
@@ -221,16 +240,60 @@ def test_admission_refuses_what_jobset_refuses(case):
     assert any(message in e for e in errors), errors
 
 
-def test_generated_names_match_the_coordinator_address():
-    """Pod 0 of the set is reached as <jobset>-<replicatedJob>-0-0.<subdomain> (JobSet's headless service)."""
+def _pod_env(js: dict, job_index: int, rendered) -> dict:
+    """The environment pod `job_index` of the set starts with, ConfigMap jaxtrain-env as kustomize renders it."""
+    (rjob,) = js["spec"]["replicatedJobs"]
+    maps = {d["metadata"]["name"]: d["data"] for d in rendered[None] if d["kind"] == "ConfigMap"}
+    (c,) = _at(js, POD)["containers"]
+    return ja.container_environment(c, ja.pod_metadata(js, rjob["name"], job_index), maps)
+
+
+def test_every_pod_finds_the_coordinator_through_jobset(rendered):
+    """Each pod's JAX_COORDINATOR_ADDRESS, as the kubelet builds it from JobSet's coordinator annotation, is what
+    jaxtrain's cluster detection uses, and names pod 0 of Job 0 (its hostname jaxtrain-workers-0-0 in the
+    headless service jaxtrain) on the port the container declares; process ids 0..7, 8 processes."""
     js = base_jobset()
-    spec, (rjob,) = js["spec"], js["spec"]["replicatedJobs"]
-    c = _at(js, POD)["containers"][0]
-    env = {e["name"]: e for e in c["env"]}
-    host, port = env["JAX_COORDINATOR_ADDRESS"]["value"].rsplit(":", 1)
-    assert spec["network"]["enableDNSHostnames"] is True
-    assert host == f"{js['metadata']['name']}-{rjob['name']}-0-0.{spec['network']['subdomain']}"
-    assert int(port) == next(p["containerPort"] for p in c["ports"] if p["name"] == "coordinator")
+    port = next(p["containerPort"] for p in _at(js, POD)["containers"][0]["ports"] if p["name"] == "coordinator")
+    assert port == 8476
+    for i in range(8):
+        settings = resolve(DistConfig(), _pod_env(js, i, rendered) | {"JAX_PLATFORMS": "cpu"})
+        assert settings.coordinator == "jaxtrain-workers-0-0.jaxtrain:8476"
+        assert (settings.num_processes, settings.process_id) == (8, i)
+        assert settings.sources["coordinator"] == "environment: JAX_COORDINATOR_ADDRESS"
+        assert settings.bind_address == "[::]:8476"  # process 0 listens on every interface of its pod
+
+
+def test_the_coordinator_address_follows_the_jobset_not_a_written_pod_name(rendered):
+    """Renamed set, replicated job and subdomain, and 4 nodes: the address follows; no pod name is written in the
+    manifest."""
+    js = base_jobset()
+    (c,) = _at(js, POD)["containers"]
+    assert "jaxtrain-workers-0-0" not in yaml.safe_dump(c)
+    js["metadata"]["name"], js["spec"]["network"]["subdomain"] = "llama", "llama-net"
+    js["spec"]["replicatedJobs"][0].update(name="hosts", replicas=4)
+    js["spec"]["coordinator"]["replicatedJob"] = "hosts"
+    assert not admission_errors(js)
+    settings = resolve(DistConfig(), _pod_env(js, 3, rendered) | {"JAX_PLATFORMS": "cpu"})
+    assert (settings.coordinator, settings.num_processes, settings.process_id) == ("llama-hosts-0-0.llama-net:8476",
+                                                                                   4, 3)
+
+
+def test_without_jobsets_coordinator_the_address_has_no_host(rendered):
+    """What a JobSet older than 0.6 (no spec.coordinator, no annotation) would give: the downward API reads an
+    absent annotation as empty, so the address is ':8476' -- why the manifest says it needs JobSet >= 0.7."""
+    js = base_jobset()
+    del js["spec"]["coordinator"]
+    assert _pod_env(js, 1, rendered)["JAX_COORDINATOR_ADDRESS"] == ":8476"
+
+
+def test_kubernetes_expansion_of_env_values():
+    """$(VAR) as Kubernetes expands it (hand-worked cases from its expansion rules)."""
+    defined = {"A": "x", "B": ""}
+    assert ja.expand("$(A):1", defined) == "x:1"
+    assert ja.expand("$(B):1", defined) == ":1"
+    assert ja.expand("$(C):1", defined) == "$(C):1"  # undefined: left as written
+    assert ja.expand("$$(A)", defined) == "$(A)"  # escaped
+    assert ja.expand("a$b$(A", defined) == "a$b$(A"
 
 
 def test_base_schedules_on_any_gpu_node_and_components_add_their_network(rendered):
@@ -300,9 +363,11 @@ def test_jobset_has_what_a_jax_job_needs():
         "metadata.labels['jobset.sigs.k8s.io/replicatedjob-replicas']"
     assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['jobset.sigs.k8s.io/job-index']"
-    assert not any(str(rjob["replicas"]) == a.split("=")[-1] for a in c["command"] if "dcn" in a)
-    assert "mesh.dcn.data=-1" in c["command"]
-    assert c["command"][:4] == ["python", "-m", "jaxtrain", "train"]
+    assert not any(str(rjob["replicas"]) == a.split("=")[-1] for a in c["args"] if "dcn" in a)
+    assert "mesh.dcn.data=-1" in c["args"]
+    # args, not command: a command would replace the image's ENTRYPOINT (NVIDIA's, which sets up CUDA's forward
+    # compatibility before running its arguments); launch/container/Dockerfile keeps the base image's.
+    assert "command" not in c and c["args"][:4] == ["python", "-m", "jaxtrain", "train"]
 
 
 def test_jobset_restarts_a_run_that_stopped_early():
@@ -322,3 +387,56 @@ def test_jobset_restarts_a_run_that_stopped_early():
     first = next(r for r in spec["failurePolicy"]["rules"] if "PodFailurePolicy" in r.get("onJobFailureReasons", []))
     assert first["action"] == "RestartJobSetAndIgnoreMaxRestarts", first
     assert "targetReplicatedJobs" not in first or spec["replicatedJobs"][0]["name"] in first["targetReplicatedJobs"]
+
+
+def _attempts(js: dict, pod_statuses: list[dict]) -> tuple[list[str], dict]:
+    """Feed one failed pod per attempt through the Job controller and JobSet's failure policy."""
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    status, outcomes = {"restarts": 0, "restartsCountTowardsMax": 0}, []
+    for pod in pod_statuses:
+        reason = ja.job_failure_reason(job, pod)
+        outcomes.append(ja.jobset_on_job_failure(js, "workers", reason, status) if reason else "pod replaced")
+    return outcomes, status
+
+
+CRASH = {"exitCodes": {"jaxtrain": 1}}
+SAVED = {"exitCodes": {"jaxtrain": 75}, "conditions": {"DisruptionTarget": "True"}}  # evicted, saved, exited 75
+NODE_LOST = {"exitCodes": {"jaxtrain": 137}, "conditions": {"DisruptionTarget": "True"}}  # killed: no time to save
+NOT_STARTED = {"conditions": {"DisruptionTarget": "True"}}  # deleted by the pod GC before its container ran
+PREEMPTED_75 = {"exitCodes": {"jaxtrain": 75}}  # SIGTERM from elsewhere (e.g. a Kueue preemption), saved
+
+
+def test_evictions_and_lost_nodes_restart_without_using_up_max_restarts():
+    """maxRestarts is 5, for crashes only. Hand-worked: 20 disruptions of every kind, then 5 crashes, restart 25
+    times with 5 counted; the 6th crash fails the JobSet. A pod with DisruptionTarget fails its Job with reason
+    PodFailurePolicy whatever its exit code (137 here: SIGKILL after the grace period)."""
+    js = base_jobset()
+    assert js["spec"]["failurePolicy"]["maxRestarts"] == 5
+    job = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    for pod in (SAVED, NODE_LOST, NOT_STARTED, PREEMPTED_75):
+        assert ja.job_failure_reason(job, pod) == "PodFailurePolicy", pod
+    assert ja.job_failure_reason(job, CRASH) == "BackoffLimitExceeded"
+    outcomes, status = _attempts(js, [SAVED, NODE_LOST, NOT_STARTED, PREEMPTED_75] * 5 + [CRASH] * 6)
+    assert outcomes == ["restart"] * 25 + ["failed"]
+    assert status == {"restarts": 25, "restartsCountTowardsMax": 5}
+
+
+def test_without_the_disruption_rule_a_lost_node_counts_as_a_crash():
+    """The rule is what makes the difference: without it six lost nodes end the run."""
+    js = base_jobset()
+    pfp = js["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]
+    pfp["rules"] = [r for r in pfp["rules"] if "onPodConditions" not in r]
+    assert not admission_errors(js)
+    outcomes, status = _attempts(js, [NODE_LOST] * 6)
+    assert outcomes == ["restart"] * 5 + ["failed"] and status["restartsCountTowardsMax"] == 5
+
+
+def test_restarts_wait_for_the_old_pods_to_be_gone():
+    """BlockingRecreate as written survives admission; without the field the CRD's default is Recreate (new Jobs
+    are created while the old pods may still be in their grace period)."""
+    js = base_jobset()
+    assert js["spec"]["failurePolicy"]["restartStrategy"] == "BlockingRecreate"
+    assert not ja.api_server_errors(js) and js["spec"]["failurePolicy"]["restartStrategy"] == "BlockingRecreate"
+    del js["spec"]["failurePolicy"]["restartStrategy"]
+    assert not ja.api_server_errors(js) and js["spec"]["failurePolicy"]["restartStrategy"] == "Recreate"
+
