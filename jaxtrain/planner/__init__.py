@@ -86,7 +86,8 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
         return 0
     log(f"planning {len(target.shapes)} mesh(es) over {target.n_devices} device(s) on {target.nodes} node(s) for "
         f"{target.hw.name}" + (" (each compiled by XLA:CPU and by XLA:GPU)" if gpu else ""))
-    result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log, gpu=gpu)
+    result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log, gpu=gpu,
+                         attention=target.attention)
     if as_json:
         print(json.dumps(report.to_json(target.hw, target.n_devices, target.nodes, result, target.notes), indent=1))
     else:

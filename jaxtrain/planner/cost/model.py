@@ -89,6 +89,14 @@ def pipeline_recompute(cfg: Config, shape: MeshShape) -> float:
     return 1 / 3 if shape.axis_sizes[Axis.STAGE] > 1 and cfg.train.pipeline_schedule == "1f1b" else 0.0
 
 
+def hbm_bandwidth(hw: Hardware) -> float:
+    """The memory bandwidth the optimizer's update runs at: measured where ``hw`` has it, else the hardware file's."""
+    from jaxtrain.planner.cost.measured import for_hardware
+
+    measured = for_hardware(hw)
+    return measured.hbm_bandwidth if measured and measured.hbm_bandwidth else hw.hbm_bandwidth
+
+
 def optimizer_bytes_moved(params_bytes: float, opt_bytes: float) -> float:
     """Bytes the AdamW update reads and writes per device: gradients, parameters and moments in, the three out."""
     return 2 * (params_bytes + opt_bytes) + params_bytes
@@ -165,13 +173,93 @@ def peak_rate(cfg: Config, hw: Hardware) -> float:
     return 1 / (share / hw.fp8_peak_flops + (1 - share) / hw.peak_flops)
 
 
-def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
+def compute_seconds(cfg: Config, shape: MeshShape, hw: Hardware, attention: str | None = None) -> float:
     """Model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency x the matmul rate's
     factor at a microbatch's rows per device over tensor) / (1 - bubble), plus the iterations' fixed cost
     (:func:`overhead_seconds`): the compute part of every estimate, known before compiling (the auto search's lower
-    bound on a step)."""
+    bound on a step). Where ``hw`` has measured rates (``measured.for_hardware``), each kind of work at its own:
+    :func:`measured_compute`. ``attention``: the kernel the run uses (default the config's; a plan compiled with a
+    stand-in for cuDNN passes cuDNN)."""
+    parts = measured_compute(cfg, shape, hw, attention or cfg.model.attention)
+    if parts is not None:
+        return sum(parts.seconds.values()) / (1 - pipeline_schedule(cfg, shape)[3]) + overhead_seconds(cfg, shape, hw)
     flops, rate = _flops_and_rate(cfg, shape, hw, efficiency(cfg, shape, hw))
     return flops / rate / (1 - pipeline_schedule(cfg, shape)[3]) + overhead_seconds(cfg, shape, hw)
+
+
+FWD_BWD_ATTENTION = 3.5  # forward + backward FLOPs of attention over the forward's, as the kernel benchmark counts
+
+
+@dataclass
+class ComputeParts:
+    """A step's compute per device, by kind of work, priced at measured rates (no pipeline bubble)."""
+
+    seconds: dict[str, float]  # "matmul" (16-bit), "matmul_fp8", "attention": seconds of each
+    flops: dict[str, float]  # the FLOPs each part does (hardware FLOPs: recomputation included)
+    rates: dict[str, float]  # the FLOP/s each part is priced at
+    sources: dict[str, str]  # where each rate comes from: "measured" or "datasheet x efficiency E"
+
+
+def _recomputed_forwards(cfg: Config, shape: MeshShape) -> tuple[float, int]:
+    """(weight-matmul FLOPs recomputed over model FLOPs, attention forwards run again): remat full recomputes the
+    whole forward (1/3 more matmul work, attention's forward once more); save_matmuls keeps the weight matmuls and
+    recomputes attention's forward; 1F1B's backward recomputes each pass's forward (one more of each)."""
+    extra, attn = {"full": (1 / 3, 1), "save_matmuls": (0.0, 1)}.get(cfg.model.remat, (0.0, 0))
+    if pipeline_recompute(cfg, shape):
+        extra, attn = extra + 1 / 3, attn + 1
+    return extra, attn
+
+
+def measured_rates(cfg: Config, hw: Hardware, attention: str) -> dict[str, tuple[float, str]] | None:
+    """{part: (FLOP/s, where it comes from)} for ``cfg``'s step on ``hw`` where ``hw`` has measured rates
+    (``measured.for_hardware``), else None. Parts: "matmul" (the compute dtype's), "matmul_fp8" (with model.fp8 on
+    FP8 hardware), "attention_fwd" and "attention_fwd_bwd" (the kernel the run uses at its head dim; forward +
+    backward counted as :data:`FWD_BWD_ATTENTION` forwards). Not measured: the datasheet peak x compute_efficiency."""
+    from jaxtrain.planner.cost.measured import for_hardware
+
+    measured = for_hardware(hw)
+    if measured is None:
+        return None
+    eff = hw.compute_efficiency
+    datasheet = f"datasheet x efficiency {eff:g}"
+
+    def pick(got: float | None, peak: float) -> tuple[float, str]:
+        return (got, "measured") if got else (peak * eff, datasheet)
+
+    rates = {"matmul": pick(measured.matmul.get("bfloat16"), hw.peak_flops)}
+    if cfg.model.fp8 != "none" and hw.fp8_peak_flops > 0:
+        rates["matmul_fp8"] = pick(measured.matmul.get("float8"), hw.fp8_peak_flops)
+    kernel = measured.attention_rate(attention, cfg.model.resolved_head_dim)
+    where = f"measured: {attention}, head dim {cfg.model.resolved_head_dim}"
+    rates["attention_fwd"] = (kernel.fwd, where) if kernel else (hw.peak_flops * eff, datasheet)
+    rates["attention_fwd_bwd"] = (kernel.fwd_bwd, where) if kernel else (hw.peak_flops * eff, datasheet)
+    return rates
+
+
+def measured_compute(cfg: Config, shape: MeshShape, hw: Hardware, attention: str) -> ComputeParts | None:
+    """The step's compute per device with each kind of work at its own rate (:func:`measured_rates`), where ``hw``
+    has measured rates: the weight matmuls at the matmul rate of the compute dtype (model.fp8's share,
+    :func:`fp8_share`, at the float8 one), attention's forward + backward and the forwards remat recomputes at the
+    rates of the kernel the run uses. Not charged: elementwise work (norms, rotary, SwiGLU, the loss), assumed fused
+    into the GEMMs and attention or hidden behind them (docs/planning.md). None without measured rates."""
+    rates = measured_rates(cfg, hw, attention)
+    if rates is None:
+        return None
+    m, seq = cfg.model, cfg.data.seq_len
+    tokens = cfg.train.global_batch * seq / shape.num_devices
+    attn_fwd = attention_flops_per_token(m, seq) * tokens
+    fp8 = fp8_flops_per_token(m, seq) * tokens if "matmul_fp8" in rates else 0.0
+    extra, again = _recomputed_forwards(cfg, shape)
+    flops = {"matmul": (train_flops_per_token(m, seq) * tokens - 3 * attn_fwd - fp8) * (1 + extra),
+             "matmul_fp8": fp8 * (1 + extra), "attention": (3 + again) * attn_fwd}
+    seconds = {"matmul": flops["matmul"] / rates["matmul"][0],
+               "matmul_fp8": flops["matmul_fp8"] / rates["matmul_fp8"][0] if fp8 else 0.0,
+               "attention": attn_fwd * (FWD_BWD_ATTENTION / rates["attention_fwd_bwd"][0]
+                                        + again / rates["attention_fwd"][0])}
+    keep = [k for k in seconds if flops[k]]
+    return ComputeParts({k: seconds[k] for k in keep}, {k: flops[k] for k in keep},
+                        {k: flops[k] / seconds[k] for k in keep},
+                        {k: rates["attention_fwd_bwd" if k == "attention" else k][1] for k in keep})
 
 
 def measured_efficiency(cfg: Config, shape: MeshShape, hw: Hardware, seconds: float) -> float:
@@ -206,12 +294,13 @@ class Estimate:
 
 
 def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective], params_bytes: float,
-             opt_bytes: float) -> tuple[Estimate, list[dict]]:
+             opt_bytes: float, attention: str | None = None) -> tuple[Estimate, list[dict]]:
     """Step-time estimate of one mesh, and its collectives summarised by (kind, axes), most bytes first.
 
     compute = model FLOPs per device x (remat factor + the schedule's recompute) / (peak x efficiency) / (1 -
-    pipeline bubble)."""
-    compute_s, bubble = compute_seconds(cfg, shape, hw), pipeline_schedule(cfg, shape)[3]
+    pipeline bubble), or each kind of work at its measured rate (:func:`compute_seconds`; ``attention``: the kernel
+    the run uses)."""
+    compute_s, bubble = compute_seconds(cfg, shape, hw, attention), pipeline_schedule(cfg, shape)[3]
     ici_bytes = dcn_bytes = ici_latency = dcn_latency = permute_ici = permute_dcn = 0.0
     summary: dict[tuple[str, str], dict] = {}
     for c in colls:
@@ -234,7 +323,7 @@ def estimate(cfg: Config, shape: MeshShape, hw: Hardware, colls: list[Collective
         row["intra_node_bytes"] += within
         row["inter_node_bytes"] += across
     est = Estimate(compute_s=compute_s,
-                   optimizer_s=optimizer_bytes_moved(params_bytes, opt_bytes) / hw.hbm_bandwidth,
+                   optimizer_s=optimizer_bytes_moved(params_bytes, opt_bytes) / hbm_bandwidth(hw),
                    ici_s=ici_bytes / hw.intra_node_bandwidth + ici_latency,
                    dcn_s=dcn_bytes / hw.inter_node_bandwidth + dcn_latency,
                    ici_bytes=ici_bytes, dcn_bytes=dcn_bytes, bubble=bubble, permute_ici_bytes=permute_ici,

@@ -190,9 +190,10 @@ def reading(step, train, seconds: float) -> Compiled:
 # Planning
 
 
-def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled) -> dict:
-    """One row of the plan (the JSON contract's keys plus details)."""
-    est, summary = estimate(cfg, shape, hw, comp.collectives, comp.params_bytes, comp.opt_bytes)
+def candidate_result(cfg: Config, shape: MeshShape, hw: Hardware, comp: Compiled, attention: str | None = None) -> dict:
+    """One row of the plan (the JSON contract's keys plus details); ``attention``: the kernel the run uses, where
+    the compiled step has a stand-in (cost.compute_seconds)."""
+    est, summary = estimate(cfg, shape, hw, comp.collectives, comp.params_bytes, comp.opt_bytes, attention)
     stages, micro, virtual, bubble = pipeline_schedule(cfg, shape)
     by_kind = {k: 0 for k in KINDS}
     for c in comp.collectives:
@@ -238,12 +239,13 @@ def rank(candidates: list[dict]) -> list[dict]:
 
 
 def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
-         progress: Callable[[str], None] = lambda msg: None, gpu=None) -> dict:
+         progress: Callable[[str], None] = lambda msg: None, gpu=None, attention: str | None = None) -> dict:
     """Compile each distinct axis-size combination once and report every shape, ranked by :func:`rank`.
 
     A shape whose parameter and optimizer shards alone exceed the usable memory is not compiled (it cannot fit
     whatever the activations) and is listed under ``pruned``. ``gpu``: a ``xla_gpu.PlanCompiler`` whose XLA:GPU
-    compile of each layout replaces the CPU-derived figures (kept beside them).
+    compile of each layout replaces the CPU-derived figures (kept beside them). ``attention``: the kernel the run
+    uses where ``cfg`` compiles a stand-in (``target.Target.attention``), for the step time.
     """
     def read(c: Config, shape: MeshShape, step) -> Compiled:
         comp = _compile(step)
@@ -267,7 +269,7 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
         comp = read(cfg, group[0], step)
         sizes_text = " ".join(f"{ax}={n}" for ax, n in group[0].axis_sizes.items())
         progress(f"[{i}/{len(by_sizes)}] {sizes_text}: compiled in {time.perf_counter() - t0:.1f} s")
-        results += [candidate_result(cfg, s, hw, comp) for s in group]
+        results += [candidate_result(cfg, s, hw, comp, attention) for s in group]
         if group[0].size(Axis.STAGE) > 1 and cfg.train.pipeline_schedule == "gpipe" and \
                 comp.memory_bytes > hw.usable_bytes:
             # GPipe keeps every microbatch's stage inputs: where that does not fit, plan the 1F1B schedule too,
@@ -277,5 +279,5 @@ def plan(cfg: Config, shapes: list[MeshShape], hw: Hardware, devices: list,
             comp = read(one_f_one_b, group[0], _step(one_f_one_b, group[0], devices))
             progress(f"[{i}/{len(by_sizes)}] {sizes_text} 1f1b (GPipe does not fit): compiled in "
                      f"{time.perf_counter() - t0:.1f} s")
-            results += [candidate_result(one_f_one_b, s, hw, comp) for s in group]
+            results += [candidate_result(one_f_one_b, s, hw, comp, attention) for s in group]
     return {"candidates": rank(results), "pruned": pruned}

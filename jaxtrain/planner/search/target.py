@@ -40,6 +40,7 @@ class Target:
     nodes: int
     shapes: list[MeshShape]
     notes: list[str] = dataclasses.field(default_factory=list)  # where the plan differs from the run it plans
+    attention: str = ""  # the kernel the run uses ("" : cfg's); cuDNN where cfg compiles a stand-in for it
 
     @property
     def n_devices(self) -> int:
@@ -119,6 +120,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
                          f"{cfg.model.attention}: XLA:CPU cannot compile cuDNN; the collectives are the same, and "
                          "the flash kernel's memory, like cuDNN's, grows linearly with the sequence")
         shapes = shapes_for(cfg, n_devices, nodes)
+        attention = on_gpu.model.attention
         # Nothing compiled here ever runs, so skip LLVM's optimisations of the CPU code: about a third of the compile
         # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Constant folding is
         # skipped too: on the 7B config it spent ~10 s per compile folding a scatter and printed XLA's "Constant
@@ -152,9 +154,29 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         cfg = resolve_auto(cfg, devices[0].platform)
         shapes = shapes_for(cfg, n_devices, nodes)
         hw = hardware_at_hand(devices, mem_fraction)
+        attention = cfg.model.attention
     if efficiency:
         hw = dataclasses.replace(hw, compute_efficiency=efficiency)
-    return Target(cfg, hw, devices, nodes, shapes, notes)
+    notes += measured_notes(cfg, hw, attention, efficiency)
+    return Target(cfg, hw, devices, nodes, shapes, notes, attention)
+
+
+def measured_notes(cfg: Config, hw: Hardware, attention: str, efficiency: float | None) -> list[str]:
+    """Which of the step's rates are measured (``jaxtrain/configs/hardware/measured/``) and which stand in."""
+    from jaxtrain.planner.cost.measured import for_hardware
+    from jaxtrain.planner.cost.model import measured_rates
+
+    rates = measured_rates(cfg, hw, attention)
+    if rates is None:
+        return []
+    listed = "; ".join(f"{name.replace('_', ' ')} {rate / 1e12:,.0f} TFLOP/s ({source})"
+                       for name, (rate, source) in rates.items())
+    measured = for_hardware(hw)
+    assert measured is not None
+    note = f"compute priced at {hw.name}'s measured rates ({measured.provenance}): {listed}"
+    if efficiency:
+        note += f"; --efficiency {efficiency:g} applies to the datasheet figures only"
+    return [note]
 
 
 def fp8_notes(cfg: Config, hw: Hardware) -> list[str]:
