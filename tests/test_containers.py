@@ -215,7 +215,9 @@ def test_dockerfile_pins_the_base_by_digest_and_installs_the_project_itself():
 # --- launch/slurm.sbatch under pyxis ---------------------------------------------------------------------------------
 
 IMAGE = "registry.example.com#acme/jaxtrain@sha256:" + "0123456789abcdef" * 4
-# What `ENV` set in the image: NVIDIA's JAX images set XLA_FLAGS, CUDA_DEVICE_MAX_CONNECTIONS and NCCL variables.
+# What `ENV` may set in an image: NVIDIA's JAX images set XLA_FLAGS (until 2025 also CUDA_DEVICE_MAX_CONNECTIONS
+# and NCCL_NVLS_ENABLE), other images may set NCCL_* variables; every kind is here, so each rule of the script is
+# seen.
 IMAGE_ENV = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false", "CUDA_DEVICE_MAX_CONNECTIONS": "16",
              "NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5", "NCCL_HOME": "/usr/local/nccl",
              "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75", "JAX_PLATFORMS": "cuda,cpu"}
