@@ -220,3 +220,15 @@ def test_grouped_matmul_kernels_pass_with_wgmma_and_exact_float32():
     for r in rows:
         assert not r["problems"] and r["spill_bytes"] == 0 and r["smem"] <= 227 * 1024, r
         assert (r["wgmma"] > 0) == (r["dtype"] == "bfloat16") and not (r["dtype"] == "float32" and r["tf32"]), r
+
+
+def test_sliding_window_calls_are_in_the_ci_subset_for_pallas():
+    """Mistral 7B's windowed layer (the window shorter than the sequence, so whole key tiles are skipped) on the EVEN
+    path and a masked-path call with segments, Pallas only (the Triton-language kernels have no window)."""
+    tool = _load_tool()
+    windows = [c for c in tool.ci_subset() if c.window]
+    assert {c.impl for c in windows} == {"pallas"} and len(windows) == 2
+    assert all(c.causal and 0 < c.window < c.seq for c in windows)
+    assert any(c.seq % 128 == 0 and (c.heads, c.kv_heads, c.head_dim) == (32, 8, 128) for c in windows)
+    assert any(c.seq % 16 and c.segments for c in windows)
+    assert not [c for c in tool.ci_subset(("triton",)) if c.window]

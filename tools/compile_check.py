@@ -88,6 +88,7 @@ class Case:
     kv_heads: int = KV_HEADS
     source: str = "matrix"  # "matrix", "ring", or the shipped config the shape comes from
     kv_seq: int = 0  # > 0: a ring block call (queries [batch, seq], keys [batch, kv_seq], traced offsets)
+    window: int = 0  # > 0: a causal sliding window of this many keys (model.sliding_window; the Pallas kernels)
 
     @property
     def shape(self) -> str:
@@ -97,7 +98,8 @@ class Case:
     @property
     def label(self) -> str:
         return (f"{self.impl} {self.dtype} d{self.head_dim} {'causal' if self.causal else 'full'}"
-                f"{' seg' if self.segments else ''} {self.shape} ({self.source})")
+                f"{f' window {self.window}' if self.window else ''}{' seg' if self.segments else ''} {self.shape} "
+                f"({self.source})")
 
 
 def config_cases(impls=IMPLS, names=SHIPPED_CONFIGS, odd_seq: bool = True) -> list[Case]:
@@ -171,12 +173,23 @@ def gmm_cases(impls=IMPLS, subset: str = "full") -> list[GmmCase]:
             + [GmmCase(i, d, "uneven") for i in impls for d in uneven])
 
 
+def window_cases(impls=IMPLS) -> list[Case]:
+    """Sliding-window calls (Pallas only: the Triton-language kernels have no window mask): Mistral 7B's layer on one
+    device (32 heads over 8 kv heads, d128, window 4096 over 8192 tokens: whole key tiles skipped) on the EVEN
+    path, and a generic d64 call with segments on the masked path (window 1000 over 4093 tokens)."""
+    if "pallas" not in impls:
+        return []
+    return [Case("pallas", "bfloat16", 128, True, False, batch=1, seq=8192, heads=32, kv_heads=8, source="window",
+                 window=4096),
+            Case("pallas", "bfloat16", 64, True, True, source="window", window=1000)]
+
+
 def full_matrix(impls=IMPLS) -> list[Case]:
     """The shipped configs' calls (both sequence lengths), the whole generic matrix and the ring block calls
     (every dtype and head dim, causal, with segments, odd lengths)."""
     return (config_cases(impls) + [Case(i, d, h, c, s) for i, d, h, c, s in
                                    itertools.product(impls, DTYPES, HEAD_DIMS, (True, False), (True, False))]
-            + [ring_case(i, d, h) for i, d, h in itertools.product(impls, DTYPES, HEAD_DIMS)])
+            + [ring_case(i, d, h) for i, d, h in itertools.product(impls, DTYPES, HEAD_DIMS)] + window_cases(impls))
 
 
 def ci_subset(impls=IMPLS) -> list[Case]:
@@ -190,7 +203,7 @@ def ci_subset(impls=IMPLS) -> list[Case]:
     rings = [dict(dtype="bfloat16", head_dim=128, seq=4096, kv_seq=2048),
              dict(dtype="bfloat16", head_dim=64, segments=False)]
     return (config_cases(impls, CI_CONFIGS, odd_seq=False) + [Case(i, *p) for i in impls for p in picks]
-            + [ring_case(i, **r) for i in impls for r in rings])
+            + [ring_case(i, **r) for i in impls for r in rings] + window_cases(impls))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -315,7 +328,8 @@ def _lower_grad(case) -> str:
     kv_seg = jax.ShapeDtypeStruct((case.batch, case.kv_seq), jnp.int32) if case.segments and case.kv_seq else None
 
     def loss(q, k, v, seg):
-        out = flash_attention(q, k, v, causal=case.causal, segment_ids=seg, impl=case.impl,
+        window = {"window": case.window} if case.window else {}
+        out = flash_attention(q, k, v, causal=case.causal, segment_ids=seg, impl=case.impl, **window,
                               **dict(case.block_sizes))
         return jnp.sum(out.astype(jnp.float32))
 
