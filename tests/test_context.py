@@ -98,13 +98,16 @@ def _attention_case(seq=32, batch=2, heads=4, kv_heads=2, head_dim=8, seed=0):
     return q, k, v, segments, weights
 
 
-def _reference(q, k, v, segments, weights):
-    """float64 NumPy: causal, document-masked, grouped-query attention; loss = sum(out * weights) and its grads."""
+def _reference(q, k, v, segments, weights, window=None):
+    """float64 NumPy: causal, document-masked, grouped-query attention (``window``: keys i - window < j <= i only);
+    loss = sum(out * weights) and its grads."""
     b, s, h, d = q.shape
     g = h // k.shape[2]
     kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
     logits = np.einsum("bqhd,bshd->bhqs", q, kr) / np.sqrt(d)
-    mask = (np.arange(s)[None, :] <= np.arange(s)[:, None]) & (segments[:, :, None] == segments[:, None, :])[:, None]
+    gap = np.arange(s)[:, None] - np.arange(s)[None, :]
+    visible = (gap >= 0) & (gap < (window or s))
+    mask = visible & (segments[:, :, None] == segments[:, None, :])[:, None]
     logits = np.where(mask, logits, -np.inf)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -117,7 +120,7 @@ def _reference(q, k, v, segments, weights):
     return (out * weights).sum(), dq, dk, dv
 
 
-def _context_grads(overrides, variant, blocks, case, n_devices=8):
+def _context_grads(overrides, variant, blocks, case, n_devices=8, **kw):
     """(loss, dq, dk, dv, compiled) of context attention on the mesh of ``overrides``, inputs in sequence order."""
     q, k, v, segments, weights = case
     cfg = load_config(None, [*overrides, f"data.seq_len={q.shape[1]}"])
@@ -129,7 +132,7 @@ def _context_grads(overrides, variant, blocks, case, n_devices=8):
     def loss(q, k, v):
         qp, kp, vp, w = (jnp.take(x, order, axis=1) for x in (q, k, v, jnp.asarray(weights, jnp.float32)))
         out = context.context_attention(qp, kp, vp, jnp.take(jnp.asarray(segments), order, axis=1), mesh=mesh,
-                                        specs=specs, n=n, variant=variant, blocks=blocks)
+                                        specs=specs, n=n, variant=variant, blocks=blocks, **kw)
         return (out * w).sum()
 
     args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
@@ -184,6 +187,26 @@ def test_ring_on_the_pallas_kernels_in_interpret_mode_matches_float64():
     got, _, _ = _context_grads(["mesh.ici.fsdp=1", "mesh.ici.context=2"], "ring",
                                context.kernel_blocks("pallas", interpret=True), case, n_devices=2)
     _check(got, _reference(*case))
+
+
+@pytest.mark.parametrize("variant, window", [("ring", 6), ("ring", 12), ("allgather", 7)])
+def test_a_sliding_window_over_the_context_axis_matches_float64(variant, window):
+    """32 tokens over context 4 (8 chunks of 4, zigzag): a window of 6 hides whole chunk pairs (skipped) and puts
+    a chunk's last key one position inside some query chunk's window (a skip test off by one drops it), one of 12
+    crosses chunks; all-gather attention
+    (one key block) masks by the window; GQA and three documents per row."""
+    case = _attention_case(seq=32)
+    got, _, _ = _context_grads(["mesh.ici.fsdp=2", "mesh.ici.context=4"], variant, context.XLA_BLOCKS, case,
+                               window=window)
+    _check(got, _reference(*case, window=window))
+
+
+@pytest.mark.slow
+def test_a_sliding_window_on_the_pallas_ring_matches_float64():
+    case = _attention_case(seq=64, batch=1, heads=2, kv_heads=1, head_dim=32)
+    got, _, _ = _context_grads(["mesh.ici.fsdp=1", "mesh.ici.context=2"], "ring",
+                               context.kernel_blocks("pallas", interpret=True), case, n_devices=2, window=20)
+    _check(got, _reference(*case, window=20))
 
 
 # -- training equals the one-device run -------------------------------------------------------------------------------

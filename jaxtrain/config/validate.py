@@ -103,17 +103,13 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
 
 def _check_window(cfg: Config) -> None:
     """``model.sliding_window``: positive, on an attention that has a window mask (XLA, cuDNN, the Pallas flash
-    kernel; ``auto`` picks among them), and not over a context axis (ring attention merges whole key blocks, without
-    a window)."""
+    kernel; ``auto`` picks among them; ring attention over a context axis passes it to its blocks)."""
     w, impl = cfg.model.sliding_window, cfg.model.attention
     if w is None:
         return
     _require(w > 0, f"model.sliding_window={w} must be > 0 (or null: full causal attention)")
     _require(impl != "triton", f"model.attention=triton has no sliding-window mask (model.sliding_window={w}); use "
              "model.attention=pallas, cudnn, xla or auto, or model.sliding_window=null")
-    split = [f"mesh.{part}.context={n}" for (part, ax), n in cfg.mesh.sizes().items() if ax == Axis.CONTEXT and n != 1]
-    _require(not split, f"model.sliding_window={w} cannot run over a context axis ({split[0] if split else ''}): "
-             "ring attention has no window mask; set the context axis to 1")
 
 
 def config_warnings(cfg: Config) -> list[str]:

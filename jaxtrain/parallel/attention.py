@@ -43,7 +43,7 @@ class MeshAttention:
 
     impl: str
     interpret: bool = False
-    window: int | None = None  # model.sliding_window (xla, cudnn, pallas; not over a context axis)
+    window: int | None = None  # model.sliding_window (xla, cudnn, pallas; ring attention with xla or pallas)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
@@ -63,8 +63,8 @@ class MeshAttention:
     def _ring(self, q, k, v, segment_ids, mesh, ring: int) -> jax.Array:
         if self.impl not in ("xla", "pallas", "triton"):
             raise ValueError(f"attention impl {self.impl!r} cannot run over a context axis; use xla, pallas or triton")
-        if self.window is not None:  # the config refuses it (config/validate.py)
-            raise ValueError(f"a sliding window ({self.window}) cannot run over a context axis (ring attention)")
         blocks = context.XLA_BLOCKS if self.impl == "xla" else context.kernel_blocks(self.impl, self.interpret)
         specs = tuple(nn_partitioning.logical_to_mesh_axes(a) for a in (Q_AXES, KV_AXES, SEGMENT_AXES))
-        return context.context_attention(q, k, v, segment_ids, mesh=mesh, specs=specs, n=ring, blocks=blocks)
+        window = {} if self.window is None else {"window": self.window}
+        return context.context_attention(q, k, v, segment_ids, mesh=mesh, specs=specs, n=ring, blocks=blocks,
+                                         **window)

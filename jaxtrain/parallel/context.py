@@ -88,8 +88,9 @@ def kv_traffic(rows: int, seq_len: int, kv_heads: int, head_dim: int, itemsize: 
 
 # -- the XLA block implementation ----------------------------------------------------------------------------------
 
-def _scores_and_mask(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, sm_scale):
-    """Scores float32 [b, kvh, g, sq, skv] and the visibility mask (broadcastable) of one query/key block pair."""
+def _scores_and_mask(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_offset, sm_scale, window=None):
+    """Scores float32 [b, kvh, g, sq, skv] and the visibility mask (broadcastable) of one query/key block pair;
+    ``window``: with causal, keys within that many positions up to the query only."""
     b, sq, h, d = q.shape
     kvh = k.shape[2]
     scale = d ** -0.5 if sm_scale is None else sm_scale
@@ -101,18 +102,20 @@ def _scores_and_mask(q, k, *, causal, segment_ids, kv_segment_ids, q_offset, kv_
         q_pos = q_offset + jnp.arange(sq)
         kv_pos = kv_offset + jnp.arange(k.shape[1])
         mask = mask & (kv_pos[None, :] <= q_pos[:, None])[None, None, None]
+        if window is not None:
+            mask = mask & (q_pos[:, None] - kv_pos[None, :] < window)[None, None, None]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None, None]
     return s, mask, scale
 
 
 def xla_fwd(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0, sm_scale=None,
-            out_dtype=None, **_):
+            out_dtype=None, window=None, **_):
     """One block pair: (out [b, sq, h, d] in ``out_dtype`` (default q's), lse float32 [b, h, sq]); rows with no
     visible key give out 0 and lse -inf."""
     b, sq, h, d = q.shape
     s, mask, _ = _scores_and_mask(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                                  q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale)
+                                  q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale, window=window)
     s = jnp.where(mask, s, -jnp.inf)
     m = s.max(axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -125,14 +128,14 @@ def xla_fwd(q, k, v, *, causal=True, segment_ids=None, kv_segment_ids=None, q_of
 
 
 def xla_bwd(q, k, v, out, lse, dout, *, causal=True, segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0,
-            sm_scale=None, grad_dtype=None, **_):
+            sm_scale=None, grad_dtype=None, window=None, **_):
     """This key block's share of the gradients (dq [b, sq, h, d], dk, dv [b, skv, kvh, d]) given the final merged
     ``out`` and ``lse`` of the queries: the flash backward, p = exp(s - lse), ds = p (dp - rowsum(dout * out))."""
     b, sq, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     s, mask, scale = _scores_and_mask(q, k, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                                      q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale)
+                                      q_offset=q_offset, kv_offset=kv_offset, sm_scale=sm_scale, window=window)
     lse = lse.reshape(b, kvh, g, sq)[..., None]
     p = jnp.where(mask & jnp.isfinite(lse), jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
     do = dout.astype(_F32).reshape(b, sq, kvh, g, d)
@@ -177,9 +180,11 @@ def _merge(acc, new):
     return o1 * w1 + o2 * w2, lse
 
 
-def _hidden(q_off, kv_off, sq):
-    """True when every key of a block starting at ``kv_off`` lies after every query of the block at ``q_off``."""
-    return kv_off > q_off + sq - 1
+def _hidden(q_off, kv_off, sq, sk, window=None):
+    """True when every key of a block of ``sk`` starting at ``kv_off`` lies after every query of the block of ``sq``
+    at ``q_off``, or (sliding ``window``) before every query's window."""
+    after = kv_off > q_off + sq - 1
+    return after if window is None else after | (kv_off + sk - 1 <= q_off - window)
 
 
 def _pairs_fwd(blocks, qs, sqs, q_offs, ks, vs, sks, kv_offs, acc, kw):
@@ -196,7 +201,8 @@ def _pairs_fwd(blocks, qs, sqs, q_offs, ks, vs, sks, kv_offs, acc, kw):
             def skip(b=b, n_q=n_q, h=h, d=d):
                 return jnp.zeros((b, n_q, h, d), _F32), jnp.full((b, h, n_q), -jnp.inf, _F32)
 
-            acc[a] = _merge(acc[a], jax.lax.cond(_hidden(q_offs[a], kv_off, n_q), skip, compute))
+            hidden = _hidden(q_offs[a], kv_off, n_q, k.shape[1], kw.get("window"))
+            acc[a] = _merge(acc[a], jax.lax.cond(hidden, skip, compute))
     return acc
 
 
@@ -214,7 +220,8 @@ def _pairs_bwd(blocks, qs, sqs, q_offs, outs, lses, douts, ks, vs, sks, kv_offs,
             def skip(q=q, k=k, v=v):
                 return jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)
 
-            dq, dk, dv = jax.lax.cond(_hidden(q_offs[a], kv_off, q.shape[1]), skip, compute)
+            hidden = _hidden(q_offs[a], kv_off, q.shape[1], k.shape[1], kw.get("window"))
+            dq, dk, dv = jax.lax.cond(hidden, skip, compute)
             dqs[a], dks[c], dvs[c] = dqs[a] + dq, dks[c] + dk, dvs[c] + dv
     return dqs, dks, dvs
 
@@ -343,7 +350,9 @@ def context_attention(q, k, v, segment_ids, *, mesh, specs, n: int, variant: str
     """Causal attention of q [batch, seq, heads, d] over k, v [batch, seq, kv_heads, d] (GQA: heads a multiple of
     kv_heads), the sequence in the schedule's order (:func:`token_order`) and split over ``context`` (n devices);
     ``segment_ids`` int [batch, seq] or None. ``specs``: PartitionSpecs (q, kv, segment ids) from the logical
-    rules, their sequence entry ``context``. ``variant``: ring, allgather or auto (:func:`choose_variant`)."""
+    rules, their sequence entry ``context``. ``variant``: ring, allgather or auto (:func:`choose_variant`). ``kw``
+    reaches the block functions (e.g. ``window``: a causal sliding window, whose wholly hidden chunk pairs are
+    skipped like the causal mask's)."""
     variant = choose_variant(n) if variant == "auto" else variant
     local = {"ring": ring_local, "allgather": allgather_local}[variant]
     fn = functools.partial(local, n=n, balanced=balanced, blocks=blocks, kw=kw)
