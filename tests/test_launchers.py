@@ -106,16 +106,19 @@ def _stub(directory, name, body):
     path.chmod(0o755)
 
 
-def _run_sbatch_with_stubs(tmp_path, extra_env, *args, srun_rc=0, srun_says=""):
+def _run_sbatch_with_stubs(tmp_path, extra_env, *args, srun_rc=0, srun_says="", check_says="", refused=""):
     """launch/slurm.sbatch run by bash on this host, with srun/scontrol/scancel/sbatch replaced by stubs that record
-    their command lines (one per line) and exit: srun's `check` step 0, its other steps print `srun_says` on stderr
-    and exit `srun_rc`."""
+    their command lines (one per line) and exit: srun's `check` step prints `check_says` and exits 1 if it is set
+    (else 0), its other steps print `srun_says` on stderr and exit `srun_rc`; `scontrol <refused>` exits 1."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir()
     _stub(bin_dir, "srun", f'printf "srun %s\\n" "$*" >> {calls}\n'
-          f'[[ " $* " == *" check "* ]] && exit 0\nprintf "{srun_says}" >&2\nexit {srun_rc}')
+          f'[[ " $* " == *" check "* ]] && {{ printf "{check_says}"; exit {1 if check_says else 0}; }}\n'
+          f'printf "{srun_says}" >&2\nexit {srun_rc}')
     for name in ("scontrol", "scancel", "sbatch"):
-        _stub(bin_dir, name, f'printf "{name} %s\\n" "$*" >> {calls}')
+        _stub(bin_dir, name, f'printf "{name} %s\\n" "$*" >> {calls}\n'
+              f'[ "{name} $1" = "scontrol {refused}" ] && {{ echo "Job is no longer pending execution" >&2; exit 1; }}'
+              '\nexit 0')
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": REPO, "SLURM_JOB_ID": "7",
            "JAXTRAIN_METRICS_PORT": "off", "HOME": str(tmp_path)} | extra_env
     proc = subprocess.run(["bash", os.path.join(LAUNCH, "slurm.sbatch"), *args], env=env, capture_output=True,
@@ -146,6 +149,86 @@ def test_sbatch_gives_the_container_to_every_srun_step_and_runs_on_the_host(tmp_
     (tmp_path / "c").mkdir()
     proc, calls = _run_sbatch_with_stubs(tmp_path / "c", {}, "train")
     assert proc.returncode == 0 and len(calls) == 2 and not any("--container" in c for c in calls), calls
+
+
+def _pci(root, address, vendor, klass, numa):
+    dev = root / "bus" / "pci" / "devices" / address
+    dev.mkdir(parents=True)
+    for name, value in (("vendor", vendor), ("class", klass), ("numa_node", str(numa))):
+        (dev / name).write_text(value + "\n")
+
+
+def fake_sysfs(root, numa):
+    """A sysfs tree with NVIDIA GPUs on NUMA nodes `numa` (in PCI bus order), plus what must not count as a GPU: an
+    NVSwitch (NVIDIA, class 0x0680) and a ConnectX HCA (Mellanox)."""
+    for i, node in enumerate(numa):
+        _pci(root, f"0000:{0x18 + 0x10 * i:02x}:00.0", "0x10de", "0x030200", node)
+    _pci(root, "0000:05:00.0", "0x10de", "0x068000", 0)
+    _pci(root, "0000:0c:00.0", "0x15b3", "0x020700", 1)
+    return str(root)
+
+
+HGX = [0, 0, 0, 0, 1, 1, 1, 1]  # an HGX H100 node: GPUs 0-3 on NUMA node 0, 4-7 on node 1
+
+
+@pytest.mark.parametrize("numa, slurm, want", [
+    (HGX, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "224"}, (8, 28, "map_ldom:0,0,0,0,1,1,1,1")),
+    (HGX, {"SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "224"}, (2, 112, "map_ldom:0,1")),
+    (HGX, {"SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_ON_NODE": "224"}, (1, 224, "map_ldom:0")),
+    (HGX, {"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_CPUS_ON_NODE": "64"}, (4, 16, "map_ldom:0,0,1,1")),
+    # sbatch --cpus-per-task wins over the even split
+    (HGX, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "224", "SLURM_CPUS_PER_TASK": "16"},
+     (8, 16, "map_ldom:0,0,0,0,1,1,1,1")),
+    # 8 GPUs do not split over 3 tasks; a GPU without a NUMA node (-1); no GPU at all: bind to cores
+    (HGX, {"SLURM_NTASKS_PER_NODE": "3", "SLURM_CPUS_ON_NODE": "224"}, (3, 74, "cores")),
+    ([0, 0, 0, 0, -1, 1, 1, 1], {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "224"}, (8, 28, "cores")),
+    ([], {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "16"}, (8, 2, "cores")),
+    (HGX, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "224", "JAXTRAIN_CPU_BIND": "none"},
+     (8, 28, "none")),
+])
+def test_every_step_gives_each_task_its_cpus_bound_near_its_gpu(tmp_path, numa, slurm, want):
+    """Expected values worked by hand: CPUs on the node / tasks per node, and task t bound to the NUMA node of GPU
+    t * gpus / tasks (its first GPU)."""
+    (tmp_path / "run").mkdir()
+    sysfs = fake_sysfs(tmp_path / "sys", numa)
+    proc, calls = _run_sbatch_with_stubs(tmp_path / "run", slurm | {"JAXTRAIN_SYSFS": sysfs}, "train")
+    assert proc.returncode == 0, proc.stderr
+    tasks, cpus, bind = want
+    steps = [c for c in calls if c.startswith("srun ")]
+    assert len(steps) == 2  # the health check and training
+    for step in steps:
+        options = step.split(" python")[0].split()
+        assert {f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}", f"--cpu-bind={bind}"} <= set(options), step
+    assert f"jaxtrain: {tasks} task(s) per node, {cpus} CPU(s) each, --cpu-bind={bind} (" in proc.stdout
+
+
+def test_a_cpu_binding_that_is_not_slurms_is_refused_in_one_line(tmp_path):
+    proc, calls = _run_sbatch_with_stubs(tmp_path, {"JAXTRAIN_CPU_BIND": "cores; rm -rf /"}, "train")
+    assert proc.returncode == 2 and not any(c.startswith("srun ") for c in calls)
+    assert proc.stderr.strip().splitlines() == [
+        "jaxtrain: JAXTRAIN_CPU_BIND=cores; rm -rf / is not a --cpu-bind value (e.g. none, cores, map_ldom:0,0,1,1)"]
+
+
+@pytest.mark.parametrize("refused, want", [
+    ("", ["scontrol requeuehold 7", "scontrol update JobId=7 ExcNodeList=n3,n5", "scontrol release 7"]),
+    # Slurm refuses the update (another version than 22.05, say): the job is cancelled, never left held
+    ("update", ["scontrol requeuehold 7"] + ["scontrol update JobId=7 ExcNodeList=n3,n5"] * 4 + ["scancel 7"]),
+    ("release", ["scontrol requeuehold 7", "scontrol update JobId=7 ExcNodeList=n3,n5"] + ["scontrol release 7"] * 2
+     + ["scancel 7"]),
+])
+def test_the_job_excludes_the_bad_nodes_itself_and_is_never_left_held(tmp_path, refused, want):
+    """The check names n3 and n5: the script requeues its job held, sets ExcNodeList and releases it, with no helper
+    job; if Slurm refuses either, it cancels the job, saying how to resubmit."""
+    proc, calls = _run_sbatch_with_stubs(tmp_path, {}, "train", check_says="check: exclude hosts: n5,n3\\n",
+                                         refused=refused)
+    assert proc.returncode == 1
+    assert [c for c in calls if c.startswith(("scontrol", "scancel", "sbatch"))][-len(want):] == want, calls
+    assert not any(c.startswith("sbatch") for c in calls) and sum(c.startswith("srun") for c in calls) == 1
+    assert "jaxtrain: health check failed on n3,n5 (sbatch --exclude=n3,n5)" in proc.stdout
+    if refused:
+        assert "cancelled instead: resubmit with sbatch --exclude=n3,n5" in proc.stdout
+    else:
+        assert "jaxtrain: job 7 excludes n3,n5 and is released" in proc.stdout
 
 
 KILLED_AFTER_75 = ("srun: error: n1: task 0: Exited with exit code 75\\n"

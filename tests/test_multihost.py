@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from test_launchers import HGX, fake_sysfs
 
 from jaxtrain_testing import F32, REPO, launch_local, launcher_env, logged_losses, run_cli
 
@@ -270,6 +271,8 @@ def test_real_slurm_runs_the_sbatch_script(slurm, tmp_path):
     assert "[process 1/2]" in log and "[process 0/2]" in log  # two processes really ran under srun
     assert sorted(os.listdir(run_dir / "logs")) == ["process_0.log", "process_1.log"]
     assert "jax-cache" in log and (run_dir / "jax-cache").is_dir()  # the compilation cache lives in the run
+    # The node's 16 CPUs (tests/slurm/cluster.sh) split over its 2 tasks, given to both steps.
+    assert "jaxtrain: 2 task(s) per node, 8 CPU(s) each, --cpu-bind=" in log
 
 
 LAYOUTS = {  # sbatch options -> per task (CUDA_VISIBLE_DEVICES, local_device_ids) as a function of the local id
@@ -277,6 +280,11 @@ LAYOUTS = {  # sbatch options -> per task (CUDA_VISIBLE_DEVICES, local_device_id
     "one task per GPU": (["--ntasks-per-node=8"], lambda i: ("0,1,2,3,4,5,6,7", [i])),
     "one task per GPU, bound": (["--ntasks-per-node=8", "--gpus-per-task=1"], lambda i: (str(i), [0])),
 }
+# The CPUs and binding each layout's steps get on this node (16 CPUs) if it were an HGX node (tests/test_launchers.py's
+# made-up sysfs: GPUs 0-3 on NUMA node 0, 4-7 on node 1): worked by hand.
+LAYOUT_CPUS = {"one task per node": "1 task(s) per node, 16 CPU(s) each, --cpu-bind=map_ldom:0",
+               "one task per GPU": "8 task(s) per node, 2 CPU(s) each, --cpu-bind=map_ldom:0,0,0,0,1,1,1,1",
+               "one task per GPU, bound": "8 task(s) per node, 2 CPU(s) each, --cpu-bind=map_ldom:0,0,0,0,1,1,1,1"}
 
 
 @pytest.mark.slow
@@ -284,7 +292,9 @@ LAYOUTS = {  # sbatch options -> per task (CUDA_VISIBLE_DEVICES, local_device_id
 def test_real_slurm_gpu_layouts_as_each_task_sees_them(slurm, tmp_path, layout):
     options, expected = LAYOUTS[layout]
     out = tmp_path / "env.out"
-    submit, job = sbatch(slurm | {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}, "-N1", *options,
+    sysfs = fake_sysfs(tmp_path / "sys", HGX)
+    submit, job = sbatch(slurm | {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=", "JAXTRAIN_SYSFS": sysfs}, "-N1",
+                         *options,
                          f"--output={out}", os.path.join(REPO, "launch/slurm.sbatch"), "env", "--json", timeout=300)
     log = out.read_text()
     assert submit.returncode == 0, submit.stderr + log[-3000:]
@@ -302,6 +312,8 @@ def test_real_slurm_gpu_layouts_as_each_task_sees_them(slurm, tmp_path, layout):
         assert r["platform"] == "cpu"  # the user's JAX_PLATFORMS beat the file's cuda
     # The launcher put the file's XLA flags first and the user's last (XLA applies the last).
     assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=" in log
+    # srun took the binding (this cluster's task/none cannot apply it and says so) and every task ran.
+    assert f"jaxtrain: {LAYOUT_CPUS[layout]} (NUMA nodes of the 8 GPUs: 0 0 0 0 1 1 1 1)" in log
 
 
 @pytest.mark.slow
@@ -488,9 +500,10 @@ def test_health_check_groups_processes_by_host_name(tmp_path):
 
 @pytest.mark.slow
 def test_real_slurm_excludes_the_node_the_health_check_names(slurm, tmp_path):
-    """The check step fails on a node (here: a hardware file whose peak this CPU cannot reach); the job is requeued
-    and held, a helper job adds the node to its ExcNodeList (Slurm refuses that while the job runs) and releases
-    it; it then waits for other nodes (this cluster has none)."""
+    """The check step fails on a node (here: a hardware file whose peak this CPU cannot reach); the batch script
+    requeues its job held, adds the node to its ExcNodeList (Slurm refuses that while the job runs, accepts it once
+    the job is requeued) and releases it, with no helper job; it then waits for other nodes (this cluster has
+    none)."""
     hw = tmp_path / "fast.yaml"
     hw.write_text("name: fast\ndevice_kind: cpu\npeak_flops: 1.0e+15\nhbm_bytes: 1.0e+9\nhbm_bandwidth: 1.0e+10\n"
                   "devices_per_node: 1\nintra_node_bandwidth: 1.0e+9\ninter_node_bandwidth: 1.0e+9\n"
@@ -506,12 +519,19 @@ def test_real_slurm_excludes_the_node_the_health_check_names(slurm, tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline and not re.search(rf"ExcNodeList={node}\b.*", job_state(slurm, job)):
         time.sleep(2)
-    time.sleep(5)  # the helper releases the job right after updating it
+    time.sleep(5)  # the script releases the job right after updating it
     state, log = job_state(slurm, job), out.read_text()
     try:
         assert f"ExcNodeList={node}" in state and "Restarts=1" in state, state + log[-3000:]
         assert "JobState=PENDING" in state and "JobHeldUser" not in state, state  # released, waiting for nodes
         assert f"jaxtrain: health check failed on {node} (sbatch --exclude={node})" in log
         assert "requeueing job" in log and not (tmp_path / "run" / "metrics.jsonl").exists()  # no training ran
+        # The job itself did it, before Slurm's SIGKILL (KillWait=5 here): no other job was ever submitted.
+        assert f"jaxtrain: job {job} excludes {node} and is released" in log, log[-3000:]
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, env=slurm).stdout
+        assert jobs.split() == [job, "jaxtrain"], jobs
+        config = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, env=slurm).stdout
+        next_id = re.search(r"NEXT_JOB_ID\s*=\s*(\d+)", config)
+        assert next_id and next_id.group(1) == str(int(job) + 1), config
     finally:
         subprocess.run(["scancel", job], env=slurm, timeout=60)
