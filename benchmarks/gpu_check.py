@@ -9,8 +9,18 @@ QUICK_MAX_S by its caps; ``check_tables`` proves it when this module loads.
 
 Reports, in --out: ``results.jsonl`` (one line per section, the moment it ends), ``results.json`` (the plan, every
 section's record with its figures, the headline table; rewritten after each section, so a run cut short keeps what it
-measured) and ``gpu_check.log`` (everything printed). Bulky things (installed wheels, each section's log, the attention
-benchmark's tables, training runs, checkpoints (deleted once timed), JAX's compile cache) go to --work (default: --out).
+measured), ``results.md`` (the headline and each section's status as markdown tables, rewritten with it) and
+``gpu_check.log`` (everything printed). Bulky things (installed wheels, each section's log, the attention benchmark's
+tables, training runs, checkpoints (deleted once timed), JAX's compile cache) go to --work (default: --out).
+
+``--issue41``: what issue 41 has not measured yet, most valuable first, within ISSUE41_MAX_S (9 minutes) by the caps:
+FP8 against BF16 on the 1B step with the compiled program's figures, the grouped GEMM table ``model.moe.gemm=auto``
+chooses from (down projection and skewed routing too), flash attention's backward against cuDNN at head dims 64 and
+128, the kernel tests (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), the planner's rates (``gpu_rates.py``), the Llama 3.1
+8B shape's MFU on as many layers as fit, the remat and XLA-flag choices, the MoE step with ``gemm=auto``. The plan
+names what the budget leaves out and the second call that runs it. Everything is written under --out: --work must be
+inside it, and the children's temporary files, caches and configuration (TMPDIR, Triton's, CUDA's, XDG's, matplotlib's,
+JAX's) go to the work directory, without bytecode files.
 
 To add a check (FP8, MoE, ...): append a Section to SECTIONS, with its group ("quick" only if the headline needs it),
 GPU and --smoke caps, title and commands (argv lists run in turn; a string instead says why it is skipped); its rows
@@ -32,7 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check_run as run  # noqa: E402 - beside this file; benchmarks/ is no package
 
 QUICK_MAX_S = 300  # quick mode: at most 5 minutes, so that a failed first try leaves time for a second
-DEFAULT_BUDGET_S = {"quick": 300, "rest": 520, "full": 520}  # rest/full: one 10-minute device call, with slack
+ISSUE41_MAX_S = 540  # --issue41: at most 9 minutes of wall time on a bare machine, set-up included
+DEFAULT_BUDGET_S = {"quick": 300, "rest": 520, "full": 520, "issue41": ISSUE41_MAX_S}  # rest/full: one 10-minute
+# device call, with slack
 SMOKE_BUDGET_S = 7200  # --smoke on a shared 2-core CPU machine: a ceiling, not a plan
 OVERHEAD_S = 5  # this script's own work between sections (reports), outside every cap
 
@@ -46,6 +58,13 @@ GPU_SETUP = "benchmarks/gpu_setup.py"
 GPU_STEP = "benchmarks/gpu_step.py"
 STEP_1B = ["--config", "1b", "--rows-per-device", "4"]
 STEP_SMOKE = ["--config", "tiny", "--steps", "2", "--rows-per-device", "2", "model.head_dim=32"]  # flash: d >= 32
+GPU_RATES = "benchmarks/gpu_rates.py"
+# Llama 3.1 8B's layer (its config.json) over the 7b config, 2 sequences of 8192 a device as torchtitan's table; the
+# layer counts tried, smallest first: the whole 8B's state (128 GB of float32 parameters and AdamW moments) does not
+# fit one H200, so its MFU is measured on as many of its layers as fit.
+STEP_8B = ["--config", "7b", "--rows-per-device", "2", "--steps", "5", "model.vocab_size=128256", "model.n_kv_heads=8",
+           "model.d_ff=14336", "model.rope_theta=500000", "data.seq_len=8192", "model.remat=save_matmuls"]
+LAYERS_8B = (8, 16)
 
 
 @dataclasses.dataclass
@@ -57,6 +76,7 @@ class Ctx:
     work: str
     wheels: str | None = None
     devices: int = 1  # learnt from the set-up's row
+    contained: bool = False  # --issue41: caches and temporary files under the work directory (inside --out) too
 
     def path(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
@@ -76,6 +96,7 @@ class Section:
     rows: Callable[[Ctx, str, list[str]], list[dict]] = run.json_rows  # (ctx, name, output lines) -> figures
     headline: Callable[[Section, list[dict]], list[dict]] | None = None  # -> [{"what", "result", "figures"}]
     cleanup: Callable[[Ctx, str], list[str]] | None = None  # paths deleted after it ran
+    env: tuple[tuple[str, str], ...] = ()  # environment variables of its commands, beside the run's
 
     def cap(self, smoke: bool) -> int:
         return self.smoke_cap_s if smoke else self.cap_s
@@ -182,6 +203,47 @@ def _train(impl: str, smoke_skip: str = "") -> Commands:
 
 def _train_checkpoints(ctx: Ctx, name: str) -> list[str]:
     return [ctx.path(name, "checkpoints")]  # its end-of-run checkpoint: not what is measured
+
+
+def _fp8_program(*recipes: str) -> Commands:
+    """The 1B step with each ``model.fp8`` recipe and the compiled program's figures (gpu_step --program)."""
+    def commands(ctx: Ctx, name: str) -> list[list[str]]:
+        args = STEP_SMOKE if ctx.smoke else STEP_1B + ["--steps", "10"]
+        return [[ctx.py, GPU_STEP, *args, "--program", "model.attention=auto", f"model.fp8={r}"] for r in recipes]
+    return commands
+
+
+def _gmm_table(ctx: Ctx, name: str) -> list[list[str]]:
+    """The grouped GEMM table ``model.moe.gemm=auto`` chooses from: the Pallas and Triton kernels on Mixtral's gate/up
+    and down projections, balanced and skewed routing (XLA's ragged_dot, 54-64x slower, measured already)."""
+    if ctx.smoke:
+        return [[ctx.py, "-m", GMM_BENCH, "--smoke", "--impls", "pallas", "--routing", "balanced,skewed",
+                 "--projections", "up,down"]]
+    budget = max(10, SECTIONS_BY_NAME[name].cap(ctx.smoke) - 35)
+    return [[ctx.py, "-m", GMM_BENCH, "--tokens", "8192", "--impls", "pallas,triton", "--projections", "up,down",
+             "--routing", "balanced,skewed", "--iters", "5", "--time-budget", str(budget)]]
+
+
+def _rates(ctx: Ctx, name: str) -> list[list[str]]:
+    return [[ctx.py, GPU_RATES, *(["--smoke", "--iters", "2"] if ctx.smoke else ["--iters", "10"])]]
+
+
+def _steps_8b(ctx: Ctx, name: str) -> list[list[str]]:
+    """The Llama 3.1 8B shape's step on as many layers as fit (LAYERS_8B in turn; --smoke: the tiny one)."""
+    if ctx.smoke:
+        return [[ctx.py, GPU_STEP, *STEP_SMOKE, "model.remat=save_matmuls"]]
+    return [[ctx.py, GPU_STEP, *STEP_8B, "model.attention=auto", f"model.n_layers={n}"] for n in LAYERS_8B]
+
+
+# The settings an engineer tuning the 1B's step tries first (the default, save_matmuls with XLA's Triton GEMMs, is
+# the fp8 section's BF16 row): no remat, full remat, and cuBLAS in place of XLA's Triton GEMM fusions.
+REMAT_CHOICES = (["model.remat=none"], ["model.remat=full"],
+                 ["model.remat=save_matmuls", "--xla-flags=--xla_gpu_enable_triton_gemm=false"])
+
+
+def _remat_choices(ctx: Ctx, name: str) -> list[list[str]]:
+    args = STEP_SMOKE if ctx.smoke else STEP_1B + ["--steps", "10"]
+    return [[ctx.py, GPU_STEP, *args, "model.attention=auto", *choice] for choice in REMAT_CHOICES]
 
 
 # ---- the headline ---------------------------------------------------------------------------------------------------
@@ -313,6 +375,45 @@ def _fp8(sec: Section, rows: list[dict]) -> list[dict]:
     return out
 
 
+def _fp8_and_program(sec: Section, rows: list[dict]) -> list[dict]:
+    """The FP8 line(s), and each step's program figures beside its time."""
+    out = _fp8(sec, rows)
+    for r in (r for r in rows if r.get("kind") == "step" and r.get("program")):
+        p = r["program"]
+        gb = f"{p['bytes_accessed'] / 1e9:.1f} GB accessed, " if p.get("bytes_accessed") else ""
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(p.get("custom_calls", {}).items()))
+        out.append(dict(what=f"{r['config']} program, model.fp8={r.get('fp8')}", figures=p,
+                        result=f"{r['step_ms']:.0f} ms; {gb}{p['fusions']} fusions, {p['reduces']} reduces, "
+                               f"{p['f8_converts']} float8 converts, {p['triton_gemm_fusions']} Triton GEMMs"
+                               + (f"; calls: {calls}" if calls else "")))
+    return out
+
+
+def _rates_headline(sec: Section, rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        if r.get("kind") == "rate" and r.get("what") == "gemm":
+            both = f", fwd+bwd {r['fwdbwd_tflops']:.4g}" if r.get("fwdbwd_tflops") is not None else ""
+            out.append(dict(what=f"GEMM {r['shape']} [{r['m']}, {r['k']}] x [{r['k']}, {r['n']}] {r['dtype']}, "
+                                 "TFLOP/s", result=f"fwd {r['fwd_tflops']:.4g}{both}", figures=r))
+        elif r.get("kind") == "rate" and r.get("what") == "hbm":
+            out.append(dict(what=f"HBM, y = x * c over {r['bytes'] / 2**30:.3g} GiB",
+                            result=f"{r['gb_per_s']:.4g} GB/s", figures=r))
+    return out
+
+
+def _choices(sec: Section, rows: list[dict]) -> list[dict]:
+    out = []
+    for r in (r for r in rows if r.get("kind") == "step"):
+        mfu = f"MFU {100 * r['mfu']:.1f} %" if r.get("mfu") is not None else "MFU -"
+        flags = f", XLA flags {r['xla_flags']}" if r.get("xla_flags") else ""
+        out.append(dict(what=f"{r['config']} step ({r.get('n_layers', '')}{' layers, ' if r.get('n_layers') else ''}"
+                             f"seq {r['seq']}, {r['global_batch']} rows), remat {r['remat']}{flags}",
+                        result=f"{mfu}, {r['step_ms']:.0f} ms/step, {r['tokens_per_s']:,} tokens/s, peak "
+                               f"{r.get('peak_gb')} GB, compile {r['compile_s']} s", figures=r))
+    return out
+
+
 # ---- the table ------------------------------------------------------------------------------------------------------
 
 def _train_section(impl: str, cap: int, smoke_skip: str = "") -> Section:
@@ -356,9 +457,30 @@ SECTIONS = [
     _train_section("triton", 60, smoke_skip="model.attention=triton needs a GPU"),
     Section("step-fp8-more", "rest", 160, 600, "1B train step, BF16 against FP8 (delayed, rowwise)",
             _fp8_steps("none", "delayed", "rowwise"), headline=_fp8),
+    # --issue41: what issue 41 has not measured yet, most valuable first (docs/results.md says what each answers)
+    Section("i41-fp8", "issue41", 120, 300, "1B step BF16 against FP8 (tensorwise) with the compiled program's "
+            "figures (cost analysis, fusions, float8 converts, reductions)", _fp8_program("none", "tensorwise"),
+            headline=_fp8_and_program),
+    Section("i41-gmm", "issue41", 100, 600, "grouped GEMM table for model.moe.gemm=auto: Pallas and Triton, gate/up "
+            "and down projections, balanced and skewed routing", _gmm_table, headline=_grouped_gemm),
+    Section("i41-flash", "issue41", 90, 900, "flash attention forward + backward against cuDNN at head dims 64 and "
+            "128", _bench(dict(head_dims="64", groups="4"), dict(head_dims="128", groups="1"),
+                          smoke=dict(masks="causal", groups=2)), rows=run.bench_rows, headline=_attention),
+    Section("i41-kernel-tests", "issue41", 130, 300, "kernel tests on the device: values and gradients vs float64 "
+            "(bfloat16), no preallocation", _kernel_tests(QUICK_TESTS), rows=run.junit_rows, headline=_tests,
+            env=(("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),)),
+    Section("i41-rates", "issue41", 50, 120, "the planner's rates: dense GEMM TFLOP/s (bf16, fp8) at the 1B's and "
+            "8B's shapes, HBM GB/s", _rates, headline=_rates_headline),
+    Section("i41-8b", "issue41", 120, 300, "Llama 3.1 8B's shape, seq 8192, 2 rows: MFU on as many layers as fit",
+            _steps_8b, headline=_choices, env=(("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),)),
+    Section("i41-remat", "issue41", 100, 300, "1B step: remat none and full, cuBLAS instead of Triton GEMMs",
+            _remat_choices, headline=_choices),
+    Section("i41-moe", "issue41", 70, 300, "1B MoE step with model.moe.gemm=auto (the kernel the table chooses)",
+            _moe_steps(""), headline=_moe),
 ]
 SECTIONS_BY_NAME = {s.name: s for s in SECTIONS}
-MODES = {"quick": ("setup", "quick"), "rest": ("setup", "rest"), "full": ("setup", "quick", "rest")}
+MODES = {"quick": ("setup", "quick"), "rest": ("setup", "rest"), "full": ("setup", "quick", "rest"),
+         "issue41": ("setup", "issue41")}
 
 
 def check_tables(sections: list[Section] = SECTIONS) -> None:
@@ -367,7 +489,7 @@ def check_tables(sections: list[Section] = SECTIONS) -> None:
     names = [s.name for s in sections]
     if len(set(names)) != len(names) or sections[0].group != "setup" or names.count("setup") != 1:
         raise ValueError(f"gpu_check: sections need unique names and the set-up first: {names}")
-    unknown = {s.group for s in sections} - {"setup", "quick", "rest"}
+    unknown = {s.group for s in sections} - {"setup", "quick", "rest", "issue41"}
     if unknown:
         raise ValueError(f"gpu_check: unknown section group(s) {sorted(unknown)}")
     quick = sum(s.cap_s for s in sections if s.group in MODES["quick"]) + OVERHEAD_S
@@ -395,6 +517,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help=f"the headline only, at most {QUICK_MAX_S} s")
     mode.add_argument("--rest", action="store_true", help="the sections quick mode leaves out (after a quick run)")
+    mode.add_argument("--issue41", action="store_true", help="what issue 41 has not measured yet, most valuable first, "
+                      f"at most {ISSUE41_MAX_S} s; everything it writes (work, caches, temporary files) under --out")
     p.add_argument("--plan", action="store_true", help="print the sections, their caps and the total; run nothing")
     p.add_argument("--smoke", action="store_true", help="on a CPU: the same sections at toy sizes (the numbers mean "
                    "nothing): checks the script end to end")
@@ -409,7 +533,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fetch-wheels", default=None, metavar="DIR", help="on a machine with a package registry: "
                    "download the wheels the GPU image lacks into DIR and exit")
     args = p.parse_args(argv)
-    args.mode = "quick" if args.quick else "rest" if args.rest else "full"
+    args.mode = "quick" if args.quick else "rest" if args.rest else "issue41" if args.issue41 else "full"
     if args.budget is None:
         args.budget = str(SMOKE_BUDGET_S if args.smoke else DEFAULT_BUDGET_S[args.mode])
     if not args.budget.isdigit():
@@ -417,6 +541,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.budget = int(args.budget)
     if args.mode == "quick" and not args.smoke and args.budget > QUICK_MAX_S:
         p.error(f"--budget {args.budget} is over quick mode's {QUICK_MAX_S} s; leave out --quick for a longer run")
+    if args.mode == "issue41" and not args.smoke and args.budget > ISSUE41_MAX_S:
+        p.error(f"--budget {args.budget} is over --issue41's {ISSUE41_MAX_S} s; a second call with --sections runs "
+                "what the first left out")
+    if args.mode == "issue41" and args.work and args.out and not _inside(args.work, args.out):
+        p.error(f"--work '{args.work}' is outside --out '{args.out}': --issue41 writes nothing outside --out")
     least = SECTIONS[0].cap(args.smoke) + OVERHEAD_S
     if args.budget < least:
         p.error(f"--budget {args.budget} is below the set-up's {least} s (its cap and {OVERHEAD_S} s for reports)")
@@ -434,6 +563,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.out and os.path.exists(os.path.join(args.out, "results.json")):
         p.error(f"--out '{args.out}' already holds an earlier run's results.json; name a new directory")
     return args
+
+
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.abspath(path), os.path.abspath(root)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def fetch_wheels(directory: str, py: str) -> int:
@@ -462,7 +596,8 @@ def main(argv: list[str]) -> int:
     py = os.environ.get("PYTHON") or sys.executable
     if args.fetch_wheels:
         return fetch_wheels(args.fetch_wheels, py)
-    ctx = Ctx(py=py, smoke=args.smoke, work="", wheels=args.wheels and os.path.abspath(args.wheels))
+    ctx = Ctx(py=py, smoke=args.smoke, work="", wheels=args.wheels and os.path.abspath(args.wheels),
+              contained=args.mode == "issue41")
     plan = run.make_plan(sys.modules[__name__], ctx, args.mode, args.budget, args.only)
     if args.plan:
         print("\n".join(run.plan_lines(plan)))

@@ -167,6 +167,9 @@ def plan_lines(plan: Plan) -> list[str]:
     lines.append(f"total {plan.total} s of the {plan.budget} s budget")
     if plan.left_out:
         lines.append("left out (over the budget): " + ", ".join(f"{e.section.name} ({e.cap} s)" for e in plan.left_out))
+        flag = "" if plan.mode == "full" else f"--{plan.mode} "
+        lines.append(f"a second call runs them: benchmarks/gpu_check.sh {flag}--sections "
+                     + ",".join(e.section.name for e in plan.left_out))
     return lines
 
 
@@ -250,10 +253,12 @@ def run_commands(argvs: list[list[str]], limit: int, env: dict, log_path: str, c
 # ---- the reports ----------------------------------------------------------------------------------------------------
 
 class Reports:
-    """OUT/results.jsonl (a line per section as it ends) and OUT/results.json (rewritten after each section)."""
+    """OUT/results.jsonl (a line per section as it ends), OUT/results.json and OUT/results.md (the headline as a
+    markdown table), both rewritten after each section."""
 
     def __init__(self, out: str, plan: Plan, meta: dict):
         self.json_path, self.jsonl_path = os.path.join(out, "results.json"), os.path.join(out, "results.jsonl")
+        self.md_path = os.path.join(out, "results.md")
         self.doc: dict[str, Any] = dict(schema=SCHEMA, **meta, started=_now(), finished=None, elapsed_s=0.0,
                                         plan=plan.as_json(), failed=0, sections=[], headline=[])
         self._write()
@@ -276,6 +281,25 @@ class Reports:
         with open(tmp, "w") as f:
             json.dump(self.doc, f, indent=1, default=str)
         os.replace(tmp, self.json_path)
+        with open(tmp, "w") as f:
+            f.write(markdown(self.doc))
+        os.replace(tmp, self.md_path)
+
+
+def markdown(doc: dict) -> str:
+    """results.md: the run (mode, budget, start, elapsed), the headline as a table, each section's status."""
+    plan = doc["plan"]
+    cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - one markdown cell
+    lines = [f"# gpu_check: {plan['mode']} mode{' (--smoke: numbers mean nothing)' if plan['smoke'] else ''}", "",
+             f"started {doc['started']}, finished {doc['finished'] or '-'}, {doc['elapsed_s']:.0f} s of the "
+             f"{plan['budget_s']} s budget; command: `benchmarks/gpu_check.sh {' '.join(doc.get('argv', []))}`", "",
+             "| what | result |", "| --- | --- |"]
+    lines += [f"| {cell(h['what'])} | {cell(h['result'])} |" for h in doc["headline"]]
+    lines += ["", "| section | status | seconds | cap s |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| {r['section']} | {cell(r['status'])} | {r['seconds']:.0f} | {r['cap_s']} |" for r in doc["sections"]]
+    lines += [f"| {e['section']} | not run: {cell(e['skip'])} | 0 | {e['cap_s']} |" for e in plan["left_out"]
+              if e["section"] not in {r["section"] for r in doc["sections"]}]
+    return "\n".join(lines) + "\n"
 
 
 def _now() -> str:
@@ -291,6 +315,13 @@ def section_env(ctx) -> dict:
     paths = ([ctx.path("site")] if ctx.wheels else []) + [REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", ctx.path("jax-cache"))
+    if getattr(ctx, "contained", False):  # --issue41: nothing written outside --out (the work directory is in it)
+        for var, sub in (("TMPDIR", "tmp"), ("TRITON_CACHE_DIR", "triton-cache"), ("TRITON_HOME", "triton"),
+                         ("CUDA_CACHE_PATH", "cuda-cache"), ("XDG_CACHE_HOME", "cache"),
+                         ("XDG_CONFIG_HOME", "config"), ("MPLCONFIGDIR", "config/matplotlib")):
+            env[var] = ctx.path(sub)
+            os.makedirs(env[var], exist_ok=True)
+        env.update(JAX_COMPILATION_CACHE_DIR=ctx.path("jax-cache"), PYTHONDONTWRITEBYTECODE="1")
     return env
 
 
@@ -300,7 +331,7 @@ def run_plan(plan: Plan, ctx, out: str, console: Console, argv: list[str]) -> in
     reports = Reports(out, plan, dict(argv=argv, repo=REPO, work=ctx.work, environment={
         k: env[k] for k in ("PYTHONPATH", "JAX_COMPILATION_CACHE_DIR")}))
     console.say("\n".join(plan_lines(plan)))
-    console.say(f"reports: {out} (results.json, results.jsonl, gpu_check.log); work: {ctx.work}")
+    console.say(f"reports: {out} (results.json, results.md, results.jsonl, gpu_check.log); work: {ctx.work}")
     setup_failed = False
     for entry in plan.entries:
         if setup_failed:
@@ -342,7 +373,7 @@ def run_section(entry: Entry, ctx, env: dict, console: Console, reports: Reports
     elif limit < min(10, entry.cap):
         status = "skipped: the budget is spent"
     else:
-        status, lines = run_commands(got, limit, env, ctx.path(sec.name + ".log"), console)
+        status, lines = run_commands(got, limit, {**env, **dict(sec.env)}, ctx.path(sec.name + ".log"), console)
     try:
         rows = sec.rows(ctx, sec.name, lines)
     except Exception as e:  # noqa: BLE001 - a damaged report file is a finding, not a crash of the run
@@ -382,4 +413,4 @@ def print_summary(doc: dict, console: Console, out: str) -> None:
             console.say(f"{impl:10} {status:8} {row['compile_seconds']:9.1f} {step_ms:8.1f} "
                         f"{row['tokens_per_second']:10.0f} {mfu:>6}")
     console.say(f"\n== done: {doc['failed']} section(s) failed in {doc['elapsed_s']:.0f} s; reports in {out} "
-                "(results.json, results.jsonl, gpu_check.log)")
+                "(results.json, results.md, results.jsonl, gpu_check.log)")

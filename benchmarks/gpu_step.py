@@ -49,6 +49,10 @@ def _args(argv):
                    "this x devices)")
     p.add_argument("--checkpoint-dir", default=None, help="after the timed steps, save the state twice into "
                    "directories made (and deleted) under DIR, and time the saves")
+    p.add_argument("--program", action="store_true", help="add the compiled program's figures (program: XLA's "
+                   "cost analysis, fusions, GEMM and attention calls, float8 converts and reductions)")
+    p.add_argument("--xla-flags", default="", help="XLA flags added to XLA_FLAGS for this step (e.g. "
+                   "--xla_gpu_enable_triton_gemm=false), reported as xla_flags")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     args = p.parse_intermixed_args(argv)  # key=value overrides before and after the options
     if args.steps < 1 or args.rows_per_device < 1:
@@ -58,6 +62,8 @@ def _args(argv):
 
 def main(argv=None) -> int:
     args = _args(argv)
+    if args.xla_flags:  # read once, when JAX starts its backend: set before importing it
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS", ""), args.xla_flags]))
     import jax
     import numpy as np
 
@@ -103,7 +109,9 @@ def main(argv=None) -> int:
                           loss_first=losses[0], loss_last=losses[-1], moe_experts=lay.cfg.model.moe.experts,
                           moe_top_k=lay.cfg.model.moe.top_k if lay.cfg.model.moe.experts else None,
                           moe_gemm=lay.cfg.model.moe.gemm if lay.cfg.model.moe.experts else None,
-                          **_memory(train))), flush=True)
+                          xla_flags=args.xla_flags or None, n_layers=lay.cfg.model.n_layers,
+                          **_memory(train), **({"program": program_figures(train)} if args.program else {}))),
+          flush=True)
     if args.checkpoint_dir:
         return _time_saves(Checkpointer, lay.cfg, args.checkpoint_dir, train, state, batch, step_s)
     return 0
@@ -120,6 +128,25 @@ def _memory(train) -> dict:
     need = compiled_need(train)  # the planner's reading of the same program
     return dict(peak_gb=None if peak is None else round(peak / 1e9, 2),
                 compiled_gb=None if need is None else round(need.total / 1e9, 2))
+
+
+def program_figures(train) -> dict:
+    """What the compiled step's program holds: XLA's cost analysis (FLOPs, bytes accessed: where a GPU gives one;
+    a deviceless compile does not), and counted off its optimized HLO: fusions, custom calls by target (cuBLAS GEMMs,
+    cuDNN attention), Triton GEMM fusions, float8 converts and reductions (amax passes) outside and inside fusions."""
+    import collections
+    import re
+
+    cost = train.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) and cost else cost
+    text = train.as_text() or ""
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"=\s*\S+\s+([a-z][\w-]*)\(", text))
+    calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', text))
+    f8_converts = len(re.findall(r"=\s*f8e\w+\[[^\]]*\][^=]*\sconvert\(", text))
+    return dict(flops=cost and cost.get("flops"), bytes_accessed=cost and cost.get("bytes accessed"),
+                fusions=ops["fusion"], reduces=ops["reduce"], custom_calls=dict(calls),
+                triton_gemm_fusions=len(re.findall(r'"kind":"__triton_gemm"', text)), f8_converts=f8_converts,
+                hlo_chars=len(text))
 
 
 def _run_steps(train, state, batch, count: int, until=None):
