@@ -100,7 +100,7 @@ def test_unmeasured_rates_fall_back_to_the_datasheet_times_efficiency_and_say_so
     cfg, shape = _one_gpu_1b()
     hw = load_hardware("h200-8x")
     fp8 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8="tensorwise"))
-    rates = model.measured_rates(fp8, hw, "cudnn")
+    rates = measured_lib.measured_rates(fp8, hw, "cudnn")
     assert rates["matmul_fp8"] == (1978.9e12 * 0.5, "datasheet x efficiency 0.5")
     assert rates["matmul"] == (605e12, "measured")
     # the 1B's projections in float8 (6 x 16 x 60.8M FLOPs a token), the tied output projection in bf16
@@ -110,7 +110,8 @@ def test_unmeasured_rates_fall_back_to_the_datasheet_times_efficiency_and_say_so
     assert parts.flops["matmul_fp8"] == pytest.approx(proj, rel=1e-12)
     assert parts.flops["matmul"] == pytest.approx(6 * 2048 * 128256 * tokens, rel=1e-12)
     odd = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, head_dim=96))  # no attention measured at 96
-    assert model.measured_rates(odd, hw, "cudnn")["attention_fwd_bwd"] == (989.4e12 * 0.5, "datasheet x efficiency 0.5")
+    assert measured_lib.measured_rates(odd, hw, "cudnn")["attention_fwd_bwd"] == (989.4e12 * 0.5,
+                                                                                  "datasheet x efficiency 0.5")
     from jaxtrain.planner.search.target import measured_notes
 
     (note,) = measured_notes(fp8, hw, "cudnn", None)

@@ -5,7 +5,8 @@ collectives a program states: kind, bytes per device, executions per step, repli
 collective passes that XLA:CPU does not run, re-created on the parsed HLO), ``model`` (the cost model: bytes per link
 class, time per part of a step, closed forms of memory and communication; other modules import it as ``cost``),
 ``measure`` (the hardware at hand: the CPU measured, an accelerator recognised), ``calibration`` (what ``check``
-measured, saved for the planner; the health check writes it).
+measured, saved for the planner; the health check writes it), ``measured`` (a shipped GPU's measured rates,
+``jaxtrain/configs/hardware/measured/``, with their provenance).
 
 May import: errors, config, models (FLOP and parameter counts, the model ``measure`` times) and parallel (the parallel
 facts, the closed forms of the expert dispatch and the pipeline); never the rest of the planner.

@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware, load_hardware
 from jaxtrain.config.schema import SHIPPED_DIR, load_yaml
 from jaxtrain.errors import ConfigError
@@ -131,3 +132,27 @@ def for_hardware(hw: Hardware) -> Measured | None:
     if measured is None or load_hardware(hw.name).peak_flops != hw.peak_flops:
         return None
     return measured
+
+
+def measured_rates(cfg: Config, hw: Hardware, attention: str) -> dict[str, tuple[float, str]] | None:
+    """{part: (FLOP/s, where it comes from)} for ``cfg``'s step on ``hw`` where ``hw`` has measured rates
+    (``measured.for_hardware``), else None. Parts: "matmul" (the compute dtype's), "matmul_fp8" (with model.fp8 on
+    FP8 hardware), "attention_fwd" and "attention_fwd_bwd" (the kernel the run uses at its head dim; forward +
+    backward counted as ``model.FWD_BWD_ATTENTION`` forwards). Not measured: the datasheet peak x compute_efficiency."""
+    measured = for_hardware(hw)
+    if measured is None:
+        return None
+    eff = hw.compute_efficiency
+    datasheet = f"datasheet x efficiency {eff:g}"
+
+    def pick(got: float | None, peak: float) -> tuple[float, str]:
+        return (got, "measured") if got else (peak * eff, datasheet)
+
+    rates = {"matmul": pick(measured.matmul.get("bfloat16"), hw.peak_flops)}
+    if cfg.model.fp8 != "none" and hw.fp8_peak_flops > 0:
+        rates["matmul_fp8"] = pick(measured.matmul.get("float8"), hw.fp8_peak_flops)
+    kernel = measured.attention_rate(attention, cfg.model.resolved_head_dim)
+    where = f"measured: {attention}, head dim {cfg.model.resolved_head_dim}"
+    rates["attention_fwd"] = (kernel.fwd, where) if kernel else (hw.peak_flops * eff, datasheet)
+    rates["attention_fwd_bwd"] = (kernel.fwd_bwd, where) if kernel else (hw.peak_flops * eff, datasheet)
+    return rates

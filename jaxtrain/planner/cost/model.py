@@ -210,38 +210,14 @@ def _recomputed_forwards(cfg: Config, shape: MeshShape) -> tuple[float, int]:
     return extra, attn
 
 
-def measured_rates(cfg: Config, hw: Hardware, attention: str) -> dict[str, tuple[float, str]] | None:
-    """{part: (FLOP/s, where it comes from)} for ``cfg``'s step on ``hw`` where ``hw`` has measured rates
-    (``measured.for_hardware``), else None. Parts: "matmul" (the compute dtype's), "matmul_fp8" (with model.fp8 on
-    FP8 hardware), "attention_fwd" and "attention_fwd_bwd" (the kernel the run uses at its head dim; forward +
-    backward counted as :data:`FWD_BWD_ATTENTION` forwards). Not measured: the datasheet peak x compute_efficiency."""
-    from jaxtrain.planner.cost.measured import for_hardware
-
-    measured = for_hardware(hw)
-    if measured is None:
-        return None
-    eff = hw.compute_efficiency
-    datasheet = f"datasheet x efficiency {eff:g}"
-
-    def pick(got: float | None, peak: float) -> tuple[float, str]:
-        return (got, "measured") if got else (peak * eff, datasheet)
-
-    rates = {"matmul": pick(measured.matmul.get("bfloat16"), hw.peak_flops)}
-    if cfg.model.fp8 != "none" and hw.fp8_peak_flops > 0:
-        rates["matmul_fp8"] = pick(measured.matmul.get("float8"), hw.fp8_peak_flops)
-    kernel = measured.attention_rate(attention, cfg.model.resolved_head_dim)
-    where = f"measured: {attention}, head dim {cfg.model.resolved_head_dim}"
-    rates["attention_fwd"] = (kernel.fwd, where) if kernel else (hw.peak_flops * eff, datasheet)
-    rates["attention_fwd_bwd"] = (kernel.fwd_bwd, where) if kernel else (hw.peak_flops * eff, datasheet)
-    return rates
-
-
 def measured_compute(cfg: Config, shape: MeshShape, hw: Hardware, attention: str) -> ComputeParts | None:
-    """The step's compute per device with each kind of work at its own rate (:func:`measured_rates`), where ``hw``
+    """The step's compute per device with each kind of work at its own rate (``measured.measured_rates``), where ``hw``
     has measured rates: the weight matmuls at the matmul rate of the compute dtype (model.fp8's share,
     :func:`fp8_share`, at the float8 one), attention's forward + backward and the forwards remat recomputes at the
     rates of the kernel the run uses. Not charged: elementwise work (norms, rotary, SwiGLU, the loss), assumed fused
     into the GEMMs and attention or hidden behind them (docs/planning.md). None without measured rates."""
+    from jaxtrain.planner.cost.measured import measured_rates
+
     rates = measured_rates(cfg, hw, attention)
     if rates is None:
         return None

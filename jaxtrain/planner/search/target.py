@@ -157,14 +157,12 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         attention = cfg.model.attention
     if efficiency:
         hw = dataclasses.replace(hw, compute_efficiency=efficiency)
-    notes += measured_notes(cfg, hw, attention, efficiency)
-    return Target(cfg, hw, devices, nodes, shapes, notes, attention)
+    return Target(cfg, hw, devices, nodes, shapes, notes + measured_notes(cfg, hw, attention, efficiency), attention)
 
 
 def measured_notes(cfg: Config, hw: Hardware, attention: str, efficiency: float | None) -> list[str]:
     """Which of the step's rates are measured (``jaxtrain/configs/hardware/measured/``) and which stand in."""
-    from jaxtrain.planner.cost.measured import for_hardware
-    from jaxtrain.planner.cost.model import measured_rates
+    from jaxtrain.planner.cost.measured import for_hardware, measured_rates
 
     rates = measured_rates(cfg, hw, attention)
     if rates is None:
