@@ -28,12 +28,32 @@ def check_moe_config(cfg: Config) -> None:
             f"expert less than one token's share of slots; use 0 (dropless) or >= {1 / moe.top_k:g}")
     not_negative("model.moe.aux_loss", moe.aux_loss)
     not_negative("model.moe.z_loss", moe.z_loss)
+    not_negative("model.moe.seq_aux_loss", moe.seq_aux_loss)
+    not_negative("model.moe.bias_update_rate", moe.bias_update_rate, " (0: the expert bias stays as loaded)")
+    positive("model.moe.routed_scaling_factor", moe.routed_scaling_factor)
+    _check_groups(moe)
     o = cfg.observe
     uniform = moe.top_k / moe.experts
     share = o.moe_collapse_share
     require(not o.moe_collapse_steps or share is None or share > uniform, f"observe.moe_collapse_share="
             f"{o.moe_collapse_share} must be above the share of tokens an expert gets when routing is uniform "
             f"(top_k / experts = {uniform:g}); raise it or set observe.moe_collapse_steps=0")
+
+
+def _check_groups(moe) -> None:
+    """Group-limited routing: groups of at least two experts (a group's score is the sum of its best two), kept
+    groups holding at least top_k experts."""
+    positive("model.moe.n_group", moe.n_group)
+    require(moe.experts % moe.n_group == 0, f"model.moe.n_group={moe.n_group} does not divide model.moe.experts="
+            f"{moe.experts}; use a divisor of {moe.experts}")
+    size = moe.experts // moe.n_group
+    require(moe.n_group == 1 or size >= 2, f"model.moe.n_group={moe.n_group} leaves {size} expert per group; a "
+            f"group's score is the sum of its best two, so use at most {moe.experts // 2} groups")
+    require(1 <= moe.topk_group <= moe.n_group, f"model.moe.topk_group={moe.topk_group} must be between 1 and "
+            f"model.moe.n_group={moe.n_group}")
+    require(moe.top_k <= moe.topk_group * size, f"model.moe.top_k={moe.top_k} is more than the "
+            f"{moe.topk_group * size} experts in the model.moe.topk_group={moe.topk_group} kept groups of {size}; "
+            f"raise topk_group to at least {-(-moe.top_k // size)} or lower top_k")
 
 
 def moe_warnings(cfg: Config) -> list[str]:

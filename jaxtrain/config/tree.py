@@ -144,6 +144,21 @@ class MoEConfig:
     # pooled: counts and probabilities summed over layers first (transformers' load_balancing_loss_func)
     balance_loss: Literal["per_layer", "pooled"] = "per_layer"
     z_loss: float = 0.0  # weight of the router z-loss (ST-MoE: mean of logsumexp(logits)^2)
+    # DeepSeek-V3's complementary sequence-wise balance loss's weight (alpha): per sequence, E / (top_k T^2) x
+    # sum_e (its tokens choosing e) x (its summed normalised scores of e), the mean over sequences and layers
+    seq_aux_loss: float = 0.0
+    # A per-expert correction bias (float32 [experts] per MoE layer, model state, not trained by the optimizer) added
+    # to the scores for choosing experts only, never to the combine weights (DeepSeek-V3's auxiliary-loss-free
+    # balancing); after each applied step, bias_e += bias_update_rate x sign(mean load - load_e), load_e the step's
+    # top-k choices of expert e over all microbatches and data-parallel groups (Megatron-Core)
+    expert_bias: bool = False
+    # the expert bias's step per applied train step (Megatron-Core's moe_router_bias_update_rate); 0: kept as loaded
+    bias_update_rate: float = 0.001
+    # group-limited routing (DeepSeek-V3): the experts split into n_group consecutive groups, each scored by the sum
+    # of its two best (biased) scores; 1: no groups
+    n_group: int = 1
+    topk_group: int = 1  # each token chooses its top_k experts within its topk_group best groups (of n_group)
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' combine weights (after normalize)
     # How tokens reach experts on other devices of the expert axis: all_to_all (padded to the worst case),
     # all_gather (every device gathers the axis's tokens, results reduce-scattered back); auto: fewer bytes
     dispatch: Literal["auto", "all_to_all", "all_gather"] = "auto"
@@ -227,6 +242,11 @@ class TrainConfig:
     # without accumulation; the collectives once per microbatch). With pipeline stages the pipeline's microbatches
     # are the accumulation and this does not apply.
     accumulate: Literal["unreduced", "sharded"] = "unreduced"
+    # The dtype train.accumulate=unreduced gathers the parameters in before its microbatch loop: "compute" (half the
+    # bytes in bfloat16: every parameter the model casts at its use is cast first, so no value changes; the router
+    # and the embedding table stay float32) or "float32" (the master weights as stored). Gradients are accumulated
+    # and reduced in float32 either way. Elsewhere XLA already gathers the compute dtype (docs/planning.md).
+    gather_dtype: Literal["compute", "float32"] = "compute"
     # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
     # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,
     # (stages - 1) / (microbatches * virtual_stages + stages - 1), at the price of moving the stage's layer weights

@@ -12,6 +12,8 @@ axes (G = n_layers / every groups; the leading ``layers`` axis is the group axis
     blocks.moe.mlp.w_down               [G, E, d_ff, embed]    (layers, experts, expert_mlp, embed)
     blocks.moe.mlp.shared.{gate,up,down}  an MLP of width shared_experts x d_ff (only with shared experts)
     blocks.moe.mlp.shared_gate          [G, embed, 1]          (only with model.moe.shared_gate)
+    blocks.moe.mlp.expert_bias          [G, E]                 (layers, -)  float32 state, not a parameter
+                                                               (only with model.moe.expert_bias)
 
 Hugging Face layer ``g * every + j`` is ``blocks.dense`` [g, j] for j < every - 1 and ``blocks.moe`` [g] for the
 last; Mixtral's per-expert w1, w3, w2 are ``w_gate[e]``, ``w_up[e]``, ``w_down[e]`` transposed, its gate is
@@ -59,6 +61,8 @@ class MoE(nnx.Module):
         self.shared = nnx.data(MLP(shared_cfg, dtype, param_dtype, rngs=rngs) if moe.shared_experts else None)
         gate = _param(rngs, cfg.init_std, ("embed", None), (d, 1), param_dtype) if moe.shared_gate else None
         self.shared_gate = nnx.data(gate)
+        if moe.expert_bias:  # float32 whatever param_dtype: 1e-3 steps would vanish in bfloat16 near 1
+            self.expert_bias = routing.ExpertBias(jnp.zeros((moe.experts,), jnp.float32), out_sharding=(None,))
         self.fp8_recipe = fp8_experts.experts_recipe(cfg)  # the routed experts' (docs/fp8.md)
         if self.fp8_recipe == "delayed":  # gate, up, down: x, w, g each; the layer stack adds "layers"
             history = jnp.zeros((3, 3, cfg.fp8_amax_history), jnp.float32)
@@ -69,7 +73,8 @@ class MoE(nnx.Module):
         """``dropless``: ignore the capacity (decoding: a drop would change what is generated); ``routed`` bool
         [batch, seq] or None (all): the positions sent to experts (padding is not)."""
         slots = None if dropless else routing.slots_per_expert(x.shape[1], self.moe_cfg)
-        route, stats = routing.route(x, self.router[...], self.moe_cfg, slots, routed)
+        bias = self.expert_bias[...] if self.moe_cfg.expert_bias else None
+        route, stats = routing.route(x, self.router[...], self.moe_cfg, slots, routed, bias)
         w = [p[...].astype(self.dtype) for p in (self.w_gate, self.w_up, self.w_down)]
         history = getattr(self, fp8.META_NAME)[...] if self.fp8_recipe == "delayed" else None
         y = self.experts(x.astype(self.dtype), route.experts, route.weights, *w, slots, fp8=self.fp8_recipe,
@@ -245,17 +250,25 @@ def objective(loss: jax.Array, stats: routing.RouterStats | None, moe: MoEConfig
     if stats is None:
         return loss, {"loss": loss}
     balance, z = routing.load_balancing_loss(stats, moe.balance_loss), routing.z_loss(stats)
-    total = loss + share * (moe.aux_loss * balance + moe.z_loss * z)
+    terms = moe.aux_loss * balance + moe.z_loss * z
+    if moe.seq_aux_loss > 0:  # a Python branch: without it the objective is the same program as before the option
+        terms = terms + moe.seq_aux_loss * routing.seq_balance_loss(stats)
+    total = loss + share * terms
     figures = {"moe_balance_loss": balance, "moe_z_loss": z, **routing.load_metrics(stats, moe.top_k)}
     return total, {"loss": loss, **{k: share * v for k, v in figures.items()}}
 
 
-def router_loss_part(sums: routing.RouterStats, counts: jax.Array, tokens: jax.Array, moe: MoEConfig,
+def router_loss_part(sums: routing.RouterStats, totals: tuple[jax.Array, jax.Array, jax.Array], moe: MoEConfig,
                      share: float) -> jax.Array:
-    """Some rows' part of one microbatch's ``share`` x (aux_loss x balance + z_loss x z-loss) (:func:`objective`),
-    the parts of all its rows adding up to it: ``sums`` the rows' statistics per MoE layer (prob_sum [G, E], z_sum
-    [G]), ``counts`` float32 [G, E] and ``tokens`` [G] those of all the microbatch's rows (no gradient: both losses
-    are linear in the rows' probabilities and z sums given the counts and tokens)."""
-    whole = routing.RouterStats(counts, sums.prob_sum, tokens, sums.z_sum, jnp.zeros_like(tokens))
-    return share * (moe.aux_loss * routing.load_balancing_loss(whole, moe.balance_loss)
-                    + moe.z_loss * routing.z_loss(whole))
+    """Some rows' part of one microbatch's ``share`` x (aux_loss x balance + z_loss x z-loss + seq_aux_loss x the
+    sequence-wise loss) (:func:`objective`), the parts of all its rows adding up to it: ``sums`` the rows'
+    statistics per MoE layer (prob_sum [G, E], z_sum [G], seq_sum [G]), ``totals`` (counts float32 [G, E], tokens
+    [G], seqs [G]) those of all the microbatch's rows (no gradient: the losses are linear in the rows'
+    probabilities, z sums and sequence sums given the totals)."""
+    counts, tokens, seqs = totals
+    whole = routing.RouterStats(counts, sums.prob_sum, tokens, sums.z_sum, jnp.zeros_like(tokens), sums.seq_sum,
+                                seqs)
+    terms = moe.aux_loss * routing.load_balancing_loss(whole, moe.balance_loss) + moe.z_loss * routing.z_loss(whole)
+    if moe.seq_aux_loss > 0:
+        terms = terms + moe.seq_aux_loss * routing.seq_balance_loss(whole)
+    return share * terms

@@ -7,8 +7,18 @@ arithmetic is float32 whatever the compute dtype (float64 when the input is). Ro
 - ``softmax`` (Mixtral, Qwen2-MoE): p = softmax(logits) over the experts; each token takes the ``top_k`` largest p,
   weighted p_k / sum of its top-k p when ``normalize`` (Mixtral), else p_k (Qwen2-MoE's default);
 - ``sigmoid`` (DeepSeek-V3): s = sigmoid(logits); the ``top_k`` largest s, weighted s_k / sum of the top-k s when
-  ``normalize``; the load-balancing loss's probabilities are s / sum(s). (DeepSeek's bias-steered, group-limited
-  selection is not modelled.)
+  ``normalize``; the load-balancing loss's probabilities are s / sum(s).
+
+DeepSeek-V3's selection (torchtitan's and Megatron-Core's arithmetic), each part an option of ``model.moe``:
+
+- ``expert_bias``: the experts are chosen by s + b (b float32 [E], :class:`ExpertBias`, model state), the weights
+  still taken from s (the bias steers the choice only). The bias's "gradient" is the step's load: the top-k choices
+  per expert over the routed tokens, before capacity drops (:func:`biased_choice`); after the step
+  :func:`update_bias` moves it by ``bias_update_rate`` x sign(mean load - load);
+- ``n_group`` / ``topk_group``: the (biased) scores split into n_group consecutive groups, each scored by the sum
+  of its best two; the experts of all but the topk_group best groups are out of the choice (-inf);
+- ``routed_scaling_factor``: the weights, normalised or not, times this factor;
+- ``seq_aux_loss``: the complementary sequence-wise balance loss (:func:`seq_balance_loss`).
 
 With ``capacity_factor`` > 0 each expert takes at most ``slots`` = ceil(capacity_factor x seq x top_k / experts)
 assignments of each sequence (a sequence is the group: the drops do not depend on the mesh); first choices of all
@@ -25,10 +35,12 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxtrain.config import MoEConfig
 
@@ -46,14 +58,72 @@ class RouterStats(NamedTuple):
     """One MoE layer's sums over its tokens, so that sums over layers, devices and microbatches combine exactly.
     counts float32 [E]: top-k choices per expert (before drops; no gradient); prob_sum float32 [E]: the router's
     probabilities summed over tokens; tokens float32 []: the routed tokens; z_sum float32 []: sum of
-    logsumexp(logits)^2; dropped float32 []: assignments the capacity dropped. Each over routed tokens only.
-    Stacked over the layer groups by the model's scan: [G, ...]."""
+    logsumexp(logits)^2; dropped float32 []: assignments the capacity dropped; seq_sum float32 []: the sequence-wise
+    balance losses summed over sequences (0 unless ``seq_aux_loss``); seqs float32 []: the sequences with routed
+    tokens (likewise). Each over routed tokens only. Stacked over the layer groups by the model's scan: [G, ...]."""
 
     counts: jax.Array
     prob_sum: jax.Array
     tokens: jax.Array
     z_sum: jax.Array
     dropped: jax.Array
+    seq_sum: jax.Array
+    seqs: jax.Array
+
+
+class ExpertBias(nnx.Variable):
+    """One MoE layer's expert-selection bias float32 [E] (stacked [G, E]); model state, checkpointed with it, not an
+    ``nnx.Param``: the optimizer, the gradient norm and the non-finite check never see it. Its cotangent in the train
+    step is the observed load (:func:`biased_choice`), combined by
+    :data:`jaxtrain.models.sidestate.EXPERT_LOAD`."""
+
+
+def choose(scores: jax.Array, moe: MoEConfig) -> jax.Array:
+    """The experts int32 [batch, seq, top_k] of the largest ``scores`` [batch, seq, E] (highest first), within the
+    ``topk_group`` best of ``n_group`` groups when n_group > 1 (a group scored by the sum of its best two)."""
+    if moe.n_group > 1:
+        b, s, e = scores.shape
+        grouped = scores.reshape(b, s, moe.n_group, e // moe.n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [batch, seq, n_group]
+        best = jax.lax.top_k(group_scores, moe.topk_group)[1]
+        kept = jnp.any(best[..., None] == jnp.arange(moe.n_group), axis=-2)  # [batch, seq, n_group]
+        scores = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(b, s, e)
+    return jax.lax.top_k(scores, moe.top_k)[1].astype(jnp.int32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def biased_choice(scores: jax.Array, bias: jax.Array, counted: jax.Array,
+                  moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """(scores [batch, seq, top_k] of the experts chosen by scores + bias [E], those experts int32): the choice
+    :func:`choose` makes on the biased scores, the weights from the unbiased ones. ``counted`` float [batch, seq]:
+    1 where a token counts in the load. The bias's cotangent is the load, float [E]: the choices per expert over the
+    counted tokens (0 where the output's cotangent is all zero: a pipeline's idle iteration observes nothing)."""
+    return _bc_fwd(scores, bias, counted, moe)[0]
+
+
+def _bc_fwd(scores, bias, counted, moe):
+    experts = choose(scores + bias, moe)
+    load = jnp.einsum("bske,bs->e", jax.nn.one_hot(experts, scores.shape[-1], dtype=scores.dtype), counted)
+    return (jnp.take_along_axis(scores, experts, axis=-1), experts), (experts, load.astype(bias.dtype), counted)
+
+
+def _bc_bwd(moe, res, g):
+    experts, load, counted = res
+    g_top = g[0]
+    # experts are distinct per token: the scatter of g into the chosen columns is a sum of one-hots
+    d_scores = jnp.einsum("bske,bsk->bse", jax.nn.one_hot(experts, load.shape[-1], dtype=g_top.dtype), g_top)
+    return d_scores, load * jnp.any(g_top != 0).astype(load.dtype), jnp.zeros_like(counted)
+
+
+biased_choice.defvjp(_bc_fwd, _bc_bwd)
+
+
+def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """bias [..., E] + rate x sign(mean_e load - load) (Megatron-Core's get_updated_expert_bias), float32;
+    ``load`` [..., E]: the step's choices per expert over all microbatches and data-parallel groups."""
+    load = load.astype(jnp.float32)
+    mean = jnp.sum(load, axis=-1, keepdims=True) / load.shape[-1]
+    return (bias.astype(jnp.float32) + rate * jnp.sign(mean - load)).astype(bias.dtype)
 
 
 def slots_per_expert(seq: int, moe: MoEConfig) -> int | None:
@@ -76,11 +146,20 @@ def keep_mask(experts: jax.Array, num_experts: int, slots: int) -> jax.Array:
     return (place < slots).reshape(b, k, s).transpose(0, 2, 1)
 
 
+class Selection(NamedTuple):
+    """What :func:`choose` reads of ``model.moe`` (hashable, for :func:`biased_choice`'s static argument)."""
+
+    top_k: int
+    n_group: int
+    topk_group: int
+
+
 def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None,
-          routed: jax.Array | None = None) -> tuple[Routing, RouterStats]:
+          routed: jax.Array | None = None, bias: jax.Array | None = None) -> tuple[Routing, RouterStats]:
     """Route x [batch, seq, embed] with router weights [embed, E] (``slots``: :func:`slots_per_expert`, None:
-    dropless; ``routed`` bool [batch, seq] or None (all): the positions to route) -> (:class:`Routing`,
-    :class:`RouterStats`). Logits are float32 [batch, seq, E]."""
+    dropless; ``routed`` bool [batch, seq] or None (all): the positions to route; ``bias`` float32 [E] or None: the
+    expert-selection bias, ``model.moe.expert_bias``) -> (:class:`Routing`, :class:`RouterStats`). Logits are
+    float32 [batch, seq, E]."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
     logits = jnp.einsum("bsd,de->bse", x.astype(acc), router_w.astype(acc), precision=jax.lax.Precision.HIGHEST)
     if moe.router == "softmax":
@@ -88,15 +167,22 @@ def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None,
     else:
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    _, experts = jax.lax.top_k(scores, moe.top_k)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if bias is None:
+        experts = choose(scores, moe)
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
+    else:
+        counted = jnp.ones(scores.shape[:2], acc) if routed is None else routed.astype(acc)
+        weights, experts = biased_choice(scores, bias.astype(acc), counted,
+                                         Selection(moe.top_k, moe.n_group, moe.topk_group))
     if moe.normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    experts = experts.astype(jnp.int32)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
     e = logits.shape[-1]
     if routed is not None:  # not routed: the sentinel (no expert, no slot, no count) and weight 0
         experts, weights = jnp.where(routed[..., None], experts, e), jnp.where(routed[..., None], weights, 0.0)
     counts = jnp.sum(jax.nn.one_hot(experts, e, dtype=acc), axis=(0, 1, 2))
+    seq_sum, seqs = _seq_sums(experts, probs, routed, moe) if moe.seq_aux_loss > 0 else (jnp.zeros((), acc),) * 2
     dropped = jnp.zeros((), acc)
     if slots is not None:
         keep = keep_mask(experts, e, slots)  # the sentinel claims no slot and is kept: not a drop
@@ -108,8 +194,23 @@ def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None,
     else:
         w = routed.astype(acc)
         prob_sum, tokens, z_sum = jnp.einsum("bse,bs->e", probs, w), jnp.sum(w), jnp.sum(z * z * w)
-    stats = RouterStats(jax.lax.stop_gradient(counts), prob_sum, tokens, z_sum, dropped)
+    stats = RouterStats(jax.lax.stop_gradient(counts), prob_sum, tokens, z_sum, dropped, seq_sum, seqs)
     return Routing(experts, weights), stats
+
+
+def _seq_sums(experts: jax.Array, probs: jax.Array, routed: jax.Array | None,
+              moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """(sum over sequences of DeepSeek-V3's sequence-wise balance loss, the sequences counted) from the chosen
+    experts int [batch, seq, k] (the sentinel E where not routed) and the probabilities [batch, seq, E]: per
+    sequence of T routed tokens, sum_e f_e P_e with f_e = E / (top_k T) x its tokens choosing e (no gradient) and
+    P_e = its summed probabilities of e / T. A sequence with no routed token adds 0 and is not counted."""
+    e = probs.shape[-1]
+    w = jnp.ones(probs.shape[:2], probs.dtype) if routed is None else routed.astype(probs.dtype)
+    chosen = jnp.sum(jax.nn.one_hot(experts, e, dtype=probs.dtype), axis=(1, 2))  # [batch, E]
+    prob_sum = jnp.einsum("bse,bs->be", probs, w)
+    t = jnp.sum(w, axis=1)  # [batch]
+    per_seq = e / moe.top_k * jnp.sum(jax.lax.stop_gradient(chosen) * prob_sum, axis=-1) / jnp.maximum(t, 1.0) ** 2
+    return jnp.sum(per_seq), jnp.sum(t > 0).astype(probs.dtype)
 
 
 def load_balancing_loss(stats: RouterStats, form: str = "per_layer") -> jax.Array:
@@ -130,6 +231,13 @@ def load_balancing_loss(stats: RouterStats, form: str = "per_layer") -> jax.Arra
         n = jnp.maximum(jnp.sum(stats.tokens), 1.0)
         return e * jnp.sum(counts.sum(0) / n * (probs.sum(0) / n))
     return e * jnp.mean(jnp.sum(counts / tokens[:, None] * (probs / tokens[:, None]), axis=-1))
+
+
+def seq_balance_loss(stats: RouterStats) -> jax.Array:
+    """DeepSeek-V3's complementary sequence-wise balance loss (model.moe.seq_aux_loss, unweighted): the mean over
+    sequences and MoE layers of sum_e f_e P_e, each sequence's own f and P (:class:`RouterStats`' seq_sum / seqs).
+    Uniform routing gives 1 (Megatron-Core's seq_aux_loss, there summed over layers)."""
+    return jnp.sum(stats.seq_sum) / jnp.maximum(jnp.sum(stats.seqs), 1.0)
 
 
 def z_loss(stats: RouterStats) -> jax.Array:

@@ -9,14 +9,17 @@ Two sorts, one rule each:
   whose "gradient" is what the step observed rather than a derivative, and that are updated after the optimizer
   from that observation (a skipped step keeps them). Observations combine by the rule's ``combine`` over
   microbatches and pipeline passes, ``reduce`` over a stacked axis of data-parallel groups, ``collective`` over
-  named mesh axes: never a sum. Today: FP8 delayed scaling's amax histories (:data:`AMAX_HISTORY`: max).
+  named mesh axes: never as gradients are scaled. Today: FP8 delayed scaling's amax histories (:data:`AMAX_HISTORY`:
+  max) and the MoE expert-selection bias, observing the experts' load (:data:`EXPERT_LOAD`: a count, summed over
+  everything, never rescaled with the loss).
 - **Collected statistics** (:class:`CollectedRule`): what a forward pass records per layer, summed over a
   microbatch's rows, layers and data-parallel groups; each microbatch's sums become its loss terms and figures,
   each microbatch counting its share of the step (never a statistic pooled over microbatches). Today: the MoE
   router's statistics (:data:`ROUTER_STATS`: the balance loss, z-loss and load figures).
 
 A new kind of observed state is a :class:`jaxtrain.models.fp8.Fp8Meta`-like ``nnx.Variable`` subclass with an
-:class:`ObservedRule` in :data:`OBSERVED`; a new collected kind, a :class:`CollectedRule`.
+:class:`ObservedRule` in :data:`OBSERVED` (as :class:`jaxtrain.models.routing.ExpertBias` is); a new collected kind,
+a :class:`CollectedRule`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.models import fp8, moe
+from jaxtrain.models import fp8, moe, routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,8 @@ class ObservedRule:
     """One kind of observed state: ``variable`` its nnx.Variable type, found in gradient trees under the path key
     ``key``; ``combine(a, b)`` two observations (microbatches, passes); ``reduce(g, axis)`` over a stacked axis;
     ``collective(g, axes)`` over named mesh axes; ``rescale(g, factor)`` the observation of a loss computed
-    ``1 / factor`` times too large; ``push(value, observation)`` the variable's new value; ``over(axes)`` a context in
+    ``1 / factor`` times too large; ``push(value, observation, model_cfg)`` the variable's new value (the model's
+    config gives the rule's options); ``over(axes)`` a context in
     which the model's own observations are reduced over named axes (a vmap's or shard_map's); ``combine_at(acc, i,
     g)``: ``g`` combined into ``acc[i]``."""
 
@@ -51,7 +55,7 @@ class ObservedRule:
     reduce: Callable[[jax.Array, int], jax.Array]
     collective: Callable[[jax.Array, tuple[str, ...]], jax.Array]
     rescale: Callable[[jax.Array, Any], jax.Array]
-    push: Callable[[jax.Array, jax.Array], jax.Array]
+    push: Callable[[jax.Array, jax.Array, ModelConfig], jax.Array]
     over: Callable[[tuple[str, ...]], contextlib.AbstractContextManager]
 
 
@@ -59,8 +63,18 @@ class ObservedRule:
 AMAX_HISTORY = ObservedRule(key=fp8.META_NAME, variable=fp8.Fp8Meta, combine=jnp.maximum,
                             combine_at=lambda acc, i, g: acc.at[i].max(g),
                             reduce=lambda g, axis: g.max(axis), collective=jax.lax.pmax,
-                            rescale=fp8.scale_gradient_amax, push=fp8.push_observed, over=fp8.amax_over)
-OBSERVED: tuple[ObservedRule, ...] = (AMAX_HISTORY,)
+                            rescale=fp8.scale_gradient_amax, push=lambda h, seen, cfg: fp8.push_observed(h, seen),
+                            over=fp8.amax_over)
+# MoE expert-selection bias (models/routing.py, model.moe.expert_bias): the observation is the top-k choices per
+# expert, which add up over microbatches, passes and groups; a count does not scale with the loss (rescale: as is),
+# and a device's or group's rows observe their own choices only (over: nothing to reduce inside, the sum over the
+# groups comes from reduce / collective once).
+EXPERT_LOAD = ObservedRule(key="expert_bias", variable=routing.ExpertBias, combine=jnp.add,
+                           combine_at=lambda acc, i, g: acc.at[i].add(g), reduce=lambda g, axis: g.sum(axis),
+                           collective=jax.lax.psum, rescale=lambda g, factor: g,
+                           push=lambda bias, load, cfg: routing.update_bias(bias, load, cfg.moe.bias_update_rate),
+                           over=lambda axes: contextlib.nullcontext())
+OBSERVED: tuple[ObservedRule, ...] = (AMAX_HISTORY, EXPERT_LOAD)
 
 # What the train step differentiates: the parameters and the observed state.
 DIFFERENTIATED = nnx.Any(nnx.Param, *(r.variable for r in OBSERVED))
@@ -148,8 +162,10 @@ def record(model: nnx.Module, observed: Any, applied: jax.Array) -> None:
     if not jax.tree.leaves(state):
         return
 
+    cfg = model.cfg  # type: ignore[attr-defined]
+
     def one(path, value, obs):
-        return jnp.where(applied, _rule(path).push(value, obs), value)
+        return jnp.where(applied, _rule(path).push(value, obs, cfg), value)
 
     nnx.update(model, jax.tree_util.tree_map_with_path(one, state, observed))
 
@@ -202,8 +218,8 @@ class CollectedRule:
 ROUTER_STATS = CollectedRule(
     name="router statistics", collects=lambda cfg: bool(cfg.moe.experts), forward=moe.logits_and_stats,
     figures=moe.METRICS, objective=lambda loss, stats, cfg, share: moe.objective(loss, stats, cfg.moe, share),
-    totals=lambda stats: (stats.counts, stats.tokens),
-    loss_part=lambda sums, totals, cfg, share: moe.router_loss_part(sums, totals[0], totals[1], cfg.moe, share))
+    totals=lambda stats: (stats.counts, stats.tokens, stats.seqs),
+    loss_part=lambda sums, totals, cfg, share: moe.router_loss_part(sums, totals, cfg.moe, share))
 COLLECTED: tuple[CollectedRule, ...] = (ROUTER_STATS,)
 
 
