@@ -144,3 +144,25 @@ def test_a_bad_measured_file_is_one_line_naming_the_key(tmp_path, edit, message)
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         measured_lib.parse(str(path))
     assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.slow
+def test_plan_for_the_h200_prices_cudnn_at_its_measured_rates_not_the_cpu_stand_in(tmp_path):
+    """`plan --hardware h200-8x` compiles the Pallas kernel in cuDNN's place on CPU; the step time still takes
+    cuDNN's measured rates (307 / 268 TFLOP/s, not Pallas's 191 / 228). A 2-layer 1B at 1024 tokens, 1 row a GPU."""
+    import json
+
+    from jaxtrain_testing import run_cli
+
+    proc = run_cli("plan", "--config", "1b", "--hardware", "h200-8x", "mesh.ici.fsdp=8", "train.global_batch=8",
+                   "model.n_layers=2", "data.seq_len=1024", f"run.dir={tmp_path}", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    (row,) = doc["candidates"]
+    tokens = 1024  # per GPU
+    weights = 2 * (2048 * 64 * 80 + 3 * 2048 * 8192) + 2048 * 128256
+    attn_fwd = 2 * 2 * 2 * 1024 * 32 * 64 / 2 * tokens
+    hand = 6 * weights * tokens / 605e12 + attn_fwd * (3.5 / 307e12 + 1 / 268e12)
+    assert row["time"]["compute"] == pytest.approx(hand, rel=1e-9)
+    assert any("planned with pallas" in n for n in doc["notes"])
+    assert any("attention fwd bwd 307 TFLOP/s (measured: cudnn, head dim 64)" in n for n in doc["notes"])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.models.flops import count_params
+from jaxtrain.planner.cost.measured import for_hardware
 from jaxtrain.planner.cost.model import remat_factor
 
 WIDTH = 120
@@ -132,7 +133,8 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         + ")")
     lines += _wrap(
         f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
-        f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {_efficiency(hw)}; memory {_bytes(hw.hbm_bytes)} x "
+        f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {_efficiency(hw)}"
+        + (" where no rate was measured" if for_hardware(hw) else "") + f"; memory {_bytes(hw.hbm_bytes)} x "
         f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links "
         f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
         "(per device, each way)"
@@ -150,7 +152,9 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         "in-node / x-node: collective bytes each device sends within its node / to other nodes (hierarchical "
         "rings), loop trip counts included.",
         "step = compute + comm + optimizer update (no overlap); overlapped = max(compute, in-node, x-node) + update. "
-        f"compute = model FLOPs x remat {remat_factor(cfg):.3g} / (peak x efficiency).",
+        + (f"compute = model FLOPs x remat {remat_factor(cfg):.3g} / (peak x efficiency)." if for_hardware(hw) is None
+         else "compute = the weight matmuls and attention (forward + backward, and what remat recomputes), each at its "
+              f"rate (measured, else peak x efficiency: the note on {hw.name}'s measured rates)."),
         "Meshes that fit are listed first, then by step. --wide: memory and bytes per collective kind; --json: "
         "everything, per collective.",
     ]
