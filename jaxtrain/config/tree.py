@@ -242,6 +242,11 @@ class TrainConfig:
     # without accumulation; the collectives once per microbatch). With pipeline stages the pipeline's microbatches
     # are the accumulation and this does not apply.
     accumulate: Literal["unreduced", "sharded"] = "unreduced"
+    # The dtype train.accumulate=unreduced gathers the parameters in before its microbatch loop: "compute" (half the
+    # bytes in bfloat16: every parameter the model casts at its use is cast first, so no value changes; the router
+    # and the embedding table stay float32) or "float32" (the master weights as stored). Gradients are accumulated
+    # and reduced in float32 either way. Elsewhere XLA already gathers the compute dtype (docs/planning.md).
+    gather_dtype: Literal["compute", "float32"] = "compute"
     # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
     # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,
     # (stages - 1) / (microbatches * virtual_stages + stages - 1), at the price of moving the stage's layer weights

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.config import Config
 from jaxtrain.data.tokens import DOC_START, NO_LOSS, PAD, TOKEN_BITS
-from jaxtrain.models import sidestate
+from jaxtrain.models import precision, sidestate
 from jaxtrain.optim.state import make_optimizer
 from jaxtrain.parallel import pipeline, pipeline_1f1b
 from jaxtrain.parallel.layout import Layout
@@ -205,8 +205,13 @@ class Step:
         micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, PartitionSpec(None, dp_axes)))
         specs = jax.tree.map(lambda a: a.sharding.spec, lay.abstract_params)
         gathered_specs = jax.tree.map(lambda s: without_axes(s, dp_axes), specs)
+        # Gathered once for the whole loop: in the compute dtype (train.gather_dtype=compute), each parameter the
+        # model casts at its use is cast on its shard first, halving the all-gather without changing a value; the
+        # accumulators and their reduction stay float32.
+        narrow = self.cfg.train.gather_dtype == "compute"
+        to_gather = precision.narrowed(params, self.cfg.model.dtype) if narrow else params
         gathered = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(mesh, s)),
-                                params, gathered_specs)
+                                to_gather, gathered_specs)
 
         def group_grad(tokens):
             # Inside the per-group function the batch axes belong to the vmapped group dimension (spmd_axis_name),
