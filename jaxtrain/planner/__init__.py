@@ -78,7 +78,8 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
         # plan writes into no run directory (run.dir is the default job's unless given): its readings go into
         # this user's cache, keyed by everything they depend on, so every later plan finds them.
         res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache), gpu=gpu)
+                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache), gpu=gpu,
+                                 attention=target.attention)
         warnings = report.gpu_warnings([r.result for r in res.compiled if r.result is not None])
         print(json.dumps({"notes": target.notes, **auto_report.to_json(res), "warnings": warnings}, indent=1)
               if as_json else "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res),

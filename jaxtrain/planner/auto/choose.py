@@ -52,12 +52,14 @@ def _rank_key(r: Row):
 
 def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, cache_dir: str | None = None,
                   remats=REMATS, microbatches=None, max_compiles: int = MAX_COMPILES, keep: dict | None = None,
-                  progress: Callable[[str], None] = lambda msg: None, gpu=None) -> AutoResult:
+                  progress: Callable[[str], None] = lambda msg: None, gpu=None,
+                  attention: str | None = None) -> AutoResult:
     """The auto choice for ``cfg`` on ``devices`` (module docstring). ConfigError, one line, when nothing fits.
-    ``gpu``: a ``xla_gpu.PlanCompiler`` (``plan --hardware``): each candidate's memory and collectives from XLA:GPU."""
+    ``gpu``: a ``xla_gpu.PlanCompiler`` (``plan --hardware``): each candidate's memory and collectives from XLA:GPU.
+    ``attention``: the kernel the run uses where ``cfg`` compiles a stand-in (``target.Target.attention``)."""
     t0 = time.perf_counter()
     budget = hw.usable_bytes * (1 - cfg.mesh.auto_memory_margin)
-    rows = [closed_form(cfg, c, hw) for c in candidates(cfg, len(devices), nodes, remats, microbatches)]
+    rows = [closed_form(cfg, c, hw, attention) for c in candidates(cfg, len(devices), nodes, remats, microbatches)]
     # Layouts in the order of their best guess, and within one the lighter settings first (less remat; without a
     # pipeline, fewer microbatches), so that a lighter setting that fits is compiled before the heavier ones it
     # dominates (below): the guesses favour accumulation, whose smaller matmuls they do not price.
@@ -92,7 +94,7 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
         comp, r.cached = compile_cached(c, r.cand.shape, devices, cache_dir, keep, r.cand, gpu)
         hits += r.cached
         compiles += not r.cached
-        r.result = search.candidate_result(c, r.cand.shape, hw, comp)
+        r.result = search.candidate_result(c, r.cand.shape, hw, comp, attention)
         r.result["fits"] = comp.memory_bytes <= budget
         progress(f"mesh.auto: [{compiles + hits}/{max_compiles}] {r.cand.label}: {gb(comp.memory_bytes)}"
                  f"{'' if r.result['fits'] else ' (over the budget)'}, est. {ms(r.est)}"
