@@ -129,9 +129,14 @@ def for_hardware(hw: Hardware) -> Measured | None:
     """The measured rates of the shipped description ``hw`` is (by name), or None: none shipped, or ``hw``'s matmul
     rate is no longer the file's (a calibration replaced it: then its figures are the measured ones)."""
     measured = _shipped(hw.name) if hw.name and os.sep not in hw.name else None
-    if measured is None or load_hardware(hw.name).peak_flops != hw.peak_flops:
+    if measured is None or _datasheet_peak(hw.name) != hw.peak_flops:
         return None
     return measured
+
+
+@functools.cache
+def _datasheet_peak(name: str) -> float:
+    return load_hardware(name).peak_flops  # read once: the cost model asks per candidate
 
 
 def measured_rates(cfg: Config, hw: Hardware, attention: str) -> dict[str, tuple[float, str]] | None:
