@@ -58,9 +58,8 @@ class Local:
             return _cudnn_attention(q, k, v) if self.window is None else _cudnn_window_attention(self.window)(q, k, v)
         if self.impl not in ("pallas", "triton"):
             raise ValueError(f"attention impl {self.impl!r} is not resolved; expected one of {', '.join(IMPLS)}")
-        window = {} if self.window is None else {"window": self.window}  # the triton impl takes no window
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl,
-                               interpret=self.interpret, **window)
+                               interpret=self.interpret, window=self.window)
 
 
 def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | None) -> jax.Array:

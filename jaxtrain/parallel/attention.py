@@ -65,6 +65,5 @@ class MeshAttention:
             raise ValueError(f"attention impl {self.impl!r} cannot run over a context axis; use xla, pallas or triton")
         blocks = context.XLA_BLOCKS if self.impl == "xla" else context.kernel_blocks(self.impl, self.interpret)
         specs = tuple(nn_partitioning.logical_to_mesh_axes(a) for a in (Q_AXES, KV_AXES, SEGMENT_AXES))
-        window = {} if self.window is None else {"window": self.window}
         return context.context_attention(q, k, v, segment_ids, mesh=mesh, specs=specs, n=ring, blocks=blocks,
-                                         **window)
+                                         window=self.window)
