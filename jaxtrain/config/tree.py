@@ -177,7 +177,8 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections, none on the output one (Qwen2, Qwen2.5)
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head, before rotary (Qwen3)
     # Sliding-window attention in every layer (Mistral; Qwen's use_sliding_window): a query attends to itself and
-    # the sliding_window - 1 tokens before it; None: full causal attention. model.attention=xla only, no context axis.
+    # the sliding_window - 1 tokens before it; None: full causal attention. On xla, cudnn and pallas attention (not
+    # triton), over a context axis too (ring attention skips the chunks outside it).
     sliding_window: int | None = None
     d_ff: int = 384  # hidden width of the SwiGLU MLP
     rope_theta: float = 10000.0  # rotary embeddings' base wavelength
