@@ -394,6 +394,8 @@ def _rates_headline(sec: Section, rows: list[dict]) -> list[dict]:
     for r in rows:
         if r.get("kind") == "rate" and r.get("what") == "gemm":
             both = f", fwd+bwd {r['fwdbwd_tflops']:.4g}" if r.get("fwdbwd_tflops") is not None else ""
+            if "f8_gemm" in r:  # whether XLA kept it in float8: an upcast GEMM's rate is not the FP8 rate
+                both += " (a float8 GEMM)" if r["f8_gemm"] else " (XLA upcast it: not the FP8 rate)"
             out.append(dict(what=f"GEMM {r['shape']} [{r['m']}, {r['k']}] x [{r['k']}, {r['n']}] {r['dtype']}, "
                                  "TFLOP/s", result=f"fwd {r['fwd_tflops']:.4g}{both}", figures=r))
         elif r.get("kind") == "rate" and r.get("what") == "hbm":

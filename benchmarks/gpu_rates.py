@@ -4,7 +4,8 @@ the 1B's and Llama 3.1 8B's projection shapes, and the HBM bandwidth of an eleme
 
 - ``gemm``: ``[m, k] x [k, n]`` at ``bfloat16`` (forward, and forward + backward: the value and both operands'
   gradients, 3 GEMMs of 2 m k n FLOPs), and ``float8`` (e4m3 x e4m3 -> bfloat16, forward only: the tensor-core
-  rate ``model.fp8``'s projections can reach before quantisation's own passes); m = 16,384 tokens (4 x 4096);
+  rate ``model.fp8``'s projections can reach before quantisation's own passes; ``f8_gemm``: whether the compiled
+  program kept the GEMM in float8); m = 16,384 tokens (4 x 4096);
 - ``hbm``: ``y = x * c`` over a 4 GiB bfloat16 array, bytes read + written over the time.
 
 Median of ``--iters`` timed calls after one warm-up; ``--smoke``: toy sizes (on a CPU: the numbers mean nothing).
@@ -66,8 +67,11 @@ def gemm_rows(shapes, iters: int) -> list[dict]:
         fp8 = jax.jit(lambda x, y: jax.lax.dot(x, y, preferred_element_type=jnp.bfloat16))
         a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
         t = _time(fp8, a8, b8, iters=iters)
+        # Whether XLA kept the GEMM in float8 (a cuBLASLt FP8 call or a Triton GEMM on f8 operands), not upcast it
+        text = fp8.lower(a8, b8).compile().as_text() or ""
         row = dict(kind="rate", what="gemm", shape=name, m=m, k=k, n=n, dtype="float8",
-                   fwd_ms=round(t * 1e3, 3), fwd_tflops=_sig(flops / t / 1e12))
+                   fwd_ms=round(t * 1e3, 3), fwd_tflops=_sig(flops / t / 1e12),
+                   f8_gemm="$f8" in text or ("__triton_gemm" in text and "f8e4m3fn" in text))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
