@@ -133,7 +133,8 @@ def _budget(cfg, args) -> int:
             gpu, note = xla_gpu.for_plan(t.hw, t.nodes, cfg.model.attention)
             t.notes.append(note)
         log(f"planning {len(t.shapes)} mesh(es) over {t.n_devices} device(s) on {t.nodes} node(s) for {t.hw.name}")
-        plans.append((t, search.plan(t.cfg, t.shapes, t.hw, t.devices, progress=log, gpu=gpu)))
+        plans.append((t, search.plan(t.cfg, t.shapes, t.hw, t.devices, progress=log, gpu=gpu,
+                                     attention=t.attention)))
     first = targets[0]
     tokens_per_step = first.cfg.train.global_batch * first.cfg.data.seq_len
     rows = report.budget_rows([(t.nodes, t.n_devices, result) for t, result in plans], args.tokens,
