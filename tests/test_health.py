@@ -191,8 +191,12 @@ def test_check_writes_a_calibration_the_planner_reads(make_config, capsys):
     cfg = make_config("check.sizes_mb=[0.0625,1]", "check.iters=2", "check.matmul_size=128")
     health.run(cfg)
     path = calibration.in_run_dir(cfg.run.dir)
+    out = capsys.readouterr().out
     assert path is not None and f"calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}" \
-        in capsys.readouterr().out
+        in out
+    # No NCCL on CPU: the transport is not applicable, in one line, never a made-up one (test_fabric: the GPU path).
+    assert [ln for ln in out.splitlines() if ln.startswith("fabric")] == [
+        "fabric: not applicable: CPU devices, collectives run over gloo, not NCCL (check.fabric is read on GPUs)"]
     body = calibration.read(path)
     assert body["device_kind"] == "cpu" and body["devices"] == 8 and set(body["axes"]) == {"fsdp"}
     fsdp = body["axes"]["fsdp"]

@@ -14,13 +14,16 @@ def add_arguments(p):
                      "(config, environment, Slurm), without starting JAX. Run it inside the job (e.g. `srun python "
                      "-m jaxtrain env`) when a job sees the wrong devices. It also prints the NVIDIA driver's "
                      "release and CUDA version, the installed JAX CUDA plugin and one line saying whether they fit "
-                     "(and what to install when not), and which of jaxtrain's packages are missing (the other "
-                     "commands refuse to start without them) or installed in other versions.")
+                     "(and what to install when not), which of jaxtrain's packages are missing (the other "
+                     "commands refuse to start without them) or installed in other versions, and the NCCL transport "
+                     "(IB, EFA, sockets) the last `jaxtrain check` on this node read from NCCL's INIT/NET lines "
+                     "(not applicable without GPUs), with the node's RDMA devices, /dev/infiniband and net plugins.")
     add_config_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object (keys: coordinator, num_processes, "
                    "process_id, local_device_ids, platform, coordinator_bind_address, sources, host, "
                    "cuda_visible_devices, driver_release, driver_cuda, driver_source, jax, cuda_plugins, gpu_fits, "
-                   "gpu_verdict, missing_packages, other_versions)")
+                   "gpu_verdict, missing_packages, other_versions, nccl_transport, nccl_transport_words, "
+                   "nccl_log, rdma_devices, dev_infiniband, nccl_net_plugins)")
 
 
 def run(args) -> int:
@@ -38,6 +41,11 @@ def run(args) -> int:
     found = packages.check()
     out |= {"missing_packages": [r.text for r in found.missing],
             "other_versions": {r.name: f"{version} (needs {r.specifier})" for r, version in found.other_versions}}
+    from jaxtrain.cluster.links import node_name
+    from jaxtrain.health import fabric
+
+    gpu_job = bool(gpu["cuda_plugins"]) and bool(gpu["driver_release"]) and out["platform"] != "cpu"
+    out |= fabric.env_report(cfg.run.dir, node_name(), gpu_job, fabric.probe())
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
@@ -62,4 +70,8 @@ def run(args) -> int:
     print(packages.missing_message(found) if found.missing else "packages: every one jaxtrain needs is installed")
     if found.other_versions:
         print(packages.versions_message(found))
+    rdma = ", ".join(out["rdma_devices"]) or "none in /sys/class/infiniband"
+    print(f"NCCL transport: {out['nccl_transport_words']}; RDMA devices: {rdma}; /dev/infiniband: "
+          f"{'present' if out['dev_infiniband'] else 'no uverbs'}; NCCL net plugins: "
+          f"{', '.join(out['nccl_net_plugins']) or 'none'}")
     return 0

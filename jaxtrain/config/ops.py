@@ -45,6 +45,11 @@ class CheckConfig:
     min_link_fraction: float = 0.5  # fail an axis whose bus bandwidth is below this fraction of its link's rate
     bound_misfit_fraction: float = 0.5  # a bound missed on more nodes than this share does not fit: reported only
     max_exclude_fraction: float = 0.5  # exclude at most this share of the nodes (rounded down); more failing: none
+    # The network NCCL must use between nodes (read from NCCL's INIT/NET debug lines, docs/health-check.md): ib
+    # (InfiniBand or RoCE verbs) or efa (AWS EFA through aws-ofi-nccl): a node on TCP sockets fails, named with the
+    # likely cause; auto: what the node's /sys/class/infiniband lists (an efa driver: efa, another device: ib, none:
+    # nothing required); socket: nothing required (a cluster without RDMA). Always reported; on CPU, not applicable.
+    fabric: Literal["auto", "ib", "efa", "socket"] = "auto"
 
 
 @dataclass

@@ -18,7 +18,9 @@ import numpy as np
 
 from jaxtrain.cluster.links import BUS_FACTOR
 
-BOUND, RELATIVE, WRONG = "bound", "relative", "wrong"  # kinds of finding; only a BOUND can be judged a misfit
+# Kinds of finding; only a BOUND can be judged a misfit. FABRIC: an InfiniBand or EFA node whose NCCL fell back to
+# TCP sockets (jaxtrain.health.fabric), a node's fault however many nodes share it.
+BOUND, RELATIVE, WRONG, FABRIC = "bound", "relative", "wrong", "fabric"
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Finding:
 
     host: str
     check: str
-    kind: str  # BOUND (an absolute rate from the hardware file or check.min_busbw_gbps), RELATIVE or WRONG
+    kind: str  # BOUND (an absolute rate from the hardware file or check.min_busbw_gbps), RELATIVE, WRONG or FABRIC
     detail: str
 
 
