@@ -184,8 +184,6 @@ def test_env_reports_the_last_checks_transport_on_gpus_and_not_applicable_on_cpu
 def test_on_cpu_the_check_says_in_one_line_the_transport_is_not_applicable(make_config, capsys):
     cfg = make_config()
     assert jax.devices()[0].platform == "cpu"
-    before = os.environ.get("NCCL_DEBUG")
-    assert health._nccl_logging(cfg) is None and os.environ.get("NCCL_DEBUG") == before  # NCCL left alone
     job = health._Job(cfg, None, None, jax.devices()[0], None, ["cpu-host"], None)
     assert health._check_fabric(job, None) == []
     out = capsys.readouterr().out.strip().splitlines()
@@ -219,3 +217,20 @@ def test_the_checks_fabric_step_fails_an_ib_node_whose_nccl_log_says_sockets(mak
     decision = decide(["cpu-host", "other"], [finding], known_hardware=True, misfit_fraction=0.5,
                       max_exclude_fraction=0.5)
     assert decision.failed and decision.exclude == ["cpu-host"]
+
+
+def test_start_logging_sets_nccls_variables_in_this_process_and_makes_the_directory(tmp_path, monkeypatch):
+    for key, value in {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "", "NCCL_DEBUG_FILE": ""}.items():
+        monkeypatch.setenv(key, value)  # restored after the test
+    path = fabric.start_logging(str(tmp_path / "run"), "gpu-a")
+    assert path == f"{tmp_path}/run/nccl/gpu-a.{os.getpid()}.log" and (tmp_path / "run" / "nccl").is_dir()
+    assert (os.environ["NCCL_DEBUG"], os.environ["NCCL_DEBUG_SUBSYS"], os.environ["NCCL_DEBUG_FILE"]) == (
+        "INFO", "INIT,NET", path)
+
+
+def test_node_lines_merge_a_nodes_processes_and_say_when_nothing_was_read():
+    rows = [["gpu-a", "ib", "IB", "[0]mlx5_0:1/IB", "/r/a.1.log"],
+            ["gpu-a", "socket", "Socket", "[0]eth0", "/r/a.2.log"], ["gpu-b", "none", "", "", "/r/b.3.log"]]
+    lines = fabric.node_lines(rows)
+    assert lines[0] == "fabric: node gpu-a: TCP sockets ([0]eth0) [/r/a.2.log]"
+    assert lines[1].startswith("fabric: node gpu-b: not read: NCCL wrote no network line") and len(lines) == 2

@@ -2,6 +2,8 @@
 unknown kinds), host grouping of mesh axes, buffer sizes, and the on-device value check. The end-to-end `check`
 runs live in test_multihost.py."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -189,7 +191,9 @@ def test_check_writes_a_calibration_the_planner_reads(make_config, capsys):
     from jaxtrain.planner.cost.measure import measure_cpu
 
     cfg = make_config("check.sizes_mb=[0.0625,1]", "check.iters=2", "check.matmul_size=128")
+    nccl_vars = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     health.run(cfg)
+    assert {k: v for k, v in os.environ.items() if k.startswith("NCCL_")} == nccl_vars  # CPU: NCCL left alone
     path = calibration.in_run_dir(cfg.run.dir)
     out = capsys.readouterr().out
     assert path is not None and f"calibration (matmul rate, each axis' bus bandwidth and latency) written to {path}" \

@@ -15,7 +15,7 @@ Buffers are made on the devices, one per axis at the judged size (:func:`health_
 by every collective and size. Attribution: when an axis misses, per-node sub-checks (each node's devices alone) and
 per-pair sub-checks (neighbouring nodes two by two) find the node to blame. The verdict over all nodes is
 :func:`jaxtrain.health.verdict.decide`; process 0 prints ``check: exclude hosts: <host,...>`` (Slurm node names),
-which ``launch/slurm.sbatch`` turns into ``--exclude``.
+which ``launch/slurm.sbatch`` turns into ``--exclude``. The network NCCL chose on each node: :mod:`.fabric`.
 """
 
 from __future__ import annotations
@@ -323,7 +323,8 @@ class _AxisPlan:
 def run(cfg: Config) -> Decision:
     """Run the check; process 0 prints the tables, the verdict and ``check: exclude hosts: <host,...>`` when nodes
     are to be excluded. Returns the job's decision (the same on every process)."""
-    nccl_log = _nccl_logging(cfg)  # before the first collective: NCCL reads NCCL_DEBUG* once, at its first log
+    # On GPUs, NCCL's INIT/NET lines into run.dir, set before the first collective: NCCL reads NCCL_DEBUG* once.
+    nccl_log = None if jax.devices()[0].platform == "cpu" else fabric.start_logging(cfg.run.dir, node_name())
     job = _start(cfg)
     findings, calib_rate = _check_matmuls(job)
     calib_axes: dict[str, dict] = {}
@@ -339,34 +340,18 @@ def run(cfg: Config) -> Decision:
     return _decide(job, findings, calib_rate, calib_axes)
 
 
-def _nccl_logging(cfg: Config) -> str | None:
-    """On GPUs: NCCL's INIT/NET debug lines of this process go to a file under run.dir (:func:`fabric.debug_env`);
-    returns its ``NCCL_DEBUG_FILE`` pattern. None on CPU devices (collectives run over gloo, no NCCL)."""
-    if jax.devices()[0].platform == "cpu":
-        return None
-    env = fabric.debug_env(cfg.run.dir, node_name(), os.getpid(), dict(os.environ))
-    os.makedirs(os.path.dirname(os.path.abspath(env["NCCL_DEBUG_FILE"])), exist_ok=True)
-    os.environ.update(env)
-    return env["NCCL_DEBUG_FILE"]
-
-
 def _check_fabric(job: _Job, nccl_log: str | None) -> list[Finding]:
-    """Which network NCCL used on each node, read from its INIT/NET lines (:mod:`.fabric`); process 0 says it per
-    node. An InfiniBand or EFA node on TCP sockets (check.fabric) is this process's finding, with the likely cause
-    from the node's /sys, /dev and libraries."""
+    """The network NCCL chose on each node (:mod:`.fabric`), a line per node from process 0; an InfiniBand or EFA
+    node on TCP sockets (check.fabric) is this process's finding, with the likely cause from its filesystem."""
     if nccl_log is None:
-        job.say("\nfabric: not applicable: CPU devices, collectives run over gloo, not NCCL (check.fabric is read on "
-                "GPUs)")
+        job.say(f"\n{fabric.NOT_APPLICABLE}")
         return []
-    paths = fabric.log_files(nccl_log, os.getpid())
-    transport, log = fabric.read_transport(paths)
+    transport, log = fabric.read_transport(fabric.log_files(nccl_log, os.getpid()))
     reason = fabric.fallback(job.cfg.check.fabric, transport, fabric.probe(), log)
-    rows = allgather_json([job.me, transport.words(), transport.kind, log or nccl_log])
+    rows = allgather_json([job.me, *transport.__dict__.values(), log or nccl_log])
     job.say(f"\nfabric (check.fabric={job.cfg.check.fabric}; NCCL's 'Using network' and NET/* lines):")
-    for host, words, kind, path in {row[0]: row for row in rows}.values():  # a line per node
-        unread = (" : NCCL wrote no network line (no collective crossed devices, or NCCL started before the check "
-                  "set NCCL_DEBUG; NCCL before 2.30 buffers its debug file)") if kind == "none" else ""
-        job.say(f"fabric: node {host}: {words}{unread} [{path}]")
+    for line in fabric.node_lines(rows):
+        job.say(line)
     return [Finding(job.me, f"NCCL transport (check.fabric={job.cfg.check.fabric})", FABRIC, reason)] if reason else []
 
 

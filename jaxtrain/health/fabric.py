@@ -243,3 +243,32 @@ def env_report(run_dir: str, node: str, gpu: bool, facts: Facts) -> dict:
                       "jaxtrain check` with this config: it writes NCCL's INIT/NET log there)"}
     return out | {"nccl_transport": transport.kind, "nccl_transport_words": f"{transport.words()} (from {log})",
                   "nccl_log": log}
+
+
+NOT_APPLICABLE = ("fabric: not applicable: CPU devices, collectives run over gloo, not NCCL (check.fabric is read "
+                  "on GPUs)")
+
+
+def start_logging(run_dir: str, node: str) -> str:
+    """Point this process's NCCL at ``run_dir/nccl`` (:func:`debug_env`), before its first communicator; returns
+    the ``NCCL_DEBUG_FILE`` pattern."""
+    env = debug_env(run_dir, node, os.getpid(), os.environ)
+    os.makedirs(os.path.dirname(os.path.abspath(env["NCCL_DEBUG_FILE"])), exist_ok=True)
+    os.environ.update(env)
+    return env["NCCL_DEBUG_FILE"]
+
+
+def node_lines(rows: list[list]) -> list[str]:
+    """One line per node from every process's ``[host, kind, net, detail, log]``: its processes merged
+    (:func:`merge`), the log that showed it; a transport not read says why it may not have been."""
+    nodes: dict[str, list[tuple[Transport, str]]] = {}
+    for host, kind, net, detail, path in rows:
+        nodes.setdefault(host, []).append((Transport(kind, net, detail), path))
+    lines = []
+    for host, found in nodes.items():
+        node = merge([t for t, _ in found])
+        path = next((p for t, p in found if t == node), found[0][1])
+        unread = (": NCCL wrote no network line (no collective crossed devices, or NCCL started before the check "
+                  "set NCCL_DEBUG; NCCL before 2.30 buffers its debug file)") if node.kind == "none" else ""
+        lines.append(f"fabric: node {host}: {node.words()}{unread} [{path}]")
+    return lines
