@@ -102,6 +102,7 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
 @pytest.mark.parametrize("name, millions", [("tiny", 0.82), ("125m", 123.6), ("1b", 1235.8), ("7b", 6738.4),
                                             ("70b", 68976.6), ("tiny-moe", 2.594), ("mixtral-8x7b", 46702.8),
                                             ("tiny-qwen3", 1.017), ("tiny-qwen3-moe", 2.795),
+                                            ("tiny-deepseek-moe", 2.008),
                                             # released models: hand counts from their config.json, the published totals
                                             ("qwen2.5-7b", 7615.617), ("qwen3-8b", 8190.735),
                                             ("mistral-7b", 7248.024), ("qwen3-30b-a3b", 30532.123)])

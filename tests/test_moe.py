@@ -155,6 +155,11 @@ def test_routing_collapse_warns_once_per_sustained_collapse(capsys):
               if watch.report(step, {**figures, "moe_top_share": share}, metrics)]
     assert warned == [7] and watch.warnings == 1
     assert "routing collapse" in capsys.readouterr().err
+    # with the self-balancing expert bias (DeepSeek-V3), the bias's update rate is what to raise
+    biased = RoutingWatch(load_config(None, [*FAST, *SMALL, "observe.moe_collapse_steps=1", "model.moe.router=sigmoid",
+                                             "model.moe.expert_bias=true", "model.moe.bias_update_rate=0.002"]))
+    said = biased.report(1, {**figures, "moe_top_share": 0.95}, _Metrics())
+    assert said and "raise model.moe.bias_update_rate (now 0.002) or lower train.lr" in said
     sample = metrics.registry.get_sample_value
     assert sample("jaxtrain_moe_top_share", metrics.base) == 0.9
     assert sample("jaxtrain_moe_max_load", metrics.base) == 3.6

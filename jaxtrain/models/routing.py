@@ -44,6 +44,8 @@ from flax import nnx
 
 from jaxtrain.config import MoEConfig
 
+ROUTER_SCOPE = "router_logits"  # the name scope of the router's float32 logits GEMM, in the HLO's op_name
+
 
 class Routing(NamedTuple):
     """Where each token goes. experts int32 [batch, seq, top_k]: the chosen experts, distinct per token, highest
@@ -161,7 +163,8 @@ def route(x: jax.Array, router_w: jax.Array, moe: MoEConfig, slots: int | None,
     expert-selection bias, ``model.moe.expert_bias``) -> (:class:`Routing`, :class:`RouterStats`). Logits are
     float32 [batch, seq, E]."""
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    logits = jnp.einsum("bsd,de->bse", x.astype(acc), router_w.astype(acc), precision=jax.lax.Precision.HIGHEST)
+    with jax.named_scope(ROUTER_SCOPE):  # names the one float32 GEMM of a 16-bit run (planner/xla_gpu/program.py)
+        logits = jnp.einsum("bsd,de->bse", x.astype(acc), router_w.astype(acc), precision=jax.lax.Precision.HIGHEST)
     if moe.router == "softmax":
         scores = probs = jax.nn.softmax(logits, axis=-1)
     else:

@@ -75,7 +75,13 @@ class RoutingWatch:
         moe = self.cfg.model.moe
         message = (f"warning: step {step}: routing collapse: for {self.run} steps one expert of an MoE layer took "
                    f">= {100 * self.share:.0f}% of its tokens (now {100 * values['moe_top_share']:.0f}%; uniform "
-                   f"routing: {100 * moe.top_k / moe.experts:.0f}%); raise model.moe.aux_loss (now {moe.aux_loss:g}) "
-                   "or lower train.lr (docs/moe.md)")
+                   f"routing: {100 * moe.top_k / moe.experts:.0f}%); {self._remedy()} or lower train.lr (docs/moe.md)")
         log.info(message)
         return message
+
+    def _remedy(self) -> str:
+        """What balances this model's experts: the expert bias's update rate where it has one, else the loss."""
+        moe = self.cfg.model.moe
+        if moe.expert_bias:
+            return f"raise model.moe.bias_update_rate (now {moe.bias_update_rate:g})"
+        return f"raise model.moe.aux_loss (now {moe.aux_loss:g})"

@@ -22,9 +22,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from jaxtrain.models.routing import ROUTER_SCOPE
 from jaxtrain.parallel.dims import Axis, MeshShape
 from jaxtrain.planner.cost.collectives import Collective
-from jaxtrain.planner.cost.hlo import ARRAY_RE, HloModule, parse_hlo
+from jaxtrain.planner.cost.hlo import ARRAY_RE, HloModule, op_name, parse_hlo
 from jaxtrain.planner.cost.model import group_span
 
 CUDNN_ATTENTION = re.compile(r'custom_call_target="(__cudnn\$fmha[A-Za-z0-9]*)"')
@@ -98,10 +99,13 @@ def score_dots(module: HloModule, seqs: set[int], head_dim: int) -> list[str]:
 
 def float32_gemms(module: HloModule) -> list[str]:
     """Matrix multiplies (``dot``, fused or not, and cuBLAS calls) with a float32 operand: ``"%name: dtype[..] x
-    dtype[..]"`` each."""
+    dtype[..]"`` each. The MoE router's logits are float32 by design (``routing.route``, under the name scope
+    ``routing.ROUTER_SCOPE``; tokens x experts, a sliver of the step's FLOPs): not counted."""
     found = []
     for ins in module.by_name.values():
         if ins.opcode != "dot" and not (ins.opcode == "custom-call" and _CUBLAS_GEMM.search(ins.attrs)):
+            continue
+        if f"/{ROUTER_SCOPE}/" in op_name(ins):
             continue
         operands = [module.by_name[o].shape for o in ins.operands[:2] if o in module.by_name]
         if any(shape.startswith("f32[") for shape in operands):
