@@ -68,7 +68,8 @@ LAYOUTS = [
     Layout("70b TP8 | dcn PP8 GPipe 32 mb", "70b", ("mesh.ici.tensor=8", "mesh.ici.fsdp=1", "mesh.dcn.stage=8",
                                                       "train.microbatches=32"), 8, "parallelism.md"),
     # The released shapes people fine-tune (huggingface.md): one node for the dense 7-8B, 8 x 8 for Qwen3-30B-A3B.
-    *(Layout(f"{name} fsdp8", name, ("mesh.ici.fsdp=8", "train.microbatches=16"), 1, "planning.md")
+    *(Layout(f"{name} fsdp8 (32 mb sharded)", name, ("mesh.ici.fsdp=8", "train.microbatches=32",
+                                                      "train.accumulate=sharded"), 1, "planning.md")
       for name in ("qwen2.5-7b", "qwen3-8b", "mistral-7b")),
     Layout("qwen3-30b-a3b expert8 | dcn fsdp8", "qwen3-30b-a3b", ("mesh.ici.expert=8", "mesh.dcn.fsdp=8",
                                                                   "train.microbatches=8"), 8, "planning.md"),
