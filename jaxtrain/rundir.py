@@ -25,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import importlib
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -69,6 +71,85 @@ def memory_profile(run_dir: str, process: int) -> str:
 def profile_dir(run_dir: str, process: int) -> str:
     """``profile/process_<i>``: a process's jax.profiler traces."""
     return os.path.join(run_dir, PROFILE, f"process_{process}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Object-store locations (checkpoint.dir, checkpoint.resume / init_from): ``s3://bucket/key``, ``gs://bucket/key``.
+# Checked here, without JAX, by config validation; jaxtrain.checkpoint.object_store drives Orbax and TensorStore.
+
+SCHEMES = {"s3": "s3fs", "gs": "gcsfs"}  # scheme -> the fsspec package that epath needs for it
+# S3's bucket naming rules (3-63 characters, lower-case letters, digits, dots, hyphens, alphanumeric at both ends);
+# GCS allows underscores too and names up to 222 characters with dots.
+_BUCKET = {"s3": re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
+           "gs": re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")}
+
+
+def is_remote(path: str | os.PathLike | None) -> bool:
+    """True for a ``scheme://`` location (object store or any other URL), False for a local path."""
+    return path is not None and "://" in str(path)
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute; an object-store URL unchanged (``os.path.abspath`` would turn ``s3://b/k`` into
+    ``<cwd>/s3:/b/k``)."""
+    return path if is_remote(path) else os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    """``base/parts...`` for local paths and URLs alike."""
+    return "/".join([base.rstrip("/"), *parts]) if is_remote(base) else os.path.join(base, *parts)
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket, key without leading or trailing slash) of ``scheme://bucket/key``."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    return scheme, bucket, key.strip("/")
+
+
+def check_location(value: str, name: str) -> None:
+    """ConfigError (one line, exit status 2) unless ``value`` is ``s3://bucket[/key]`` or ``gs://bucket[/key]``
+    with a valid bucket name, the fsspec client for it is installed, and credentials are there to be found.
+    Nothing is contacted: whether the bucket exists is learnt at the first write (the run's write probe)."""
+    scheme, bucket, _ = split_url(value)
+    valid = "s3://bucket/path or gs://bucket/path (a local path otherwise)"
+    if scheme not in SCHEMES:
+        raise ConfigError(f"{name}={value!r}: {scheme + '://'!r} is not a supported location; use {valid}")
+    if not _BUCKET[scheme].match(bucket):
+        raise ConfigError(f"{name}={value!r}: {bucket!r} is not a valid bucket name (3-63 lower-case letters, digits, "
+                          f"dots or hyphens, a letter or digit at each end); use {valid}")
+    package = SCHEMES[scheme]
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"{name}={value!r} needs the {package} package to list and rename {scheme}:// "
+                          f"directories: pip install {package}") from None
+    if scheme == "s3":
+        _check_aws_credentials(value, name)
+
+
+def _check_aws_credentials(value: str, name: str) -> None:
+    """ConfigError when no AWS credentials can be found the way botocore finds them (environment, shared files,
+    profile, container or instance role). Half a key pair in the environment is named as such."""
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if bool(key) != bool(secret):
+        have, missing = (("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if key
+                         else ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID"))
+        raise ConfigError(f"{name}={value!r}: {have} is set but {missing} is not; set both, or neither to use a "
+                          "profile or an instance role")
+    if key:
+        return
+    import botocore.session  # s3fs's own dependency, present once check_location found s3fs
+
+    if botocore.session.get_session().get_credentials() is None:
+        raise ConfigError(f"{name}={value!r}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
+                          "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3 for an S3-compatible server), AWS_PROFILE, "
+                          "or run with an instance or pod role")
+
+
+def endpoint() -> str | None:
+    """The S3 endpoint override botocore uses: ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL`` (None: AWS)."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
 # ---------------------------------------------------------------------------------------------------------------

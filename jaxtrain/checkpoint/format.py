@@ -23,9 +23,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+from etils import epath
 
 from jaxtrain import __version__, rundir
 from jaxtrain.checkpoint import local as checkpoint_local
+from jaxtrain.checkpoint import object_store
 from jaxtrain.checkpoint.orbax_io import (
     META,
     STATE,
@@ -68,7 +70,7 @@ class RestoreSource:
 
 
 def checkpoint_dir(cfg: Config) -> str:
-    return os.path.abspath(rundir.checkpoints(cfg.run.dir, cfg.checkpoint.dir))
+    return object_store.absolute(rundir.checkpoints(cfg.run.dir, cfg.checkpoint.dir))
 
 
 def describe(config: dict, mesh: str, devices: int) -> dict:
@@ -80,7 +82,7 @@ def describe(config: dict, mesh: str, devices: int) -> dict:
 def existing_steps(directory: str) -> list[int]:
     """Complete steps in ``directory``, read from the file system alone: every process of a job must decide alike,
     and creating a CheckpointManager here would be a collective step that the processes could take unevenly."""
-    if not os.path.isdir(directory):
+    if not epath.Path(directory).is_dir():  # a local path, or s3:// / gs:// (object_store)
         return []
     return sorted(ocp.utils.checkpoint_steps(directory))
 
@@ -89,13 +91,15 @@ def resolve(path: str, what: str = "checkpoint path") -> tuple[str, int]:
     """(directory of steps, step) for a path given by the user: a run directory, its checkpoints directory, one
     step inside it (``.../40``), or the output directory of ``convert from-hf``; the newest step unless a step
     directory is named. ConfigError (naming ``what``) when it holds no complete checkpoint."""
-    given, path = path, os.path.abspath(path.rstrip("/") or "/")
-    if not os.path.isdir(path):
-        raise ConfigError(f"{what} {given!r} {'is not a directory' if os.path.exists(path) else 'does not exist'}")
-    parent, base = os.path.split(path)
+    given, path = path, object_store.absolute(path.rstrip("/") or "/")
+    if not epath.Path(path).is_dir():
+        there = epath.Path(path).exists()
+        raise ConfigError(f"{what} {given!r} {'is not a directory' if there else 'does not exist'}")
+    parent, _, base = path.rpartition("/")
+    parent = parent or "/"
     if base.isdigit() and int(base) in existing_steps(parent):
         return parent, int(base)
-    for directory in (rundir.path(path, rundir.CHECKPOINTS), path):
+    for directory in (object_store.join(path, rundir.CHECKPOINTS), path):
         steps = existing_steps(directory)
         if steps:
             return directory, steps[-1]
@@ -108,10 +112,9 @@ def resolve(path: str, what: str = "checkpoint path") -> tuple[str, int]:
 def read_meta(directory: str, step: int) -> dict:
     """The ``meta`` item of step ``directory/step``: the effective config (``"config"``) and what else its writer
     recorded (versions, mesh, data iterator state, fingerprint; ``"hf"`` for an import)."""
-    path = os.path.join(directory, str(step), _META_FILE)
+    path = epath.Path(object_store.join(directory, str(step), _META_FILE))
     try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
+        meta = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as e:
         raise ConfigError(f"checkpoint {directory}/{step} has no readable metadata ({type(e).__name__}); it was not "
                           "written by jaxtrain") from None
@@ -219,16 +222,15 @@ def _first_readable(source: RestoreSource, target: Any, cfg: Config) -> RestoreS
 
 def _metadata_damage(directory: str, step: int) -> str | None:
     """What is wrong with the metadata of step ``directory/step`` (read without any array), or None."""
-    path = os.path.join(directory, str(step))
-    if not os.listdir(path):
+    path = object_store.join(directory, str(step))
+    if not any(epath.Path(path).iterdir()):
         return "the step directory is empty"
     for rel in (_STATE_METADATA, _META_FILE):
-        if not os.path.isfile(os.path.join(path, rel)):
+        if not epath.Path(path, rel).is_file():
             return f"{rel} is missing"
     try:
-        with open(os.path.join(path, _META_FILE), "rb") as f:
-            if not isinstance(json.loads(f.read().decode("utf-8")), dict):
-                return f"{_META_FILE} is not a JSON object"
+        if not isinstance(json.loads(epath.Path(path, _META_FILE).read_bytes().decode("utf-8")), dict):
+            return f"{_META_FILE} is not a JSON object"
     except (ValueError, OSError) as e:
         return f"{_META_FILE} cannot be read: {reason(e)}"
     try:
@@ -240,7 +242,7 @@ def _metadata_damage(directory: str, step: int) -> str | None:
 
 def _check_shapes(source: RestoreSource, target: Any, cfg: Config | None) -> None:
     """ConfigError, saying what differs and what to do, when ``target`` does not fit the step's arrays."""
-    saved = saved_tree(os.path.join(source.directory, str(source.step)))
+    saved = saved_tree(object_store.join(source.directory, str(source.step)))
     saved_shapes = {leaf_name(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
         name = leaf_name(path)
@@ -398,11 +400,11 @@ def set_aside_damaged(directory: str, restored_step: int) -> list[str]:
     moved = []
     for step in existing_steps(directory) if jax.process_index() == 0 else []:
         if step > restored_step:
-            new, n = os.path.join(directory, f"{step}.damaged"), 1
-            while os.path.exists(new):
+            new, n = object_store.join(directory, f"{step}.damaged"), 1
+            while epath.Path(new).exists():
                 n += 1
-                new = os.path.join(directory, f"{step}.damaged-{n}")
-            os.rename(os.path.join(directory, str(step)), new)
+                new = object_store.join(directory, f"{step}.damaged-{n}")
+            epath.Path(object_store.join(directory, str(step))).rename(new)  # on an object store: a copy
             moved.append(new)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -420,17 +422,10 @@ class Checkpointer:
         self.cfg = cfg
         if cfg is None:
             assert directory is not None, "a writer without a config writes into the directory it is given"
-            self.directory = os.path.abspath(directory)
+            self.directory = object_store.absolute(directory)
         else:
             self.directory = checkpoint_dir(cfg)
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-        except OSError as e:
-            raise ConfigError(f"checkpoint directory {self.directory!r} is not writable: {e.strerror}") from None
+        object_store.write_probe(self.directory)
         self._made: Any = None  # Orbax's manager, made (and Orbax imported) at the first save, not before step 1
         self._meta = {**metadata, **_versions()}
 

@@ -18,6 +18,7 @@ from etils import epath
 from flax import nnx
 
 from jaxtrain import log
+from jaxtrain.checkpoint import object_store
 from jaxtrain.config import Config
 
 if TYPE_CHECKING:
@@ -40,6 +41,13 @@ def make_manager(directory: str, cfg: Config | None = None, *, read_only: bool =
     """Orbax's manager for ``directory``; ``partial`` reads ``state`` with the PyTree handler, which can restore a
     subtree (the standard handler's on-disk format is the same)."""
     c = cfg.checkpoint if cfg else None
+    extra: dict[str, Any] = {}
+    if object_store.is_remote(directory):
+        # An object store has no rename: Orbax's default (write into a temporary directory, rename it) would copy
+        # every object of the step. Its commit-file protocol (the one Orbax uses for gs:// itself) writes in place
+        # and marks a complete step with commit_success.txt; arrays go through TensorStore's s3/gcs drivers.
+        object_store.teach_orbax_s3()
+        extra["atomicity_options"] = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
     options = ocp.CheckpointManagerOptions(
         create=not read_only,
         read_only=read_only,
@@ -47,6 +55,7 @@ def make_manager(directory: str, cfg: Config | None = None, *, read_only: bool =
         # When to save is decided by Checkpointer.should_save (every N steps, the last step, preemption) and
         # passed with force=True; Orbax decides what to keep.
         preservation_policy=ocp.checkpoint_managers.LatestN(c.keep) if c else None,
+        **extra,
     )
     handlers = {STATE: ocp.PyTreeCheckpointHandler() if partial else ocp.StandardCheckpointHandler(),
                 META: ocp.JsonCheckpointHandler()}
@@ -55,6 +64,8 @@ def make_manager(directory: str, cfg: Config | None = None, *, read_only: bool =
 
 def saved_tree(step_path: str) -> Any:
     """The array metadata tree of a step's ``state`` item (no array is read)."""
+    if object_store.is_remote(step_path):
+        object_store.teach_orbax_s3()
     handler = ocp.PyTreeCheckpointHandler()
     try:
         return handler.metadata(epath.Path(step_path) / STATE).tree

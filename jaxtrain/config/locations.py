@@ -55,15 +55,24 @@ def check_paths(cfg) -> None:
     from jaxtrain.config.data_checks import check_data_paths  # sources: files, shard directories, globs, mixtures, chat
 
     check_data_paths(d, existing_file)
-    if c.resume not in ("auto", "never") and not c.resume.isdigit():
+    if rundir.is_remote(cfg.run.dir):
+        raise ConfigError(f"run.dir={cfg.run.dir!r} must be a directory on a file system (it holds the run lock, logs "
+                          "and metrics); put the checkpoints on an object store with checkpoint.dir=s3://bucket/path "
+                          "or gs://bucket/path")
+    for name, value in (("checkpoint.dir", c.dir), ("checkpoint.resume", c.resume), ("checkpoint.init_from",
+                                                                                      c.init_from)):
+        if rundir.is_remote(value):  # its existence is learnt when it is read (checkpoint.resolve) or written
+            rundir.check_location(str(value), name)
+    if c.resume not in ("auto", "never") and not c.resume.isdigit() and not rundir.is_remote(c.resume):
         if not os.path.isdir(c.resume):
             kind = "is a file" if os.path.exists(c.resume) else "does not exist"
             raise ConfigError(f"checkpoint.resume={c.resume!r} {kind}; use auto, never, a step number, or a "
                               "checkpoint directory")
-    if c.init_from is not None and not os.path.isdir(c.init_from):
+    if c.init_from is not None and not rundir.is_remote(c.init_from) and not os.path.isdir(c.init_from):
         kind = "a file, not a directory" if os.path.exists(c.init_from) else "a directory that does not exist"
         raise ConfigError(f"checkpoint.init_from={c.init_from!r} is {kind}; give a checkpoint directory or one step "
                           "in it")
     _writable_dir(cfg.run.dir, "run.dir")
     # Where the checkpoints will go (rundir's one definition), named by the setting that puts them there.
-    _writable_dir(rundir.checkpoints(cfg.run.dir, c.dir), "checkpoint.dir" if c.dir else "run.dir")
+    if not rundir.is_remote(c.dir):  # an object store's is probed by the first write (checkpoint.Checkpointer)
+        _writable_dir(rundir.checkpoints(cfg.run.dir, c.dir), "checkpoint.dir" if c.dir else "run.dir")
