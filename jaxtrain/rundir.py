@@ -152,6 +152,26 @@ def endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def s3_kvstore(url: str) -> dict[str, Any]:
+    """TensorStore's ``s3`` kvstore spec for ``s3://bucket/key``, with the endpoint and region of the environment
+    (TensorStore finds the credentials itself: environment, ``~/.aws/credentials``, instance metadata)."""
+    _, bucket, key = split_url(url)
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else ""}
+    if endpoint():
+        spec["endpoint"] = endpoint()
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        spec["aws_region"] = region
+    return spec
+
+
+def kvstore_spec(url: str) -> dict[str, Any]:
+    """TensorStore's kvstore spec for ``s3://`` (:func:`s3_kvstore`) or ``gs://bucket/key`` (its ``gcs`` driver)."""
+    if url.startswith("s3://"):
+        return s3_kvstore(url)
+    _, bucket, key = split_url(url)
+    return {"driver": "gcs", "bucket": bucket, "path": key + "/" if key else ""}
+
 # ---------------------------------------------------------------------------------------------------------------
 # metrics.jsonl: one error policy for every reader. A complete line (ending in a newline) that is not a JSON object
 # with an integer "step" was cut short by a kill mid-write and is skipped; a last line without its newline is still

@@ -126,6 +126,7 @@ def test_unknown_bucket_is_one_line_exit_2_before_training(tmp_path, s3_env):
     ("checkpoint.dir", "ftp://host/ckpt", "'ftp://' is not a supported location; use s3://bucket/path or gs://"),
     ("checkpoint.resume", "s3:///ckpt", "'' is not a valid bucket name"),
     ("checkpoint.init_from", "S3://bucket/ckpt", "'S3://' is not a supported location"),
+    ("data.source", "gs://a/shards", "'a' is not a valid bucket name"),
 ])
 def test_bad_object_store_locations_name_the_value(tmp_path, setting, value, says):
     from jaxtrain.config import load_config  # validates, paths last (config.locations.check_paths)
@@ -150,3 +151,55 @@ def test_missing_aws_credentials_exit_2_before_training(tmp_path, s3_env):
         assert r.returncode == 2, r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("error: checkpoint.dir='s3://jaxtrain-runs/ckpt': " + says)
         assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def _prepared_on_s3(tmp_path, client, prefix):
+    """prepare's shards of a small corpus in tmp_path/shards, uploaded (by the test's own S3 client) under prefix."""
+    import json
+
+    from jaxtrain import data as data_lib
+
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(300)))
+    data_lib.prepare([str(text)], str(tmp_path / "shards"), shard_tokens=20000)
+    for f in sorted((tmp_path / "shards").iterdir()):
+        client.upload_file(str(f), BUCKET, f"{prefix}/{f.name}")
+    return tmp_path / "shards", f"s3://{BUCKET}/{prefix}"
+
+
+def test_token_shards_read_from_s3_equal_the_local_files(tmp_path, s3_env, monkeypatch):
+    import numpy as np
+
+    from jaxtrain import data as data_lib
+    from jaxtrain.config import load_config
+
+    env, client = s3_env
+    for k, v in env.items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    local, url = _prepared_on_s3(tmp_path, client, "shards-read")
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"data.source={url}", "data.seq_len=64"])
+    remote = data_lib.load_tokens(cfg.data, 256)
+    index = data_lib.read_index(str(local))
+    ids = np.concatenate([np.fromfile(local / s["file"], dtype=index["dtype"]) for s in index["shards"]])
+    assert len(remote.train) + len(remote.eval) == len(ids)
+    w = data_lib.Windows(remote.train, 64)
+    bounds = np.cumsum([s["tokens"] for s in index["shards"]])
+    for i in (0, int(bounds[0]) // 64, len(w) - 1):  # the second spans the first shard boundary
+        np.testing.assert_array_equal(w[i], ids[i * 64: i * 64 + 65])  # windows of 65 tokens, 64 apart
+    # A shard cut short on the server after the index was written: named, exit status 2 (ConfigError).
+    first = index["shards"][0]["file"]
+    client.put_object(Bucket=BUCKET, Key=f"shards-read/{first}", Body=(local / first).read_bytes()[:-2])
+    with pytest.raises(ConfigError, match=f"shard '{url}/{first}' has .* bytes but"):
+        data_lib.load_tokens(cfg.data, 256)
+
+
+@pytest.mark.slow
+def test_training_on_s3_shards_logs_the_losses_of_the_local_copy(tmp_path, s3_env):
+    env, client = s3_env
+    local, url = _prepared_on_s3(tmp_path, client, "shards-train")
+    common = [*SMALL, "train.steps=6", "checkpoint.every=0"]
+    for name, source in (("local", local), ("s3", url)):
+        r = run_cli("train", f"run.dir={tmp_path / name}", f"data.source={source}", *common, env=env)
+        assert r.returncode == 0, r.stderr
+    assert logged_losses(tmp_path / "s3") == logged_losses(tmp_path / "local")

@@ -26,22 +26,10 @@ from typing import Any
 from etils import epath
 
 from jaxtrain.errors import ConfigError, one_line
-from jaxtrain.rundir import absolute, endpoint, is_remote, join, split_url
+from jaxtrain.rundir import absolute, endpoint, is_remote, join, kvstore_spec, s3_kvstore, split_url
 
-__all__ = ["absolute", "endpoint", "is_remote", "join", "s3_kvstore", "split_url", "teach_orbax_s3", "write_probe"]
-
-
-def s3_kvstore(url: str) -> dict[str, Any]:
-    """TensorStore's ``s3`` kvstore spec for ``s3://bucket/key``, with the endpoint and region of the environment
-    (TensorStore finds the credentials itself: environment, ``~/.aws/credentials``, instance metadata)."""
-    _, bucket, key = split_url(url)
-    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else ""}
-    if endpoint():
-        spec["endpoint"] = endpoint()
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        spec["aws_region"] = region
-    return spec
+__all__ = ["absolute", "endpoint", "is_remote", "join", "kvstore_spec", "s3_kvstore", "split_url", "teach_orbax_s3",
+           "write_probe"]
 
 
 def teach_orbax_s3() -> None:

@@ -6,6 +6,7 @@ import glob
 import math
 import os
 
+from jaxtrain import rundir
 from jaxtrain.errors import ConfigError
 
 
@@ -55,6 +56,11 @@ def check_chat_attention(cfg) -> None:
 
 
 def _check_source(spec: str, name: str, chat: bool, existing_file) -> None:
+    if rundir.is_remote(spec):
+        if chat:
+            raise ConfigError(f"{name}={spec!r}: chat data is read from local files; copy the .jsonl here first")
+        rundir.check_location(spec, name)  # a prepare output directory; its index.json is read when it is loaded
+        return
     if any(ch in spec for ch in "*?[") and not os.path.exists(spec):
         if not any(os.path.isfile(f) for f in glob.glob(spec)):
             raise ConfigError(f"{name}={spec!r} matches no files")

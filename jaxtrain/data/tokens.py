@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxtrain import rundir
 from jaxtrain.config import DataConfig
 from jaxtrain.errors import ConfigError, one_line
 
@@ -82,7 +83,8 @@ class Stream:
     def _shard(self, i: int) -> np.ndarray:
         if i not in self._maps:
             path = self.paths[i]
-            self._maps[i] = (np.load(path, mmap_mode="r") if path.endswith(".npy")
+            self._maps[i] = (RemoteShard(path, self.dtypes[i], self.lengths[i]) if rundir.is_remote(path)  # type: ignore
+                             else np.load(path, mmap_mode="r") if path.endswith(".npy")
                              else np.memmap(path, dtype=self.dtypes[i], mode="r"))
         return self._maps[i]
 
@@ -110,6 +112,33 @@ class Stream:
         """The stream's tokens in pieces of at most ``size`` (for one pass over a large stream)."""
         for lo in range(0, len(self), size):
             yield np.asarray(self[lo: lo + size])
+
+
+class RemoteShard:
+    """A raw token shard on an object store (``s3://``, ``gs://``; a ``prepare`` shard), read through TensorStore's
+    own kvstore driver: each step-1 slice is one ranged GET of just its bytes (a window of ``seq_len + 1`` tokens),
+    so nothing is downloaded ahead and no local copy is kept."""
+
+    def __init__(self, url: str, dtype: str, length: int):
+        import tensorstore as ts
+
+        base, _, self.key = url.rpartition("/")
+        self.url, self.dtype, self.length = url, np.dtype(dtype), length
+        self._store = ts.KvStore.open(rundir.kvstore_spec(base)).result()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        a, b, _ = key.indices(self.length)
+        if b <= a:
+            return np.zeros(0, self.dtype)
+        item = self.dtype.itemsize
+        got = self._store.read(self.key, byte_range=slice(a * item, b * item)).result()
+        if got.state != "value" or len(got.value) != (b - a) * item:
+            raise ConfigError(f"shard {self.url!r} could not be read (tokens {a}..{b}: {got.state}, "
+                              f"{len(got.value)} bytes); it changed or vanished since its index was read")
+        return np.frombuffer(got.value, self.dtype)
 
 
 def embedded_corpus() -> bytes:
@@ -221,18 +250,23 @@ def file_sha256(path: str) -> str:
 def read_index(directory: str) -> dict:
     """``prepare``'s index.json of a shard directory, its shards checked against their files: ConfigError for a
     shard that is missing or whose size differs from the index (an altered or partly copied directory)."""
-    path = os.path.join(directory, INDEX)
+    path = rundir.join(directory, INDEX)
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
+        if rundir.is_remote(path):  # s3:// or gs:// through etils.epath (s3fs, gcsfs)
+            from etils import epath
+
+            index = json.loads(epath.Path(path).read_text())
+        else:
+            with open(path, encoding="utf-8") as f:
+                index = json.load(f)
         shards, dtype = index["shards"], np.dtype(index["dtype"])
         assert isinstance(shards, list) and shards
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
         raise ConfigError(f"{path!r} is not a prepare index ({_short(e) or 'no shards'}); run prepare again") from None
     for shard in shards:
-        file = os.path.join(directory, shard["file"])
+        file = rundir.join(directory, shard["file"])
         expected = int(shard["tokens"]) * dtype.itemsize
-        size = os.path.getsize(file) if os.path.isfile(file) else None
+        size = _size(file)
         if size != expected:
             have = "is missing" if size is None else f"has {size} bytes"
             raise ConfigError(f"shard {file!r} {have} but {path} lists {shard['tokens']} {dtype} tokens "
@@ -240,18 +274,30 @@ def read_index(directory: str) -> dict:
     return index
 
 
+def _size(file: str) -> int | None:
+    """A file's size in bytes, local or on an object store; None when there is no such file."""
+    if not rundir.is_remote(file):
+        return os.path.getsize(file) if os.path.isfile(file) else None
+    from etils import epath
+
+    try:
+        return int(epath.Path(file).stat().length)
+    except FileNotFoundError:
+        return None
+
+
 def _shard_stream(spec: str, cfg: DataConfig, what: str) -> tuple[np.ndarray | Stream, int, bool]:
     """(stream, vocabulary the data needs or 0 if unknown, whether the ids still need a range check) of a file,
     a directory of shards or a glob."""
-    if os.path.isdir(spec):
-        if os.path.exists(os.path.join(spec, INDEX)):
+    if rundir.is_remote(spec) or os.path.isdir(spec):
+        if rundir.is_remote(spec) or os.path.exists(os.path.join(spec, INDEX)):  # remote: prepare's output only
             index = read_index(spec)
             tok = cfg.tokenizer
             if tok is not None and index.get("tokenizer_sha256") != file_sha256(tokenizer_json(tok)):
                 raise ConfigError(f"{what} {spec!r} was tokenised with {index.get('tokenizer')!r} "
                                   f"(sha256 {str(index.get('tokenizer_sha256'))[:12]}), not data.tokenizer={tok!r}; "
                                   "prepare the data with that tokenizer or set data.tokenizer to the one it names")
-            files = [os.path.join(spec, s["file"]) for s in index["shards"]]
+            files = [rundir.join(spec, s["file"]) for s in index["shards"]]
             lengths = [int(s["tokens"]) for s in index["shards"]]
             return Stream(files, [index["dtype"]] * len(files), lengths), int(index["vocab_size"]), False
         partial = sorted(glob.glob(os.path.join(spec, "*.tmp")))
