@@ -101,6 +101,10 @@ def test_checkpoints_on_s3_resume_bit_exact(tmp_path, s3_env):
     assert any(k.startswith(f"exact/checkpoints/{saved}/state/") and "/d/" in k for k in keys)  # TensorStore's data
     assert not (run_dir / "checkpoints").exists()  # nothing went to the local run directory instead
 
+    # A later step whose save never finished (its objects without Orbax's commit_success.txt markers) is not resumed.
+    for k in keys:
+        if k.startswith(f"exact/checkpoints/{saved}/") and "commit_success" not in k:
+            client.copy_object(Bucket=BUCKET, Key=k.replace(f"/{saved}/", "/13/"), CopySource=f"{BUCKET}/{k}")
     resumed = run_cli("train", *args, env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {url}/{saved}" in resumed.stderr

@@ -51,6 +51,7 @@ from jaxtrain.errors import CheckpointError, ConfigError
 
 _META_FILE = os.path.join(META, "metadata")  # the JsonCheckpointHandler's file
 _STATE_METADATA = os.path.join(STATE, "_METADATA")  # the PyTree handler's tree of array metadata
+_COMMITTED = "commit_success.txt"  # Orbax's marker of a complete step (atomicity.COMMIT_SUCCESS_FILE)
 # Model settings that shape no array of a checkpoint (how it is computed, not what it holds).
 COMPUTE_ONLY = ("model.dtype", "model.attention", "model.remat")
 
@@ -84,7 +85,10 @@ def existing_steps(directory: str) -> list[int]:
     and creating a CheckpointManager here would be a collective step that the processes could take unevenly."""
     if not epath.Path(directory).is_dir():  # a local path, or s3:// / gs:// (object_store)
         return []
-    return sorted(ocp.utils.checkpoint_steps(directory))
+    steps = sorted(ocp.utils.checkpoint_steps(directory))
+    if object_store.is_remote(directory):  # Orbax's commit-file protocol there: complete once its marker is written
+        steps = [s for s in steps if epath.Path(object_store.join(directory, str(s), _COMMITTED)).exists()]
+    return steps
 
 
 def resolve(path: str, what: str = "checkpoint path") -> tuple[str, int]:
