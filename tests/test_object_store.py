@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from jaxtrain.errors import ConfigError
-from jaxtrain_testing import REPO, logged_losses, run_cli
+from jaxtrain_testing import REPO, launch_local, logged_losses, run_cli
 
 pytest.importorskip("moto.server", reason="the test extra's moto[server] runs the local S3 server")
 pytest.importorskip("s3fs", reason="s3:// directories go through etils.epath -> s3fs")
@@ -207,3 +207,28 @@ def test_training_on_s3_shards_logs_the_losses_of_the_local_copy(tmp_path, s3_en
         r = run_cli("train", f"run.dir={tmp_path / name}", f"data.source={source}", *common, env=env)
         assert r.returncode == 0, r.stderr
     assert logged_losses(tmp_path / "s3") == logged_losses(tmp_path / "local")
+
+
+@pytest.mark.slow
+def test_two_processes_save_to_s3_and_resume_exact(tmp_path, s3_env, monkeypatch):
+    """Each process writes its own shards of a state sharded across both (mesh.dcn.fsdp=2) into one s3:// step; the
+    restarted job resumes from it and logs the losses of the same job run without a stop, checkpoints on local disk."""
+    env, client = s3_env
+    for k, v in env.items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)  # launch_local passes this process's environment on
+    common = [*SMALL, "checkpoint.every=4"]
+    ref = launch_local(2, "train", f"run.dir={tmp_path / 'ref'}", "mesh.dcn.fsdp=2", *common, "train.steps=12")
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    url, run_dir = f"s3://{BUCKET}/two/checkpoints", tmp_path / "two"
+    args = ["train", f"run.dir={run_dir}", f"checkpoint.dir={url}", "mesh.dcn.fsdp=2", *common]
+    first = launch_local(2, *args, "train.steps=8")
+    assert first.returncode == 0, first.stdout + first.stderr
+    keys = _keys(client, "two/checkpoints/8/state/")
+    assert {p for p in ("ocdbt.process_0/", "ocdbt.process_1/") if any(p in k for k in keys)} == {
+        "ocdbt.process_0/", "ocdbt.process_1/"}  # both processes wrote shards through TensorStore's s3 driver
+    again = launch_local(2, *args, "train.steps=12")
+    assert again.returncode == 0, again.stdout + again.stderr
+    out = again.stdout + again.stderr
+    assert f"[process 0/2] resumed from {url}/8" in out and f"[process 1/2] resumed from {url}/8" in out
+    assert logged_losses(run_dir) == logged_losses(tmp_path / "ref")
