@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on 127.0.0.1 for tests: `cluster.sh start DIR [GPUS]` / `cluster.sh stop DIR`.
+# A Slurm cluster on 127.0.0.1 for tests: `cluster.sh start DIR [GPUS] [NODES]` / `cluster.sh stop DIR`.
 #
 # Needs Debian's slurmctld, slurmd and slurm-client (22.05; .ci/run installs them) and root. Everything lives under
 # DIR; stop kills exactly the daemons start launched, by their pid files.
@@ -16,20 +16,35 @@
 # AuthInfo=cred_expire=10: a requeued job waits the credential lifetime before it may start again (default 120 s,
 # two minutes of every requeue test for nothing). KillWait=5: a task that ignores SIGTERM (a frozen one) is killed
 # after 5 s instead of 30.
+#
+# NODES=2: two Slurm nodes on this one machine, each with its own slurmd (Slurm's "multiple slurmd" mode: one
+# NodeName per daemon, all with NodeHostname=this host, NodeAddr=127.0.0.1 and their own Port, started as
+# `slurmd -N NAME`; Debian's 22.05 build allows it, seen here). The nodes are named after this host (as in the
+# one-node cluster) and `localhost`: names that resolve to this machine anywhere, because JAX's coordinator address
+# is the first node's name (Slurm sorts them: `localhost` is node 0). Each node has GPUS stand-in GPUs (the same
+# files) and 16 CPUs; each daemon has its own spool directory, pid file and log (%n in slurm.conf: the node's name).
 set -euo pipefail
-cmd=$1; dir=$(realpath -m "$2"); gpus=${3:-8}
+cmd=$1; dir=$(realpath -m "$2"); gpus=${3:-8}; nodes=${4:-1}
 conf=$dir/slurm.conf
+case "$nodes" in
+  1) names=("$(hostname -s)") ;;
+  2) names=("$(hostname -s)" localhost) ;;
+  *) echo "cluster.sh: NODES=$nodes must be 1 or 2" >&2; exit 2 ;;
+esac
 case "$cmd" in
 start)
   mkdir -p "$dir/state" "$dir/spool" "$dir/log" "$dir/dev"
   for ((g = 0; g < gpus; g++)); do
     [ -e "$dir/dev/nvidia$g" ] || mknod "$dir/dev/nvidia$g" c 1 3 2>/dev/null || touch "$dir/dev/nvidia$g"
   done
-  node=$(hostname -s)
-  mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
-  cat > "$dir/gres.conf" <<CONF
-NodeName=$node Name=gpu File=$dir/dev/nvidia[0-$((gpus - 1))]
-CONF
+  node=${names[0]}
+  all=$(IFS=,; echo "${names[*]}")
+  mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 / nodes ))
+  : > "$dir/gres.conf"
+  for name in "${names[@]}"; do
+    echo "NodeName=$name Name=gpu File=$dir/dev/nvidia[0-$((gpus - 1))]" >> "$dir/gres.conf"
+  done
+  slurmd_port=$((18000 + RANDOM % 1000))
   cat > "$conf" <<CONF
 ClusterName=jaxtrain-test
 SlurmctldHost=$node(127.0.0.1)
@@ -52,32 +67,42 @@ SchedulerParameters=sched_interval=2
 KillWait=5
 ReturnToService=2
 SlurmctldPort=$((17000 + RANDOM % 1000))
-SlurmdPort=$((18000 + RANDOM % 1000))
+SlurmdPort=$slurmd_port
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
+SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
 JobCompType=jobcomp/none
-NodeName=$node NodeAddr=127.0.0.1 CPUs=16 RealMemory=$mem Gres=gpu:$gpus State=UNKNOWN
-PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP
-PartitionName=low Nodes=$node MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
-PartitionName=high Nodes=$node MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+CONF
+  for ((i = 0; i < nodes; i++)); do
+    port=
+    ((nodes == 1)) || port=" NodeHostname=$(hostname -s) Port=$((slurmd_port + i))"
+    echo "NodeName=${names[i]}$port NodeAddr=127.0.0.1 CPUs=16 RealMemory=$mem Gres=gpu:$gpus State=UNKNOWN" >> "$conf"
+  done
+  cat >> "$conf" <<CONF
+PartitionName=debug Nodes=$all Default=YES MaxTime=INFINITE State=UP
+PartitionName=low Nodes=$all MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=60
+PartitionName=high Nodes=$all MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 CONF
   export SLURM_CONF=$conf
   slurmctld -f "$conf"
-  slurmd -f "$conf"
+  for name in "${names[@]}"; do
+    mkdir -p "$dir/spool/$name"
+    if ((nodes == 1)); then slurmd -f "$conf"; else slurmd -f "$conf" -N "$name"; fi
+  done
   for _ in $(seq 100); do
-    sinfo -h -o %T 2>/dev/null | grep -qE '^idle' && { echo "slurm up: $conf"; exit 0; }
+    idle=$(sinfo -h -N -p debug -o %T 2>/dev/null | grep -cE '^idle' || true)
+    [ "$idle" -eq "$nodes" ] && { echo "slurm up: $conf"; exit 0; }
     sleep 0.2
   done
   echo "slurm did not come up; logs:" >&2; tail -n 20 "$dir"/log/*.log >&2; exit 1
   ;;
 stop)
-  for pidfile in "$dir/slurmd.pid" "$dir/slurmctld.pid"; do
+  for pidfile in "$dir"/slurmd-*.pid "$dir/slurmctld.pid"; do
     [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
   done
   ;;
-*) echo "usage: cluster.sh start DIR [GPUS] | stop DIR" >&2; exit 2 ;;
+*) echo "usage: cluster.sh start DIR [GPUS] [NODES] | stop DIR" >&2; exit 2 ;;
 esac
