@@ -176,6 +176,15 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model // n_heads
     qkv_bias: bool = False  # biases on the q, k and v projections, none on the output one (Qwen2, Qwen2.5)
     qk_norm: bool = False  # RMSNorm over head_dim of each query and key head, before rotary (Qwen3)
+    # Multi-head latent attention (MLA, DeepSeek-V2/V3), on when kv_lora_rank is set: keys and values come out of one
+    # compressed latent of kv_lora_rank (RMSNorm-ed) per token, plus one rotary key of qk_rope_head_dim shared by
+    # all heads; q/k heads are qk_nope_head_dim + qk_rope_head_dim wide, v heads v_head_dim; generate caches the
+    # latent and the rotary key only. null: standard attention (the four options below are then unused).
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None  # MLA: queries through a low-rank latent of this width (RMSNorm-ed); null: direct
+    qk_nope_head_dim: int = 128  # MLA: the part of each q/k head without rotary positions
+    qk_rope_head_dim: int = 64  # MLA: the rotary part of each q/k head (half-split rotary layout; even)
+    v_head_dim: int = 128  # MLA: width of each value head (and of the attention output per head)
     # Sliding-window attention in every layer (Mistral; Qwen's use_sliding_window): a query attends to itself and
     # the sliding_window - 1 tokens before it; None: full causal attention. On xla, cudnn and pallas attention (not
     # triton), over a context axis too (ring attention skips the chunks outside it).
@@ -206,6 +215,16 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of each query and key head: qk_nope_head_dim + qk_rope_head_dim with MLA, else the head dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.resolved_head_dim
 
     @property
     def expert_d_ff(self) -> int:

@@ -31,17 +31,12 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
     _require(bool(cfg.run.dir), "run.dir must not be empty")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
         _positive(f"model.{name}", getattr(m, name))
-    if m.head_dim is not None:
-        _positive("model.head_dim", m.head_dim)
-    else:
-        _require(m.d_model % m.n_heads == 0,
-                 f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
     _require(m.n_heads % m.n_kv_heads == 0,
              f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}")
-    _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for rotary embeddings")
-    if m.attention in ("pallas", "triton"):
-        _require(m.resolved_head_dim in FLASH_HEAD_DIMS, f"model.attention={m.attention} needs a head dim in "
-                 f"{FLASH_HEAD_DIMS}, got {m.resolved_head_dim}; set model.head_dim")
+    if m.mla:
+        _check_mla(cfg)  # its head dims are its own options
+    else:
+        _check_head_dim(cfg)
     _require(not (m.attention in ("pallas", "triton") and cfg.mesh.rules.get("act_seq") not in (None, Axis.CONTEXT)),
              f"model.attention={m.attention} runs its kernel on each device's slice of the sequence, so "
              f"mesh.rules.act_seq={cfg.mesh.rules.get('act_seq')!r} would attend only within a slice; set "
@@ -99,6 +94,48 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
     validate_ops(cfg.dist, cfg.check, cfg.observe)  # dist.*, check.*, observe.* (jaxtrain/config/ops.py)
     _validate_mesh(cfg, num_devices)
     locations.check_paths(cfg)  # files and directories last: value mistakes are reported first
+
+
+def _check_head_dim(cfg: Config) -> None:
+    """Standard attention's head dim: positive (or d_model / n_heads), even for rotary, one the flash kernels take."""
+    m = cfg.model
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
+    else:
+        _require(m.d_model % m.n_heads == 0,
+                 f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
+    _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for rotary embeddings")
+    if m.attention in ("pallas", "triton"):
+        _require(m.resolved_head_dim in FLASH_HEAD_DIMS, f"model.attention={m.attention} needs a head dim in "
+                 f"{FLASH_HEAD_DIMS}, got {m.resolved_head_dim}; set model.head_dim")
+
+
+def _check_mla(cfg: Config) -> None:
+    """Multi-head latent attention (``model.kv_lora_rank`` set): positive ranks and head dims, an even rotary part,
+    and what it does not combine with: its own head dims replace head_dim, every head has its own k/v (n_kv_heads =
+    n_heads), no q/k/v biases or q/k norms (DeepSeek has neither), XLA attention only (v's head dim differs from
+    q/k's: the cuDNN and flash kernels here take one head dim), no context axis (ring attention likewise)."""
+    m = cfg.model
+    assert m.kv_lora_rank is not None
+    _require(m.kv_lora_rank > 0, f"model.kv_lora_rank={m.kv_lora_rank} must be > 0 (or null: standard attention)")
+    _require(m.q_lora_rank is None or m.q_lora_rank > 0,
+             f"model.q_lora_rank={m.q_lora_rank} must be > 0 (or null: queries projected directly)")
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _positive(f"model.{name}", getattr(m, name))
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary pairs)")
+    _require(m.head_dim is None, f"model.head_dim={m.head_dim} does not apply to multi-head latent attention "
+             "(model.kv_lora_rank set): its heads are qk_nope_head_dim + qk_rope_head_dim and v_head_dim; set null")
+    _require(m.n_kv_heads == m.n_heads, f"model.n_kv_heads={m.n_kv_heads} must equal model.n_heads={m.n_heads} "
+             "with multi-head latent attention (model.kv_lora_rank set): every head expands its own k and v")
+    for name in ("qkv_bias", "qk_norm"):
+        _require(not getattr(m, name), f"model.{name}=true does not combine with multi-head latent attention "
+                 "(model.kv_lora_rank set); set it false")
+    _require(m.attention in ("xla", "auto"), f"model.attention={m.attention} cannot take multi-head latent "
+             f"attention's v head dim ({m.v_head_dim}) differing from q/k's ({m.qk_head_dim}); use xla or auto")
+    context = [f"mesh.{part}.context={v}" for (part, ax), v in cfg.mesh.sizes().items()
+               if ax == Axis.CONTEXT and v != 1]
+    _require(not context, f"{', '.join(context)}: ring attention takes one head dim, so multi-head latent "
+             "attention (model.kv_lora_rank set) needs mesh.ici.context=1 and mesh.dcn.context=1")
 
 
 def _check_window(cfg: Config) -> None:

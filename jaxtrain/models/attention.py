@@ -3,7 +3,9 @@
 :class:`Local` is causal self-attention on the arrays it is given: the XLA reference einsum, cuDNN's fused kernel, or
 jaxtrain's flash kernels (Pallas or Triton). Run on whole (GSPMD-partitioned) arrays it is the attention of one
 device or of XLA's automatic partitioning; :mod:`jaxtrain.parallel.attention` wraps it for a mesh (per-device shards
-under ``shard_map``, ring attention over the context axis). The model takes either as its ``attention``.
+under ``shard_map``, ring attention over the context axis). The model takes either as its ``attention``. Rotary
+positions (:func:`rotary`) and the decoding attention over a cache (:func:`cached_attention`) live here too, shared
+by the standard attention (``llama.py``) and multi-head latent attention (``mla.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtrain.config import ModelConfig
 from jaxtrain.kernels import flash_attention, mha_reference
 from jaxtrain.kernels.flash.pallas import CHECKPOINT_NAMES
 
@@ -46,10 +49,13 @@ class Local:
     window: int | None = None  # model.sliding_window: keys within this many positions up to the query
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment_ids int [batch, seq]
-        or None -> [batch, seq, heads, head_dim]."""
+        """q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim] (v's head dim may differ on
+        xla: MLA), segment_ids int [batch, seq] or None -> [batch, seq, heads, v's head_dim]."""
         if self.window is not None and self.impl not in WINDOW_IMPLS:  # the config refuses it; a caller is told
             raise ValueError(f"attention impl {self.impl!r} has no sliding window; use one of {WINDOW_IMPLS}")
+        if self.impl != "xla" and v.shape[-1] != q.shape[-1]:  # MLA: the config refuses it; a caller is told
+            raise ValueError(f"attention impl {self.impl!r} needs v's head dim ({v.shape[-1]}) equal to q's "
+                             f"({q.shape[-1]}); use xla")
         if self.impl == "xla":
             return mha_reference(q, k, v, causal=True, segment_ids=segment_ids, window=self.window)
         if self.impl == "cudnn":
@@ -68,6 +74,51 @@ def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | No
     ``q_positions`` int [..., queries], ``k_positions`` int [..., keys]."""
     diff = q_positions[..., :, None] - k_positions[..., None, :]
     return (diff >= 0) if window is None else (diff >= 0) & (diff < window)
+
+
+def rope_frequencies(cfg: ModelConfig, dim: int | None = None) -> jax.Array:
+    """Rotary inverse frequencies float32 [dim / 2] for a rotated width ``dim`` (default the head dim; MLA rotates
+    ``qk_rope_head_dim``), with Llama 3.1's scaling when ``cfg.rope_scaling`` asks."""
+    dim = cfg.resolved_head_dim if dim is None else dim
+    freqs = cfg.rope_theta ** (-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2 / dim)
+    rs = cfg.rope_scaling
+    if rs.type == "llama3":
+        # Wavelengths beyond the original context / low_freq_factor are stretched by `factor`, those below
+        # original context / high_freq_factor kept, and those in between interpolated (Meta's Llama 3.1 recipe).
+        wavelen = 2 * jnp.pi / freqs
+        smooth = (rs.original_max_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        mid = (1 - smooth) * freqs / rs.factor + smooth * freqs
+        freqs = jnp.where(wavelen > rs.original_max_len / rs.low_freq_factor, freqs / rs.factor,
+                          jnp.where(wavelen < rs.original_max_len / rs.high_freq_factor, freqs, mid))
+    return freqs
+
+
+def rotary(x: jax.Array, freqs: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding (half-split layout) of x [batch, seq, heads, head_dim] with inverse frequencies
+    ``freqs`` [head_dim / 2]; ``positions`` int [batch, seq] (default: 0..seq-1 for every row)."""
+    if positions is None:
+        positions = jnp.arange(x.shape[1])[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * freqs  # [batch or 1, seq, dim/2]
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None) -> jax.Array:
+    """Attention of new queries over a KV cache, for decoding. q [batch, new, heads, head_dim], caches
+    [batch, max_len, kv_heads, head_dim] (v's head dim may differ: MLA's), q_positions int [batch, new]: a query
+    attends to cache slots at or before its own position (slots past it may hold stale values; they are masked), and
+    with a ``window`` (model.sliding_window) only to the last ``window`` of them. Same arithmetic as
+    ``mha_reference``; out [batch, new, heads, v's head_dim]."""
+    b, t, h, d = q.shape
+    kv = k_cache.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * d**-0.5
+    visible = window_mask(q_positions, jnp.arange(k_cache.shape[1])[None, :], window)  # [batch, new, max_len]
+    logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, v_cache.shape[-1]).astype(q.dtype)
 
 
 def keep_residuals(fn):

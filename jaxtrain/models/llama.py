@@ -23,8 +23,17 @@ from flax import nnx
 from flax.linen import with_logical_constraint
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.models.attention import REMAT_POLICIES, Local, window_mask
+from jaxtrain.models.attention import (  # noqa: F401  (rotary and the decoding attention: importable from here)
+    REMAT_POLICIES,
+    Local,
+    cached_attention,
+    rope_frequencies,
+    rotary,
+    window_mask,
+)
 from jaxtrain.models.fp8 import use_fp8
+from jaxtrain.models.mla import CACHE_AXES as LATENT_CACHE_AXES
+from jaxtrain.models.mla import LatentAttention
 
 # (q, k, v, segment_ids) -> out: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment
 # ids int [batch, seq] or None, out like q. Causal.
@@ -34,49 +43,6 @@ def _init(std: float, axes: tuple[str | None, ...]):
     return nnx.with_partitioning(nnx.initializers.normal(std), axes)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Rotary inverse frequencies float32 [head_dim / 2], with Llama 3.1's scaling when ``cfg.rope_scaling`` asks."""
-    dim = cfg.resolved_head_dim
-    freqs = cfg.rope_theta ** (-jnp.arange(0, dim // 2, dtype=jnp.float32) * 2 / dim)
-    rs = cfg.rope_scaling
-    if rs.type == "llama3":
-        # Wavelengths beyond the original context / low_freq_factor are stretched by `factor`, those below
-        # original context / high_freq_factor kept, and those in between interpolated (Meta's Llama 3.1 recipe).
-        wavelen = 2 * jnp.pi / freqs
-        smooth = (rs.original_max_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-        mid = (1 - smooth) * freqs / rs.factor + smooth * freqs
-        freqs = jnp.where(wavelen > rs.original_max_len / rs.low_freq_factor, freqs / rs.factor,
-                          jnp.where(wavelen < rs.original_max_len / rs.high_freq_factor, freqs, mid))
-    return freqs
-
-
-def rotary(x: jax.Array, freqs: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """Rotary position embedding (half-split layout) of x [batch, seq, heads, head_dim] with inverse frequencies
-    ``freqs`` [head_dim / 2]; ``positions`` int [batch, seq] (default: 0..seq-1 for every row)."""
-    if positions is None:
-        positions = jnp.arange(x.shape[1])[None, :]
-    angles = positions.astype(jnp.float32)[..., None] * freqs  # [batch or 1, seq, dim/2]
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def cached_attention(q, k_cache, v_cache, q_positions, window: int | None = None) -> jax.Array:
-    """Attention of new queries over a KV cache, for decoding. q [batch, new, heads, head_dim], caches
-    [batch, max_len, kv_heads, head_dim], q_positions int [batch, new]: a query attends to cache slots at or before
-    its own position (slots past it may hold stale values; they are masked), and with a ``window``
-    (model.sliding_window) only to the last ``window`` of them. Same arithmetic as ``mha_reference``."""
-    b, t, h, d = q.shape
-    kv = k_cache.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * d**-0.5
-    visible = window_mask(q_positions, jnp.arange(k_cache.shape[1])[None, :], window)  # [batch, new, max_len]
-    logits = jnp.where(visible[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_cache.dtype), v_cache, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
-
-
 CACHE_AXES = ("batch", None, "act_kv_heads", None)  # one layer's KV cache [batch, max_len, kv_heads, head_dim]
 
 
@@ -84,10 +50,15 @@ class Attention(nnx.Module):
     """Grouped-query attention with rotary positions; by the config, q/k/v biases (``qkv_bias``, each bias
     [heads or kv_heads, head_dim] on the logical axes of its kernel's outputs), an RMSNorm of each query and key head
     over head_dim before rotary (``qk_norm``, scales [head_dim]) and a sliding window (``sliding_window``: the
-    ``attention`` callable applies it in training, :func:`cached_attention` in decoding)."""
+    ``attention`` callable applies it in training, :func:`cached_attention` in decoding). With ``kv_lora_rank``
+    set it is multi-head latent attention instead: its one member ``latent``
+    (:class:`jaxtrain.models.mla.LatentAttention`) holds the weights and does the work."""
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, rngs: nnx.Rngs):
         self.cfg, self.attention = cfg, attention
+        if cfg.mla:  # here rather than in Block, so that every block built on Attention (the MoE's too) gets it
+            self.latent = LatentAttention(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+            return
         d, hd = cfg.d_model, cfg.resolved_head_dim
         common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -114,8 +85,10 @@ class Attention(nnx.Module):
 
         Decoding passes ``positions`` int [batch, seq] and ``cache`` (k, v) [batch, max_len, kv_heads, head_dim]:
         the new keys and values are written at ``positions`` and the queries attend over the cache; then the
-        result is (output, updated cache).
+        result is (output, updated cache). MLA's cache is its latents instead (see LatentAttention).
         """
+        if self.cfg.mla:
+            return self.latent(x, segment_ids, positions, cache)
         q = with_logical_constraint(self.q(x), ("batch", "act_seq", "act_heads", None))
         k = with_logical_constraint(self.k(x), ("batch", "act_seq", "act_kv_heads", None))
         v = with_logical_constraint(self.v(x), ("batch", "act_seq", "act_kv_heads", None))
@@ -256,11 +229,23 @@ class Transformer(nnx.Module):
         logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.unembed(x)
         return with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty KV cache for decoding: "k" and "v" zeros [layers, batch, max_len, kv_heads, head_dim] in the
-        compute dtype, sharded like the attention activations (batch over data/fsdp, kv heads over tensor)."""
+    def cache_shapes(self, batch: int, max_len: int) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+        """The decoding cache's arrays: name -> (shape, logical axes). "k" and "v" [layers, batch, max_len, kv_heads,
+        head_dim], sharded like the attention activations (batch over data/fsdp, kv heads over tensor).
+
+        MLA (``kv_lora_rank``) caches its compressed form under the same two names: "k" the latent c_kv
+        [layers, batch, max_len, kv_lora_rank], "v" the shared rotary key [layers, batch, max_len, qk_rope_head_dim]
+        (kv_lora_rank + qk_rope_head_dim numbers a token and layer instead of 2 * heads * head_dim)."""
         cfg = self.cfg
+        if cfg.mla:
+            assert cfg.kv_lora_rank is not None
+            return {name: ((cfg.n_layers, batch, max_len, width), (None, *LATENT_CACHE_AXES))
+                    for name, width in (("k", cfg.kv_lora_rank), ("v", cfg.qk_rope_head_dim))}
         shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.resolved_head_dim)
-        zeros = jnp.zeros(shape, self.embed.dtype)
-        zeros = with_logical_constraint(zeros, (None, *CACHE_AXES))
-        return {"k": zeros, "v": zeros}
+        return {name: (shape, (None, *CACHE_AXES)) for name in ("k", "v")}
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty cache for decoding (:meth:`cache_shapes`): zeros in the compute dtype, laid out by their logical
+        axes."""
+        return {name: with_logical_constraint(jnp.zeros(shape, self.embed.dtype), axes)
+                for name, (shape, axes) in self.cache_shapes(batch, max_len).items()}

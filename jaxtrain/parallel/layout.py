@@ -52,11 +52,11 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     (``parallel/attention.py`` calls it per device); else jaxtrain's flash kernel where it takes the head dim and the
     sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
     else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
-    checking, not speed; cuDNN has no float32 kernel). A sliding window (``model.sliding_window``) keeps cuDNN (its
-    sliding-window causal mask) or the Pallas flash kernel (the Triton-language one has no window mask). Concrete
-    values pass through unchanged, so resolving twice is
-    harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError. ``model.moe.gemm``:
-    :func:`jaxtrain.parallel.expert.resolve_gemm`.
+    checking, not speed; cuDNN has no float32 kernel); multi-head latent attention (``model.kv_lora_rank``) always
+    the XLA reference. A sliding window (``model.sliding_window``) keeps cuDNN (its sliding-window causal mask) or
+    the Pallas flash kernel (the Triton-language one has no window mask). Concrete values pass through unchanged, so
+    resolving twice is harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
+    ``model.moe.gemm``: :func:`jaxtrain.parallel.expert.resolve_gemm`.
     """
     m = cfg.model
     dtype = m.dtype if m.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
@@ -74,7 +74,9 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
         attention = "xla"
         seq_rule = cfg.mesh.rules.get("act_seq")
         ring = seq_rule == Axis.CONTEXT and shards is not None and shards > 1  # ring attention (parallel/context.py)
-        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring):
+        # Multi-head latent attention (model.kv_lora_rank) stays on XLA: its v head dim differs from q/k's, which
+        # neither cuDNN's entry point nor the flash kernels here take.
+        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring) and not m.mla:
             segments = cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)  # chat packs too
             if shards == 1 and not segments and m.resolved_head_dim in CUDNN_HEAD_DIMS:
                 attention = "cudnn"

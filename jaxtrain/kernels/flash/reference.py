@@ -12,16 +12,16 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: f
 
     Args:
       q: [batch, seq, heads, head_dim].
-      k, v: [batch, seq, kv_heads, head_dim]; kv_heads divides heads. Query head h reads kv head
-        h // (heads // kv_heads).
+      k, v: [batch, seq, kv_heads, head_dim], v's head dim may differ from q's and k's (MLA); kv_heads divides
+        heads. Query head h reads kv head h // (heads // kv_heads).
       causal: mask keys after the query position.
       segment_ids: optional int [batch, seq]; a token attends only to tokens with the same id (packed sequences).
-      sm_scale: softmax scale, default 1/sqrt(head_dim).
+      sm_scale: softmax scale, default 1/sqrt(head_dim) (q's).
       window: with ``causal``, keys within this many positions up to the query, itself included (a sliding window:
         q - window < k <= q, as transformers masks it); None: every earlier key.
 
     Returns:
-      [batch, seq, heads, head_dim] in q's dtype. Logits and softmax are computed in float32.
+      [batch, seq, heads, v's head_dim] in q's dtype. Logits and softmax are computed in float32.
     """
     b, s, h, d = q.shape
     kv = k.shape[2]
@@ -40,4 +40,4 @@ def mha_reference(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: f
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, s, h, d).astype(q.dtype)
+    return out.reshape(b, s, h, v.shape[-1]).astype(q.dtype)
