@@ -187,7 +187,7 @@ class ModelConfig:
     v_head_dim: int = 128  # MLA: width of each value head (and of the attention output per head)
     # Sliding-window attention in every layer (Mistral; Qwen's use_sliding_window): a query attends to itself and
     # the sliding_window - 1 tokens before it; None: full causal attention. On xla, cudnn and pallas attention (not
-    # triton), over a context axis too (ring attention skips the chunks outside it).
+    # triton); over a context axis with xla or pallas (ring attention skips the chunks outside it).
     sliding_window: int | None = None
     d_ff: int = 384  # hidden width of the SwiGLU MLP
     rope_theta: float = 10000.0  # rotary embeddings' base wavelength
@@ -264,8 +264,9 @@ class TrainConfig:
     accumulate: Literal["unreduced", "sharded"] = "unreduced"
     # The dtype train.accumulate=unreduced gathers the parameters in before its microbatch loop: "compute" (half the
     # bytes in bfloat16: every parameter the model casts at its use is cast first, so no value changes; the router
-    # and the embedding table stay float32) or "float32" (the master weights as stored). Gradients are accumulated
-    # and reduced in float32 either way. Elsewhere XLA already gathers the compute dtype (docs/planning.md).
+    # and the embedding table stay float32; FP8 runs gather float32, their weight gradients being float32) or
+    # "float32" (the master weights as stored). Gradients are accumulated and reduced in float32 either way.
+    # Elsewhere XLA already gathers the compute dtype (docs/parallelism.md).
     gather_dtype: Literal["compute", "float32"] = "compute"
     # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the
     # interleaved schedule: a microbatch passes every stage this many times). More chunks shrink the pipeline bubble,

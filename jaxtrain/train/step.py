@@ -209,7 +209,7 @@ class Step:
         # model casts at its use is cast on its shard first, halving the all-gather without changing a value; the
         # accumulators and their reduction stay float32.
         narrow = self.cfg.train.gather_dtype == "compute"
-        to_gather = precision.narrowed(params, self.cfg.model.dtype) if narrow else params
+        to_gather = precision.narrowed(params, precision.gather_dtype(self.cfg.model)) if narrow else params
         gathered = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(p, NamedSharding(mesh, s)),
                                 to_gather, gathered_specs)
 
