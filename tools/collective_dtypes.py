@@ -5,9 +5,9 @@
 
 compiles the step as ``plan`` does (deviceless XLA:GPU, the hardware's GPU target, ``--nodes`` x 8 GPUs), keeps the
 optimized HLO (``--hlo FILE``) and prints, per collective kind and element type, the bytes each device's collectives
-produce in one step (loop trip counts included): an all-gather's gathered output, a reduce-scatter's scattered
-output, an all-reduce's buffer. It answers "are the FSDP all-gathers moving float32 master weights or the compute
-dtype?" from the program itself (docs/planning.md).
+move in one step as the planner counts them (loop trip counts included): an all-gather's gathered output, a
+reduce-scatter's input, an all-reduce's buffer. It answers "are the FSDP all-gathers moving float32 master weights
+or the compute dtype?" from the program itself (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def bytes_by_dtype(text: str, n_devices: int) -> dict[tuple[str, str], int]:
             if kind is None:
                 continue
             if kind == "all-reduce":
-                for idx, _ in hlo_collectives._elements_of(module, ins):
+                for idx, _ in hlo_collectives.elements_of(module, ins):
                     shape = element_shape(ins, idx)
                     total[(kind, _dtype(shape))] += array_bytes(shape) * n
                 continue
@@ -63,14 +63,23 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from jaxtrain.config import load_config
     from jaxtrain.config.hardware import load_hardware
+    from jaxtrain.errors import ConfigError
     from jaxtrain.planner.xla_gpu import deviceless
+
+    if args.nodes < 1:
+        print(f"collective_dtypes: --nodes {args.nodes} is not valid; give a node count >= 1", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        hw = load_hardware(args.hardware)
+    except ConfigError as e:
+        print(f"collective_dtypes: {e}", file=sys.stderr)
+        return 2
 
     compiler, why = deviceless.find_compiler()
     if compiler is None:
         print(f"collective_dtypes: no XLA:GPU compiler ({why})", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, args.overrides)
-    hw = load_hardware(args.hardware)
     with tempfile.TemporaryDirectory() as tmp:
         hlo = args.hlo or os.path.join(tmp, "step.hlo")
         deviceless.compile_layout(compiler, cfg, hw.gpu_target, args.nodes, hw.devices_per_node, hlo_path=hlo,

@@ -216,7 +216,7 @@ def stated_collectives(module: HloModule, n_devices: int, cpu: bool = True) -> S
             if kind == "all-reduce":
                 all_reduces += [AllReduceElement(ins, idx, value, times, cpu and idx < len(ins.operands)
                                                  and widened_by_cpu(module, ins.operands[idx]))
-                                for idx, value in _elements_of(module, ins)]
+                                for idx, value in elements_of(module, ins)]
                 continue
             moved = sum(operand_bytes(module, o, cpu) for o in ins.operands)
             if kind == "collective-permute":
@@ -233,7 +233,7 @@ def stated_collectives(module: HloModule, n_devices: int, cpu: bool = True) -> S
     return StatedCollectives(others, all_reduces, unknown)
 
 
-def _elements_of(module: HloModule, ins: Instr) -> list[tuple[int, str]]:
+def elements_of(module: HloModule, ins: Instr) -> list[tuple[int, str]]:
     """(element index, the value that carries it) for an all-reduce: itself, or its get-tuple-elements.
 
     An asynchronous all-reduce-start (GPU) delivers its result through its all-reduce-done. XLA:GPU prints its
