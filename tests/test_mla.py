@@ -213,3 +213,40 @@ def test_auto_attention_is_xla_on_gpus():
     assert resolve_auto(cfg, "gpu", 1).model.attention == "xla"
     plain = load_config(None, ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1"])
     assert resolve_auto(plain, "gpu", 1).model.attention == "cudnn"  # the same config without MLA: a kernel
+
+
+def _moe_mla():
+    """tiny-deepseek-moe with MLA (DeepSeek-V3's pairing) and FP8 projections, resolved for the CPU."""
+    cfg = load_config(os.path.join(REPO, "jaxtrain/configs/tiny-deepseek-moe.yaml"), [
+        "model.n_kv_heads=8", "model.kv_lora_rank=32", "model.q_lora_rank=48", "model.qk_nope_head_dim=16",
+        "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.dtype=float32", "model.fp8=tensorwise",
+        "model.moe.gemm=xla"])
+    return resolve_auto(cfg, "cpu").model
+
+
+def test_moe_layers_take_mla_counted_by_hand():
+    """The MoE model's parameter count and FP8 FLOPs with MLA in its layers."""
+    from jaxtrain.models.flops import fp8_flops_per_token
+    from jaxtrain.models.moe import make_model
+
+    m = _moe_mla()
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: make_model(m, rngs=nnx.Rngs(0)))
+    assert sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))) == count_params(m)["total"]
+    # attention per layer: q_a 128x48, q_b 48x8x24, kv_a 128x40, kv_b 32x8x32, o 8x16x128 = 45,056; MLP: 2 shared and
+    # 4 routed experts of 3x128x64; x 4 layers, forward and backward (3 x 2 FLOPs a weight)
+    assert fp8_flops_per_token(m, 128) == 6 * 4 * (45_056 + (2 + 4) * 3 * 128 * 64)
+
+
+@pytest.mark.slow  # ~35 s on 2 cores
+def test_moe_layers_with_mla_prefill_through_the_latent_cache():
+    """The MoE model with MLA and FP8 projections: the prefill through the latent cache equals the forward without."""
+    from jaxtrain.models.moe import make_model
+
+    with nnx.use_eager_sharding(False):
+        model = make_model(_moe_mla(), rngs=nnx.Rngs(0))
+    tok = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 10)))
+    full = model(tok)
+    cached, cache = model(tok, positions=jnp.broadcast_to(jnp.arange(10), (2, 10)), cache=model.init_cache(2, 12))
+    assert cache["k"].shape == (4, 2, 12, 32) and cache["v"].shape == (4, 2, 12, 8)
+    np.testing.assert_allclose(np.asarray(cached), np.asarray(full), atol=1e-5)
