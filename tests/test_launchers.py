@@ -174,7 +174,15 @@ HGX = [0, 0, 0, 0, 1, 1, 1, 1]  # an HGX H100 node: GPUs 0-3 on NUMA node 0, 4-7
 @pytest.mark.parametrize("numa, slurm, want", [
     (HGX, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "224"}, (8, 28, "map_ldom:0,0,0,0,1,1,1,1")),
     (HGX, {"SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "224"}, (2, 112, "map_ldom:0,1")),
-    (HGX, {"SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_ON_NODE": "224"}, (1, 224, "map_ldom:0")),
+    # one process driving all 8 GPUs spans both sockets: no single NUMA node, so every core it was given
+    (HGX, {"SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_ON_NODE": "224"}, (1, 224, "cores")),
+    # the job's GPUs only (SLURM_JOB_GPUS): 4 tasks on GPUs 4-7 (NUMA node 1); on GPUs 2-5, a task per pair
+    (HGX, {"SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_ON_NODE": "112", "SLURM_JOB_GPUS": "4,5,6,7"},
+     (4, 28, "map_ldom:1,1,1,1")),
+    (HGX, {"SLURM_NTASKS_PER_NODE": "2", "SLURM_CPUS_ON_NODE": "112", "SLURM_JOB_GPUS": "2,3,4,5"},
+     (2, 56, "map_ldom:0,1")),
+    (HGX, {"SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_ON_NODE": "112", "SLURM_JOB_GPUS": "2,3,4,5"},
+     (1, 112, "cores")),
     (HGX, {"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_CPUS_ON_NODE": "64"}, (4, 16, "map_ldom:0,0,1,1")),
     # sbatch --cpus-per-task wins over the even split
     (HGX, {"SLURM_NTASKS_PER_NODE": "8", "SLURM_CPUS_ON_NODE": "224", "SLURM_CPUS_PER_TASK": "16"},
@@ -187,8 +195,8 @@ HGX = [0, 0, 0, 0, 1, 1, 1, 1]  # an HGX H100 node: GPUs 0-3 on NUMA node 0, 4-7
      (8, 28, "none")),
 ])
 def test_every_step_gives_each_task_its_cpus_bound_near_its_gpu(tmp_path, numa, slurm, want):
-    """Expected values worked by hand: CPUs on the node / tasks per node, and task t bound to the NUMA node of GPU
-    t * gpus / tasks (its first GPU)."""
+    """Expected values worked by hand: CPUs on the node / tasks per node, and task t bound to the NUMA node its
+    GPUs (the job's, t * gpus / tasks onwards) share; cores where they do not share one."""
     (tmp_path / "run").mkdir()
     sysfs = fake_sysfs(tmp_path / "sys", numa)
     proc, calls = _run_sbatch_with_stubs(tmp_path / "run", slurm | {"JAXTRAIN_SYSFS": sysfs}, "train")
@@ -200,6 +208,12 @@ def test_every_step_gives_each_task_its_cpus_bound_near_its_gpu(tmp_path, numa, 
         options = step.split(" python")[0].split()
         assert {f"--ntasks-per-node={tasks}", f"--cpus-per-task={cpus}", f"--cpu-bind={bind}"} <= set(options), step
     assert f"jaxtrain: {tasks} task(s) per node, {cpus} CPU(s) each, --cpu-bind={bind} (" in proc.stdout
+
+
+def test_a_cpu_binding_with_slurms_option_words_is_taken(tmp_path):
+    proc, calls = _run_sbatch_with_stubs(tmp_path, {"JAXTRAIN_CPU_BIND": "verbose,cores"}, "train")
+    assert proc.returncode == 0, proc.stderr
+    assert all("--cpu-bind=verbose,cores" in c for c in calls if c.startswith("srun "))
 
 
 def test_a_cpu_binding_that_is_not_slurms_is_refused_in_one_line(tmp_path):
