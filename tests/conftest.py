@@ -29,7 +29,7 @@ from jaxtrain_testing import FAST  # noqa: E402
 SERIAL_MODULES = {"test_checkpoint", "test_cpu_collectives", "test_data_multiprocess", "test_faults", "test_health",
                   "test_launch_interrupt", "test_listening", "test_local_checkpoint", "test_mp_faults",
                   "test_multihost", "test_observe", "test_pipeline_checkpoint", "test_prometheus",
-                  "test_slurm_two_nodes"}
+                  "test_object_store", "test_slurm_two_nodes"}
 
 
 def pytest_collection_modifyitems(config, items):
