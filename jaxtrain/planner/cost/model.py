@@ -200,11 +200,14 @@ class ComputeParts:
     sources: dict[str, str]  # where each rate comes from: "measured" or "datasheet x efficiency E"
 
 
-def _recomputed_forwards(cfg: Config, shape: MeshShape) -> tuple[float, int]:
+def _recomputed_forwards(cfg: Config, shape: MeshShape, attention: str) -> tuple[float, int]:
     """(weight-matmul FLOPs recomputed over model FLOPs, attention forwards run again): remat full recomputes the
-    whole forward (1/3 more matmul work, attention's forward once more); save_matmuls keeps the weight matmuls and
-    recomputes attention's forward; 1F1B's backward recomputes each pass's forward (one more of each)."""
-    extra, attn = {"full": (1 / 3, 1), "save_matmuls": (0.0, 1)}.get(cfg.model.remat, (0.0, 0))
+    forward's weight matmuls (1/3 more matmul work); neither policy reruns a kernel's attention forward (both save
+    its named output and log-sum-exp: ``models.attention.REMAT_POLICIES``), but the XLA reference's attention, which
+    has no such names, is recomputed under either; 1F1B's backward recomputes each pass's whole forward (one more
+    of each)."""
+    extra = 1 / 3 if cfg.model.remat == "full" else 0.0
+    attn = int(cfg.model.remat in ("full", "save_matmuls") and attention == "xla")
     if pipeline_recompute(cfg, shape):
         extra, attn = extra + 1 / 3, attn + 1
     return extra, attn
@@ -225,7 +228,7 @@ def measured_compute(cfg: Config, shape: MeshShape, hw: Hardware, attention: str
     tokens = cfg.train.global_batch * seq / shape.num_devices
     attn_fwd = attention_flops_per_token(m, seq) * tokens
     fp8 = fp8_flops_per_token(m, seq) * tokens if "matmul_fp8" in rates else 0.0
-    extra, again = _recomputed_forwards(cfg, shape)
+    extra, again = _recomputed_forwards(cfg, shape, attention)
     flops = {"matmul": (train_flops_per_token(m, seq) * tokens - 3 * attn_fwd - fp8) * (1 + extra),
              "matmul_fp8": fp8 * (1 + extra), "attention": (3 + again) * attn_fwd}
     seconds = {"matmul": flops["matmul"] / rates["matmul"][0],
