@@ -1,7 +1,7 @@
 """MoE models over pipeline stages (GPipe and 1F1B): the pipelined objective, its router-loss metrics and every
 parameter gradient equal the unpipelined step's with the same microbatches on one device, whose router losses come
 from each microbatch's own statistics over all its MoE layers, each counting 1 / microbatches
-(jaxtrain/train/step.py). The combination still refused (the expert axis with stages): tests/test_bad_inputs.py."""
+(jaxtrain/train/step.py). With the expert axis as well: tests/test_moe_expert_stages.py."""
 
 import jax
 import numpy as np

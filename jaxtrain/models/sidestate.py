@@ -126,15 +126,21 @@ def reduce_groups(tree: Any, axis: int = 0) -> Any:
     return jax.tree_util.tree_map_with_path(lambda p, g: r.reduce(g, axis) if (r := rule_of(p)) else g.sum(axis), tree)
 
 
-def group_mean(tree: Any, axes: tuple[str, ...], groups: int) -> Any:
+def group_mean(tree: Any, axes: tuple[str, ...], groups: int, split: Any = None) -> Any:
     """Gradients of per-group mean losses over the named batch axes: summed and divided by ``groups``; observed state
-    by its collective, its observations rescaled for a loss ``groups`` times too large."""
-    def one(path, g):
+    by its collective, its observations rescaled for a loss ``groups`` times too large. ``split``: None, or a tree
+    like ``tree`` of PartitionSpecs naming the axes a leaf is split over (each device's own part, whose gradient
+    already gathers those axes' contributions, e.g. its experts' weights): not summed over them."""
+    def one(path, g, spec=None):
+        own = {a for e in (spec or ()) for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
+        over = tuple(a for a in axes if a not in own)
         rule = rule_of(path)
         if rule:
-            return rule.rescale(rule.collective(g, axes) if axes else g, 1 / groups)
-        return (jax.lax.psum(g, axes) if axes else g) / groups
-    return jax.tree_util.tree_map_with_path(one, tree)
+            return rule.rescale(rule.collective(g, over) if over else g, 1 / groups)
+        return (jax.lax.psum(g, over) if over else g) / groups
+    if split is None:
+        return jax.tree_util.tree_map_with_path(one, tree)
+    return jax.tree_util.tree_map_with_path(one, tree, split)
 
 
 def scale_cotangent(tree: Any, like: Any, g: jax.Array) -> Any:

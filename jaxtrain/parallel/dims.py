@@ -311,11 +311,12 @@ class ParallelDims:
             _require(rule == (Axis.EXPERT,), f"mesh.rules.experts must be 'expert' with an expert axis of size {ep}")
             _require(Axis.EXPERT in self.batch_axes, f"mesh.rules.batch={self.cfg.mesh.rules.get('batch')!r} must "
                      f"include 'expert' with an expert axis of size {ep} (tokens are split over it)")
-        if self.stages > 1:
-            _require(ep == 1, f"the expert axis (size {ep}) cannot be combined with {self.stages} pipeline stages "
-                     "yet: the pipeline's loop gathers every expert on each device; use expert=1 with stages, or "
-                     "stage=1")
         pipelined = self.stages > 1  # the pipeline runs its own microbatches, whatever train.accumulate says
+        # The experts' FP8 amaxes reduce over the axes of their own shard_map, which inside the pipeline's loop is
+        # not the expert dispatch's; unchecked there, so refused.
+        _require(not (pipelined and ep > 1 and self.cfg.model.fp8 != "none"), f"model.fp8={self.cfg.model.fp8} "
+                 f"with the expert axis (size {ep}) and {self.stages} pipeline stages is not supported yet; use "
+                 "model.fp8=none, expert=1 or stage=1")
         _require(t.microbatches == 1 or t.accumulate == "sharded" or pipelined, f"model.moe with train.microbatches="
                  f"{t.microbatches} needs train.accumulate=sharded (the unreduced mode runs each data-parallel "
                  "group's rows apart, but the experts' dispatch runs across the groups)")

@@ -224,8 +224,12 @@ class MeshExperts:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:  # no mesh: the arrays are one device's
             return local()
-        # Axes already manual (an enclosing shard_map: the pipeline's loop over stage and the batch axes, where
-        # the experts are not split, dims.py) are this device's already: the specs name only the others.
+        # Axes already manual (an enclosing shard_map: the pipeline's loop over stage and the batch axes) are this
+        # device's already: the specs name only the others. The expert axis may be one of them: the pipeline keeps
+        # the experts split over it (parallel/pipeline.py), so the arrays here are this device's experts and its
+        # tokens, and the dispatch's collectives run over the enclosing shard_map's axis.
+        outer_ep = [a for a in _names(PartitionSpec(_spec(("experts",))[0]))
+                    if a in mesh.manual_axes and mesh.shape[a] > 1]
         tokens, w_in, w_out = (without_axes(_spec(axes), mesh.manual_axes)
                                for axes in (("batch", "act_seq"), ("experts", None, "expert_mlp"),
                                             ("experts", "expert_mlp", None)))
@@ -233,22 +237,27 @@ class MeshExperts:
         split = {a for spec in (tokens, w_in) for a in _names(spec)} - set(mesh.manual_axes)
         # A kernel runs per device: every axis manual, as for the flash kernels (parallel/attention.py).
         manual = set(mesh.axis_names) - set(mesh.manual_axes) if gmm.kernel else split
-        if not manual or math.prod(sizes[a] for a in split) == 1 and not gmm.kernel:
+        unsplit = not manual or math.prod(sizes[a] for a in split) == 1 and not gmm.kernel
+        if unsplit and not outer_ep:
             return local()
-        ep_axes, hidden_axes = _names(PartitionSpec(w_in[0])), _names(PartitionSpec(w_in[2]))
+        ep_axes, hidden_axes = outer_ep or _names(PartitionSpec(w_in[0])), _names(PartitionSpec(w_in[2]))
         if fp8 != "none":
             gmm = gmm.with_fp8(fp8, None, tuple(a for a in mesh.axis_names if a in manual), tuple(hidden_axes),
                                tuple(ep_axes))
-        if len(ep_axes) > 1 or (ep_axes and ep_axes[0] not in _names(tokens)):
+        if len(ep_axes) > 1 or (ep_axes and not outer_ep and ep_axes[0] not in _names(tokens)):
             raise ValueError(f"the experts' rule names {ep_axes}: one mesh axis the tokens are also split over")
         x_spec = PartitionSpec(*tokens, None)
         body = partial(_per_device, ep_axis=ep_axes[0] if ep_axes else None, slots=slots, kind=self.dispatch,
                        sum_axes=tuple(hidden_axes), gmm=gmm)
+        if unsplit:  # the expert axis manual already and nothing else split: this device's share, as it is
+            return partial(body, sum_axes=())(x, experts, weights, w_gate, w_up, w_down, fp8_history)
         # pallas_call gives its outputs no varying-axes type, so the kernels' body cannot be type-checked (as with
         # the flash kernels'); the replicated weights' gradients are still summed over the token axes.
         args, specs = [x, experts, weights, w_gate, w_up, w_down], [x_spec, x_spec, x_spec, w_in, w_in, w_out]
         if fp8_history is not None:
             args.append(fp8_history)
             specs.append(PartitionSpec())
+        # Inside the pipeline's loop (the expert axis manual there, without type checks) the arrays carry no
+        # varying-axes types either, so this region is not checked (its transpose still sums over tensor).
         return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, axis_names=frozenset(manual),
-                             check_vma=not gmm.kernel)(*args)
+                             check_vma=not gmm.kernel and not outer_ep)(*args)

@@ -114,14 +114,15 @@ def arrange_chunks(stack: jax.Array, stages: int, virtual: int, stage_axis: str 
 def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, x: jax.Array, side: Any, *,
              stages: int, virtual: int, stage_axis: str | tuple[str, ...], batch_axes: tuple[str, ...] = (),
              embed: Callable[[jax.Array], jax.Array] | None = None, remat_policy: Callable | None = None,
-             meta: Any = None, with_stats: bool = False) -> Any:
+             meta: Any = None, with_stats: bool = False, chunk_specs: Any = None) -> Any:
     """Run ``x`` through all chunks in order, pipelined. Returns the outputs [M, microbatch, ...], M split over the
     stage axis (stage ``j`` holds microbatches ``j * M / stages`` onwards) and the microbatch rows over
     ``batch_axes``; with ``with_stats``, (outputs, stats) (below).
 
     stage_fn(chunk_weights, h, side_m) -> h: one chunk on one microbatch, h [microbatch, ...] (this device's rows).
-    chunks: pytree of [virtual, stages, ...] (:func:`arrange_chunks`), split over ``stage_axis`` on dim 1 and not
-        over ``batch_axes``.
+    chunks: pytree of [virtual, stages, ...] (:func:`arrange_chunks`) split as ``chunk_specs`` says (:func:`loop_specs`;
+        None: over ``stage_axis`` on dim 1, not over ``batch_axes``), their gradients summed over the batch axes a
+        spec does not name (shard_map's transpose).
     x: [M, microbatch, ...] the microbatches' inputs (M a multiple of ``stages``), rows split over ``batch_axes``.
     side: pytree of [M, microbatch, ...] per-microbatch side inputs (segment ids) or None, split like x.
     remat_policy: what a pass through a stage keeps for the backward (``jax.checkpoint`` policy); None: everything.
@@ -187,10 +188,9 @@ def circular(stage_fn: Callable[[Any, jax.Array, Any], jax.Array], chunks: Any, 
         # per device ([1, M, virtual, 1, per chunk, ...]) and are summed over the batch groups outside.
         return shares[0], jax.tree.map(lambda a: a[None, :, :, None], stats)
 
-    out, stats = _on_each_device(local, chunks, x, side, meta, stage_axis, batch_axes)
-    if not with_stats:
-        return out
-    return out, jax.tree.map(lambda a: a.sum(0).reshape(m_n, -1, *a.shape[5:]), stats)
+    out, stats = _on_each_device(local, chunks, x, side, meta, stage_axis, batch_axes, chunk_specs)
+    stats = None if stats is None else jax.tree.map(lambda a: a.sum(0).reshape(m_n, -1, *a.shape[5:]), stats)
+    return (out, stats) if with_stats else out
 
 
 def _pass_function(stage_fn: Callable, remat_policy: Callable | None) -> Callable:
@@ -206,13 +206,14 @@ def _pass_function(stage_fn: Callable, remat_policy: Callable | None) -> Callabl
 
 
 def _on_each_device(local: Callable, chunks: Any, x: jax.Array, side: Any, meta: Any, stage_axis,
-                    batch_axes: tuple[str, ...]) -> tuple[jax.Array, Any]:
+                    batch_axes: tuple[str, ...], chunk_specs: Any) -> tuple[jax.Array, Any]:
     """:func:`circular`'s loop ``local`` under ``shard_map`` over the stage and batch axes: (outputs [M,
     microbatch, ...] split over stage and the rows over the batch axes, stats [groups, M, virtual, stages, ...] or
     None, one row per batch group)."""
     stage_names = stage_axis if isinstance(stage_axis, tuple) else (stage_axis,)
     rows = PartitionSpec(None, batch_axes or None)
-    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), rows, rows,
+    chunk_specs = PartitionSpec(None, stage_axis) if chunk_specs is None else chunk_specs
+    return jax.shard_map(local, in_specs=(chunk_specs, rows, rows,
                                           PartitionSpec(batch_axes or None, None, stage_axis)),
                          out_specs=(PartitionSpec(stage_axis, batch_axes or None),
                                     PartitionSpec(batch_axes or None, None, None, stage_axis)),
@@ -276,27 +277,51 @@ def pipelined_layers(model, tokens: jax.Array, segment_ids: jax.Array | None, la
     out = circular(stage_fn, chunks, tokens, segment_ids, stages=layout.dims.stages,
                    virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
                    batch_axes=layout.dims.batch_axes, embed=embed, remat_policy=policy, meta=meta,
-                   with_stats=with_stats)
+                   with_stats=with_stats, chunk_specs=loop_specs(stacked, layout))
     return out if with_stats else (out, None)
 
 
 def stack_chunks(stacked: Any, layout) -> Any:
     """The layer stack's state (leaves [L, ...], logical ``layers`` split over stages) -> the schedule's chunks,
     leaves [virtual, stages, L / (stages * virtual), ...] split over the stage axis on dim 1 and gathered over the
-    batch axes (once per step, before the loop; the gradients are summed over them once, where they leave it)."""
+    batch axes (once per step, before the loop; the gradients are summed over them once, where they leave it),
+    except the experts' dimension, which stays split over the expert axis (:func:`loop_specs`)."""
     stages, virtual, stage_axis = layout.dims.stages, layout.cfg.train.virtual_stages, layout.stage_axis
 
-    def chunk_spec(spec: PartitionSpec) -> PartitionSpec:
+    def chunk_spec(spec: PartitionSpec, kept: PartitionSpec) -> PartitionSpec:
         # nnx.get_partition_spec gives mesh axes (the rules already applied): [layers, ...] -> [virtual, stages,
-        # layers per chunk, ...], the batch axes dropped (gathered once, before the loop).
-        return PartitionSpec(None, stage_axis, None,
-                             *without_axes(PartitionSpec(*tuple(spec)[1:]), layout.dims.batch_axes))
+        # layers per chunk, ...], the batch axes dropped (gathered once, before the loop) where the loop does not
+        # keep them.
+        keep = tuple(kept)[3:]
+        dims = [entry if i < len(keep) and keep[i] is not None
+                else without_axes(PartitionSpec(entry), layout.dims.batch_axes)[0]
+                for i, entry in enumerate(tuple(spec)[1:])]
+        return PartitionSpec(None, stage_axis, None, *dims)
 
-    def arrange(a, spec):
-        return jax.lax.with_sharding_constraint(arrange_chunks(a, stages, virtual, stage_axis), chunk_spec(spec))
+    def arrange(a, spec, kept):
+        return jax.lax.with_sharding_constraint(arrange_chunks(a, stages, virtual, stage_axis),
+                                                chunk_spec(spec, kept))
 
-    specs = nnx.get_partition_spec(stacked)
-    return jax.tree.map(arrange, stacked, specs, is_leaf=lambda v: isinstance(v, PartitionSpec))
+    specs, kept = nnx.get_partition_spec(stacked), loop_specs(stacked, layout)
+    return jax.tree.map(arrange, stacked, specs, kept, is_leaf=lambda v: isinstance(v, PartitionSpec))
+
+
+def loop_specs(stacked: Any, layout) -> Any:
+    """The specs of the schedule's chunks (:func:`stack_chunks`) over the pipeline loop's manual axes, a tree like
+    ``stacked`` (the layer stack's state, leaves [L, ...]): [virtual, stages, layers per chunk, ...] split over the
+    stage axis on dim 1 and, on the experts' dimension (logical ``experts``), over the expert axis when it is one
+    of the batch axes and larger than 1: each device keeps its own experts and the dispatch sends it the tokens
+    (parallel/expert.py), so their gradients are summed over the other batch axes only."""
+    rule = layout.cfg.mesh.rules.get("experts")  # 'expert' or null (dims.py)
+    dims = layout.dims
+    ep = rule if isinstance(rule, str) and rule in dims.batch_axes and dims.size(rule) > 1 else None
+
+    def one(v):
+        logical = tuple(v.get_metadata().get("out_sharding") or ())[1:]  # after ``layers``
+        return v.replace(PartitionSpec(None, layout.stage_axis, None,
+                                       *(ep if name == "experts" else None for name in logical)))
+
+    return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def chunk_function(graphdef, layout, remat: str = "none", with_stats: bool = False) -> Callable:

@@ -95,9 +95,13 @@ def _record(stats, pass_stats, f_ok, v_f, m_f):
     return jax.tree.map(lambda b, a: b.at[m_f, v_f].add(jnp.where(f_ok, a, jnp.zeros_like(a))), stats, pass_stats)
 
 
-def _reduce_chunks(d_chunks, batch_axes, groups):
-    """The chunks' gradients summed over the batch groups (observed state by its rule), per group's mean."""
-    return jax.tree.map(lambda g: g[:, None], sidestate.group_mean(d_chunks, batch_axes, groups))
+def _reduce_chunks(d_chunks, batch_axes, groups, chunk_specs):
+    """The chunks' gradients summed over the batch groups (observed state by its rule), per group's mean; a chunk
+    split over a batch axis inside the loop (``chunk_specs``: the experts' weights over the expert axis) is this
+    device's own part, whose gradient already holds that axis' tokens (the dispatch's transpose): not summed over
+    it."""
+    split = None if isinstance(chunk_specs, PartitionSpec) else chunk_specs
+    return jax.tree.map(lambda g: g[:, None], sidestate.group_mean(d_chunks, batch_axes, groups, split))
 
 
 class _Stage:
@@ -263,7 +267,8 @@ class _Stage:
 
 def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, chunks: Any, rest: Any,
                    tokens: jax.Array, targets: jax.Array, side: Any, *, stages: int, virtual: int,
-                   stage_axis: str, batch_axes: tuple[str, ...] = (), stats_fn: Callable | None = None) -> tuple:
+                   stage_axis: str, batch_axes: tuple[str, ...] = (), stats_fn: Callable | None = None,
+                   chunk_specs: Any = None) -> tuple:
     """(loss, d_chunks, d_rest, (next-token loss, collected statistics) or None) of one step through the 1F1B
     schedule.
 
@@ -278,8 +283,9 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
         activations, their cotangents the backward ring) and ``.totals(sums)`` summed over all the microbatch's
         rows (no gradient).
     chunks: pytree of [virtual, stages, ...] (:func:`jaxtrain.parallel.pipeline.arrange_chunks`) split over
-        ``stage_axis`` on dim 1, not over ``batch_axes``. rest: pytree of the parameters embed_fn and loss_fn use, not
-        split over the stage or batch axes.
+        ``stage_axis`` on dim 1, not over ``batch_axes`` except as ``chunk_specs`` (None, or a pytree prefix of
+        chunks: :func:`jaxtrain.parallel.pipeline.loop_specs`) says. rest: pytree of the parameters embed_fn and
+        loss_fn use, not split over the stage or batch axes.
     tokens, targets: [M, rows, ...] (M a multiple of ``stages``); side: pytree of [M, rows, ...] or None; rows split
         over ``batch_axes``.
 
@@ -291,6 +297,7 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
     """
     s_n, m_n = stages, tokens.shape[0]
     reduce_axes = (stage_axis, *batch_axes)
+    chunk_specs = PartitionSpec(None, stage_axis) if chunk_specs is None else chunk_specs
 
     def local(chunks, rest, tokens, targets, side):
         stage = _Stage((stage_fn, embed_fn, loss_fn, stats_fn), chunks, rest, tokens, targets, side, stages=stages,
@@ -306,10 +313,10 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
         # The sums over devices, once per step: the loss and the embedding/head gradients live on one stage each.
         losses = jax.tree.map(lambda a: jax.lax.psum(a, reduce_axes) / groups, losses)
         d_rest = jax.tree.map(lambda g: jax.lax.psum(g, reduce_axes) / groups, d_rest)
-        d_chunks = _reduce_chunks(d_chunks, batch_axes, groups)
+        d_chunks = _reduce_chunks(d_chunks, batch_axes, groups, chunk_specs)
         return losses, d_chunks, d_rest, jax.tree.map(lambda a: a[None, :, :, None], stats)
 
-    (loss, next_token), d_chunks, d_rest, stats = _on_each_device(local, stage_axis, batch_axes)(
+    (loss, next_token), d_chunks, d_rest, stats = _on_each_device(local, stage_axis, batch_axes, chunk_specs)(
         chunks, rest, tokens, targets, side)
     if stats_fn is None:
         return loss, d_chunks, d_rest, None
@@ -317,12 +324,13 @@ def loss_and_grads(stage_fn: Callable, embed_fn: Callable, loss_fn: Callable, ch
                                                              stats))
 
 
-def _on_each_device(local: Callable, stage_axis: str, batch_axes: tuple[str, ...]) -> Callable:
+def _on_each_device(local: Callable, stage_axis: str, batch_axes: tuple[str, ...], chunk_specs: Any) -> Callable:
     """:func:`loss_and_grads`' loop ``local(chunks, rest, tokens, targets, side)`` under ``shard_map`` over the stage
-    and batch axes; its collected statistics leave one row per batch group ([groups, M, virtual, stages, ...])."""
+    and batch axes (the chunks and their gradients split as ``chunk_specs``); its collected statistics leave one row
+    per batch group ([groups, M, virtual, stages, ...])."""
     rows = PartitionSpec(None, batch_axes or None)
-    return jax.shard_map(local, in_specs=(PartitionSpec(None, stage_axis), PartitionSpec(), rows, rows, rows),
-                         out_specs=(PartitionSpec(), PartitionSpec(None, stage_axis), PartitionSpec(),
+    return jax.shard_map(local, in_specs=(chunk_specs, PartitionSpec(), rows, rows, rows),
+                         out_specs=(PartitionSpec(), chunk_specs, PartitionSpec(),
                                     PartitionSpec(batch_axes or None, None, None, stage_axis)),
                          axis_names=frozenset((stage_axis, *batch_axes)), check_vma=False)
 
@@ -360,7 +368,8 @@ def pipelined_loss(model, tokens: jax.Array, targets: jax.Array, segment_ids: ja
 
     schedule = partial(loss_and_grads, stage_fn, embed_fn, head_loss, stages=layout.dims.stages,
                        virtual=layout.cfg.train.virtual_stages, stage_axis=layout.stage_axis,
-                       batch_axes=layout.dims.batch_axes, stats_fn=stats_fn)
+                       batch_axes=layout.dims.batch_axes, stats_fn=stats_fn,
+                       chunk_specs=pipeline.loop_specs(stack["blocks"], layout))
 
     @jax.custom_vjp
     def run(chunks, rest, tokens, targets, segments):
