@@ -156,6 +156,10 @@ def test_decoding_from_the_compressed_cache_equals_the_full_forward(tmp_path):
             logits = np.asarray(jax.jit(model)(jnp.asarray([prompt + row])))[0]
             assert row == logits[len(prompt) - 1:-1].argmax(-1).tolist(), (prompt, row)
     assert len(set(got[0])) > 1  # not one repeated token
+    # what `python -m jaxtrain generate` runs: its cache from the model's own cache shapes, the same tokens
+    from jaxtrain.hf import generate
+
+    assert generate.generate(model, layout, prompts, max_new_tokens=new).new_ids == got
 
 
 MESH_OPTS = ["model.n_layers=2", "data.seq_len=64", "train.global_batch=8", "train.steps=6", "train.warmup_steps=2",

@@ -20,7 +20,6 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtrain.errors import ConfigError
-from jaxtrain.models.llama import CACHE_AXES
 from jaxtrain.parallel.layout import Layout
 
 
@@ -82,8 +81,8 @@ def generate(model, layout: Layout, prompts: list[list[int]], *, max_new_tokens:
         tokens[i, : len(p)], lengths[i] = p, len(p)
 
     graphdef, params = nnx.split(model)
-    cache_spec = _spec((None, *CACHE_AXES), rules)
-    cache_sharding = {"k": NamedSharding(mesh, cache_spec), "v": NamedSharding(mesh, cache_spec)}
+    shapes = model.cache_shapes(batch, max_len)  # MLA's is its compressed latents (models/mla.py)
+    cache_sharding = {k: NamedSharding(mesh, _spec(axes, rules)) for k, (_, axes) in shapes.items()}
     row_sharding = NamedSharding(mesh, PartitionSpec(_spec(("batch",), rules)[0]))
     tok_sharding = NamedSharding(mesh, PartitionSpec(row_sharding.spec[0], None))
 
@@ -106,8 +105,7 @@ def generate(model, layout: Layout, prompts: list[list[int]], *, max_new_tokens:
         lengths_d = jax.device_put(lengths, row_sharding)
         prefill_c = jax.jit(prefill, out_shardings=(row_sharding, cache_sharding)).lower(
             params, tokens_d, lengths_d, key).compile()
-        cache_abstract = {k: jax.ShapeDtypeStruct((model.cfg.n_layers, batch, max_len, model.cfg.n_kv_heads,
-                                                   model.cfg.resolved_head_dim), model.embed.dtype, sharding=s)
+        cache_abstract = {k: jax.ShapeDtypeStruct(shapes[k][0], model.embed.dtype, sharding=s)
                           for k, s in cache_sharding.items()}
         row_abstract = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=row_sharding)
         step_c = jax.jit(step, out_shardings=(row_sharding, cache_sharding), donate_argnums=1).lower(
