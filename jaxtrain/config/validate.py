@@ -114,7 +114,8 @@ def _check_mla(cfg: Config) -> None:
     """Multi-head latent attention (``model.kv_lora_rank`` set): positive ranks and head dims, an even rotary part,
     and what it does not combine with: its own head dims replace head_dim, every head has its own k/v (n_kv_heads =
     n_heads), no q/k/v biases or q/k norms (DeepSeek has neither), XLA attention only (v's head dim differs from
-    q/k's: the cuDNN and flash kernels here take one head dim), no context axis (ring attention likewise)."""
+    q/k's: the cuDNN and flash kernels here take one head dim); no context axis: ``ParallelDims.check``, which
+    ``mesh.auto`` asks too."""
     m = cfg.model
     assert m.kv_lora_rank is not None
     _require(m.kv_lora_rank > 0, f"model.kv_lora_rank={m.kv_lora_rank} must be > 0 (or null: standard attention)")
@@ -132,10 +133,6 @@ def _check_mla(cfg: Config) -> None:
                  "(model.kv_lora_rank set); set it false")
     _require(m.attention in ("xla", "auto"), f"model.attention={m.attention} cannot take multi-head latent "
              f"attention's v head dim ({m.v_head_dim}) differing from q/k's ({m.qk_head_dim}); use xla or auto")
-    context = [f"mesh.{part}.context={v}" for (part, ax), v in cfg.mesh.sizes().items()
-               if ax == Axis.CONTEXT and v != 1]
-    _require(not context, f"{', '.join(context)}: ring attention takes one head dim, so multi-head latent "
-             "attention (model.kv_lora_rank set) needs mesh.ici.context=1 and mesh.dcn.context=1")
 
 
 def _check_window(cfg: Config) -> None:

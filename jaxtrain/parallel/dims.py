@@ -267,6 +267,12 @@ class ParallelDims:
 
     def _check_context(self) -> None:
         rule, c = self.cfg.mesh.rules.get("act_seq"), self.context
+        # Here, not only in config validation: mesh.auto's search asks here too, so it never picks a context axis
+        # for an MLA model.
+        axes = [f"mesh.{part}.context={v}" for (part, ax), v in self.cfg.mesh.sizes().items()
+                if ax == Axis.CONTEXT and v not in (1, -1)] or [f"the context axis of size {c}"]
+        _require(not self.cfg.model.mla, f"{', '.join(axes)}: ring attention takes one head dim, so multi-head latent "
+                 "attention (model.kv_lora_rank set) needs mesh.ici.context=1 and mesh.dcn.context=1")
         _require(rule == Axis.CONTEXT, f"mesh.rules.act_seq={rule!r} must be 'context' with a context axis of size "
                  f"{c} (it splits the activations' sequence)")
         # The zigzag order gives each device two chunks of seq_len / (2 * context) (docs/long-context.md).
