@@ -88,3 +88,19 @@ def test_experts_over_stages_train_steps_equal_one_device(schedule):
         for key in ("loss", "grad_norm", *MOE_KEYS):
             np.testing.assert_allclose(mine[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
     assert got[1]["loss"] != got[0]["loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_expert_bias_over_expert_stages_equals_one_device(schedule):
+    """DeepSeek's expert-selection bias (observed state through the pipelines, models/sidestate.py) on stage=2 x
+    expert=2 x fsdp=2: a large update rate moves the second step's routing; both steps' figures equal one device's,
+    so the load the bias observes is the whole step's (not one device's tokens, nor counted twice)."""
+    overrides = [*LAYOUTS["stage2 x expert2 x fsdp2"], *SCHEDULES[schedule], "model.moe.expert_bias=true",
+                 "model.moe.bias_update_rate=0.5"]
+    want = _train_metrics(_one_device(overrides), 1)
+    got = _train_metrics(overrides, 8)
+    for mine, ref in zip(got, want, strict=True):
+        for key in ("loss", "grad_norm", *MOE_KEYS):
+            np.testing.assert_allclose(mine[key], ref[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert got[1]["moe_max_load"] != got[0]["moe_max_load"]
