@@ -223,14 +223,14 @@ def test_scrape_config_targets_match_the_launchers_ports():
                                            os.path.join(REPO, "launch", "k8s", "prometheus-scrape.yml"))
             for j in yaml.safe_load(open(path))["scrape_configs"]}
     # Kubernetes: Prometheus keeps the pods' container port named "metrics"; the JobSet's container declares it,
-    # and its command serves on that port on all interfaces.
+    # and its args (the image keeps its entrypoint) serve on that port on all interfaces.
     keep = [r for r in jobs["jaxtrain-k8s"]["relabel_configs"]
             if r.get("action") == "keep" and "__meta_kubernetes_pod_container_port_name" in r["source_labels"]]
     assert keep and keep[0]["regex"] == "metrics"
     pod = yaml.safe_load(open(os.path.join(REPO, "launch", "k8s", "jaxtrain.yaml")))
     container = pod["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
     port = next(p["containerPort"] for p in container["ports"] if p.get("name") == "metrics")
-    args = dict(a.split("=", 1) for a in container["command"] if a.startswith("observe."))
+    args = dict(a.split("=", 1) for a in container["args"] if a.startswith("observe."))
     assert int(args["observe.prometheus_port"]) == port
     assert args["observe.prometheus_address"] == "0.0.0.0" and args["observe.prometheus_port_offset"] == "none"
     # Slurm: the job writes its targets for file_sd into the directory the scrape config reads, on the port the
