@@ -24,10 +24,10 @@ def _params(layout):
 
 @pytest.mark.parametrize("name, extra", [
     ("tiny", ["model.qk_norm=true", "model.qkv_bias=true", "model.tie_embeddings=false"]),
-    ("tiny-moe", []),
+    pytest.param("tiny-moe", [], marks=pytest.mark.slow),
     # FP8: the amax histories ride with the parameters and stay float32; the float8 projections' weight gradients
     # are float32, so gather_dtype keeps every parameter float32
-    ("tiny", ["model.fp8=delayed"]),
+    pytest.param("tiny", ["model.fp8=delayed"], marks=pytest.mark.slow),
 ])
 def test_casting_first_changes_no_value(name, extra):
     layout = Layout.build(load_config(name, [*BF16, "mesh.ici.fsdp=1", *extra]), jax.devices()[:1])
