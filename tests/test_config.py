@@ -103,6 +103,12 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
                                             ("70b", 68976.6), ("tiny-moe", 2.594), ("mixtral-8x7b", 46702.8),
                                             ("tiny-qwen3", 1.017), ("tiny-qwen3-moe", 2.795),
                                             ("tiny-deepseek-moe", 2.008),
+                                            # by hand: tiny's 820,352 + 4 layers x 256 q/k/v biases; + an untied
+                                            # output layer of 256 x 128; 32,896 + 4 x (49,408 attention with biases
+                                            # + 256 norms + 2,048 router + 16 x 3 x 128 x 96 experts + 3 x 128 x 384
+                                            # shared expert + 128 gate)
+                                            ("tiny-qwen2.5", 0.821376), ("tiny-mistral", 0.853120),
+                                            ("tiny-qwen2-moe", 3.189376),
                                             # released models: hand counts from their config.json, the published totals
                                             ("qwen2.5-7b", 7615.617), ("qwen3-8b", 8190.735),
                                             ("mistral-7b", 7248.024), ("qwen3-30b-a3b", 30532.123)])
