@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from test_moe_pipeline import MOE_KEYS, SMALL, _assert_equal, _metrics_and_grads
+from test_moe_pipeline import MOE_KEYS, SMALL, _assert_equal, _metrics_and_grads, _train_metrics
 
 from jaxtrain.config import load_config
 from jaxtrain.parallel.layout import Layout
 from jaxtrain.parallel.pipeline import loop_specs
-from jaxtrain.train import step as step_lib
 from jaxtrain_testing import FAST
 
 LAYOUTS = {
@@ -60,19 +59,6 @@ def test_experts_stay_split_over_the_expert_axis_inside_the_stages():
         assert flat[name] == P(None, "stage", None, "expert", None, None), name
     assert flat["moe.mlp.router"] == P(None, "stage", None, None, None)
     assert flat["dense.mlp.gate.kernel"] == P(None, "stage", None, None, None, None)
-
-
-def _train_metrics(overrides, n):
-    """The metrics of two train steps (compiled as training compiles them) from the initial state and one batch."""
-    step = step_lib.setup(load_config(None, [*FAST, *SMALL, *overrides]), jax.devices()[:n])
-    train, _, _ = step.compile(with_eval=False)
-    state = step.layout.init_state()
-    batch = np.random.default_rng(1).integers(0, step.cfg.model.vocab_size, step.layout.batch_shape, dtype=np.int32)
-    out = []
-    for _ in range(2):
-        state, metrics = train(state, step.layout.to_device(batch))
-        out.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-    return out
 
 
 @pytest.mark.slow
