@@ -99,7 +99,8 @@ FAST = {
     "moe capacity below a token's share": ([*T, "model.moe.experts=8", "model.moe.capacity_factor=0.25"],
                                            "model.moe.capacity_factor=0.25 gives an expert less than one token's"),
     "moe every not dividing the layers": ([*T, "model.moe.experts=8", "model.moe.every=3"],
-                                          "model.n_layers=4 is not a multiple of model.moe.every=3"),
+                                          "model.n_layers - model.moe.first_dense = 4 is not a multiple of "
+                                          "model.moe.every=3"),
     "expert axis on a dense model": ([*T, "mesh.ici.expert=2", "mesh.ici.fsdp=1"],
                                      "the expert axis has size 2 but the model is dense"),
     "fp8 experts with stages": ([*T, "model.moe.experts=8", "mesh.ici.stage=2", "mesh.ici.fsdp=1",

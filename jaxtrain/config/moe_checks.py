@@ -20,8 +20,11 @@ def check_moe_config(cfg: Config) -> None:
     require(not moe.shared_gate or moe.shared_experts > 0,
             "model.moe.shared_gate=true needs model.moe.shared_experts > 0 (it gates the shared experts' output)")
     positive("model.moe.every", moe.every)
-    require(m.n_layers % moe.every == 0, f"model.n_layers={m.n_layers} is not a multiple of model.moe.every="
-            f"{moe.every} (each group of `every` layers ends in one MoE layer)")
+    require(0 <= moe.first_dense < m.n_layers, f"model.moe.first_dense={moe.first_dense} must be between 0 and "
+            f"model.n_layers - 1 = {m.n_layers - 1} (at least one layer after the dense ones)")
+    grouped = m.n_layers - moe.first_dense
+    require(grouped % moe.every == 0, f"model.n_layers - model.moe.first_dense = {grouped} is not a multiple of "
+            f"model.moe.every={moe.every} (each group of `every` layers ends in one MoE layer)")
     not_negative("model.moe.capacity_factor", moe.capacity_factor, " (0: dropless)")
     # ceil() would still give every expert one slot, so a factor this small would silently mean "one slot".
     require(not 0 < moe.capacity_factor * moe.top_k < 1, f"model.moe.capacity_factor={moe.capacity_factor} gives an "

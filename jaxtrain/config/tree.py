@@ -132,7 +132,12 @@ class MoEConfig:
     d_ff: int = 0  # hidden width of each routed expert; 0: model.d_ff
     shared_experts: int = 0  # always-on experts: one SwiGLU of width shared_experts x d_ff in each MoE layer
     shared_gate: bool = False  # scale the shared experts' output by sigmoid(x . w) per token (Qwen2-MoE)
-    every: int = 1  # layer i is an MoE layer when (i + 1) % every == 0, the others dense; divides model.n_layers
+    # the first first_dense layers are dense SwiGLU MLPs of model.d_ff (DeepSeek-V3's first_k_dense_replace), before
+    # the groups of `every`; not split over pipeline stages (stage > 1 refuses it)
+    first_dense: int = 0
+    # layer first_dense + i is an MoE layer when (i + 1) % every == 0, the others dense; divides model.n_layers -
+    # first_dense
+    every: int = 1
     # softmax: top_k of softmax(logits) (Mixtral, Qwen2-MoE); sigmoid: top_k of sigmoid(logits) (DeepSeek-V3)
     router: Literal["softmax", "sigmoid"] = "softmax"
     normalize: bool = True  # the top_k weights renormalised to sum 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
@@ -225,6 +230,11 @@ class ModelConfig:
     def qk_head_dim(self) -> int:
         """Width of each query and key head: qk_nope_head_dim + qk_rope_head_dim with MLA, else the head dim."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.resolved_head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers have routed experts: (n_layers - moe.first_dense) / moe.every, 0 for a dense model."""
+        return (self.n_layers - self.moe.first_dense) // self.moe.every if self.moe.experts else 0
 
     @property
     def expert_d_ff(self) -> int:

@@ -144,6 +144,7 @@ def mixtral_problem(m: ModelConfig) -> str | None:
     moe = m.moe
     problems = [
         (moe.every != 1, f"model.moe.every={moe.every} (Mixtral routes every layer: 1)"),
+        (moe.first_dense != 0, f"model.moe.first_dense={moe.first_dense} (Mixtral routes every layer: 0)"),
         (moe.shared_experts != 0, f"model.moe.shared_experts={moe.shared_experts} (Mixtral has none: 0)"),
         (moe.router != "softmax", f"model.moe.router={moe.router} (Mixtral's is softmax)"),
         (not moe.normalize, "model.moe.normalize=false (Mixtral renormalises the top-k weights: true)"),

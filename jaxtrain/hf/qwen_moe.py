@@ -107,7 +107,8 @@ def model_fields_from_hf(hf: dict, arch: str) -> dict:
 def fits(m: ModelConfig, arch: str) -> str | None:
     """None if class ``arch`` holds the MoE model ``m``, else the first setting it cannot hold (a phrase)."""
     moe = m.moe
-    common = [(moe.router != "softmax", f"model.moe.router={moe.router} (its router is softmax)")]
+    common = [(moe.router != "softmax", f"model.moe.router={moe.router} (its router is softmax)"),
+              (moe.first_dense != 0, f"model.moe.first_dense={moe.first_dense} (not mapped to mlp_only_layers: 0)")]
     if arch == "Qwen3MoeForCausalLM":
         problems = common + [
             (moe.shared_experts != 0, f"model.moe.shared_experts={moe.shared_experts} (Qwen3-MoE has none: 0)"),

@@ -21,14 +21,14 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def mlp_weights(cfg: ModelConfig) -> tuple[int, int]:
     """(weights of every layer's MLP, the part one token multiplies). Dense: 3 d_model d_ff per layer, all of it.
-    MoE (``cfg.moe``): each MoE layer (n_layers / every of them) holds E routed experts of 3 d_model d_ff_expert, the
+    MoE (``cfg.moe``): each MoE layer (``cfg.moe_layers`` of them) holds E routed experts of 3 d_model d_ff_expert, the
     shared experts and the router [d_model, E] (and the shared gate); a token multiplies top_k routed experts, the
     shared ones and the router. The other layers are dense."""
     d, moe = cfg.d_model, cfg.moe
     dense = 3 * d * cfg.d_ff
     if not moe.experts:
         return cfg.n_layers * dense, cfg.n_layers * dense
-    n_moe = cfg.n_layers // moe.every
+    n_moe = cfg.moe_layers
     expert = 3 * d * cfg.expert_d_ff
     common = d * moe.experts + moe.shared_experts * expert + (d if moe.shared_gate else 0)
     n_dense = cfg.n_layers - n_moe
@@ -72,7 +72,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     embed = cfg.vocab_size * d
     unembed = 0 if cfg.tie_embeddings else embed
     rest = embed + unembed + l * (attn + 2 * d) + d
-    experts = (l // cfg.moe.every) * cfg.moe.experts * 3 * d * cfg.expert_d_ff if cfg.moe.experts else 0
+    experts = cfg.moe_layers * cfg.moe.experts * 3 * d * cfg.expert_d_ff
     return {"total": rest + mlp, "embedding": embed, "experts": experts, "active": rest + active_mlp}
 
 
@@ -87,7 +87,7 @@ def fp8_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
         return 0.0
     d, moe = cfg.d_model, cfg.moe
     attn = attention_weights(cfg)[0]
-    n_moe = cfg.n_layers // moe.every if moe.experts else 0
+    n_moe = cfg.moe_layers
     mlp = (cfg.n_layers - n_moe) * 3 * d * cfg.d_ff + n_moe * moe.shared_experts * 3 * d * cfg.expert_d_ff
     if moe.gemm == "xla":  # every recipe is one of jaxtrain.models.fp8_experts.RECIPES; the kernels stay 16-bit
         mlp += n_moe * moe.top_k * 3 * d * cfg.expert_d_ff

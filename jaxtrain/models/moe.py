@@ -109,26 +109,59 @@ class MoEBlock(nnx.Module):
         return with_logical_constraint(x + y, ACT), stats, cache
 
 
+def dense_stack(cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs, n: int):
+    """``n`` dense blocks (:class:`Block`) created stacked, leading logical axis ``sublayers`` (never split over a mesh
+    axis: a group's dense layers, and the dense layers before the groups)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
+    def make(rngs):
+        return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+
+    return make(rngs)
+
+
+def scan_dense(stack, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
+               remat: str = "none") -> jax.Array:
+    """x [batch, seq, embed] through a :func:`dense_stack`'s layers in turn -> same (one scan; ``remat`` the
+    policy of each layer's body)."""
+    graphdef, stacked = nnx.split(stack)
+
+    def body(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, segment_ids, positions), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, stacked)[0]
+
+
+def decode_dense(stack, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
+    """One decoding pass through a :func:`dense_stack`: cache (k, v) [n, batch, max_len, ...] -> (x, the updated
+    cache)."""
+    graphdef, stacked = nnx.split(stack)
+
+    def body(h, item):
+        layer, k1, v1 = item
+        h, (k1, v1) = nnx.merge(graphdef, layer)(h, None, positions, (k1, v1))
+        return h, (k1, v1)
+
+    return jax.lax.scan(body, x, (stacked, *cache))
+
+
 class MoEGroup(nnx.Module):
     """``every`` consecutive layers: ``every - 1`` dense blocks (stacked, logical axis ``sublayers``), then one
     :class:`MoEBlock`."""
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, experts: ExpertsFn,
                  rngs: nnx.Rngs):
-        @nnx.split_rngs(splits=max(cfg.moe.every - 1, 1))
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
-        def make_dense(rngs):
-            return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
-
-        self.dense = nnx.data(make_dense(rngs) if cfg.moe.every > 1 else None)
+        self.dense = nnx.data(dense_stack(cfg, dtype, param_dtype, attention, rngs, cfg.moe.every - 1)
+                              if cfg.moe.every > 1 else None)
         self.moe = MoEBlock(cfg, dtype, param_dtype, attention=attention, experts=experts, rngs=rngs)
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
                  routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
         """x [batch, seq, embed] -> (x, the MoE layer's RouterStats); ``routed`` as :class:`MoE`'s."""
         if self.dense is not None:
-            graphdef, stacked = nnx.split(self.dense)
-            x = jax.lax.scan(lambda h, s: (nnx.merge(graphdef, s)(h, segment_ids, positions), None), x, stacked)[0]
+            x = scan_dense(self.dense, x, segment_ids, positions)
         x, stats, _ = self.moe(x, segment_ids, positions, routed=routed)
         return x, stats
 
@@ -137,14 +170,7 @@ class MoEGroup(nnx.Module):
         updated cache)."""
         k, v = cache
         if self.dense is not None:
-            graphdef, stacked = nnx.split(self.dense)
-
-            def body(h, item):
-                layer, k1, v1 = item
-                h, (k1, v1) = nnx.merge(graphdef, layer)(h, None, positions, (k1, v1))
-                return h, (k1, v1)
-
-            x, (kd, vd) = jax.lax.scan(body, x, (stacked, k[:-1], v[:-1]))
+            x, (kd, vd) = decode_dense(self.dense, x, positions, (k[:-1], v[:-1]))
         x, _, (km, vm) = self.moe(x, None, positions, (k[-1], v[-1]))
         if self.dense is None:
             return x, (km[None], vm[None])
@@ -163,8 +189,13 @@ class MoETransformer(Transformer):
         super().__init__(cfg, rngs=rngs, attention=attention)
 
     def stack_layers(self, cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs):
-        """n_layers / every groups (:class:`MoEGroup`) created stacked, leading logical axis ``layers``."""
-        @nnx.split_rngs(splits=cfg.n_layers // cfg.moe.every)
+        """(n_layers - first_dense) / every groups (:class:`MoEGroup`) created stacked, leading logical axis
+        ``layers``; also sets ``first_dense``: the ``model.moe.first_dense`` dense layers before them
+        (:func:`dense_stack`, [first_dense, ...]; None without)."""
+        k = cfg.moe.first_dense
+        self.first_dense = nnx.data(dense_stack(cfg, dtype, param_dtype, attention, rngs, k) if k else None)
+
+        @nnx.split_rngs(splits=cfg.moe_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_groups(rngs):
             return MoEGroup(cfg, dtype, param_dtype, attention=attention, experts=self.experts_fn, rngs=rngs)
@@ -175,6 +206,8 @@ class MoETransformer(Transformer):
                           routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
         """The stack, one scan over the groups: x [batch, seq, embed] -> (x, RouterStats stacked [G, ...]);
         ``routed`` as :class:`MoE`'s."""
+        if self.first_dense is not None:
+            x = scan_dense(self.first_dense, x, segment_ids, positions, self.cfg.remat)
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, group_state):
@@ -201,16 +234,23 @@ class MoETransformer(Transformer):
         experts dropless."""
         if cache is None:
             return self.head(self.layers(self.embed_tokens(tokens), segment_ids, positions))
-        every = self.cfg.moe.every
+        assert positions is not None, "decoding needs each token's position"
+        every, first = self.cfg.moe.every, self.cfg.moe.first_dense
+        x = self.embed_tokens(tokens)
+        if self.first_dense is not None:
+            x, (k0, v0) = decode_dense(self.first_dense, x, positions, (cache["k"][:first], cache["v"][:first]))
         graphdef, stacked = nnx.split(self.blocks)
-        grouped = [c.reshape(-1, every, *c.shape[1:]) for c in (cache["k"], cache["v"])]
+        grouped = [c[first:].reshape(-1, every, *c.shape[1:]) for c in (cache["k"], cache["v"])]
 
         def body(h, item):
             group_state, k, v = item
             return nnx.merge(graphdef, group_state).decode(h, positions, (k, v))
 
-        x, (k, v) = jax.lax.scan(body, self.embed_tokens(tokens), (stacked, *grouped))
-        return self.head(x), {"k": k.reshape(cache["k"].shape), "v": v.reshape(cache["v"].shape)}
+        x, (k, v) = jax.lax.scan(body, x, (stacked, *grouped))
+        k, v = (c.reshape(-1, *c.shape[2:]) for c in (k, v))
+        if self.first_dense is not None:
+            k, v = jnp.concatenate([k0, k]), jnp.concatenate([v0, v])
+        return self.head(x), {"k": k, "v": v}
 
 
 def make_model(cfg: ModelConfig, *, rngs: nnx.Rngs, attention: AttentionFn | None = None,

@@ -288,7 +288,11 @@ class ParallelDims:
         chunks = stages * t.virtual_stages
         _require(m.n_layers % chunks == 0, f"model.n_layers={m.n_layers} does not split into {stages} stages x "
                  f"train.virtual_stages={t.virtual_stages}; make n_layers a multiple of {chunks}")
-        groups = m.n_layers // max(m.moe.every, 1) if m.moe.experts else m.n_layers  # the stack's scanned unit
+        # Pipelines split the one scanned stack; the dense layers before it would be a second stack on stage 0.
+        _require(not (m.moe.experts and m.moe.first_dense), f"model.moe.first_dense={m.moe.first_dense} is not "
+                 f"supported yet with pipeline stages (mesh stage={stages}); use stage=1 (fsdp, expert and tensor "
+                 "parallelism) or model.moe.first_dense=0")
+        groups = m.moe_layers if m.moe.experts else m.n_layers  # the stack's scanned unit
         _require(groups % chunks == 0, f"model.n_layers / model.moe.every = {groups} layer groups do not split into "
                  f"{stages} stages x train.virtual_stages={t.virtual_stages}; make it a multiple of {chunks}")
         _require(t.microbatches >= stages and t.microbatches % stages == 0,
