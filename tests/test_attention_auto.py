@@ -193,7 +193,8 @@ def cudnn_stand_in(monkeypatch):
     is (keep_residuals); everything around it (MeshAttention's layout, the pipelines) is the real code."""
     import jaxtrain.models.attention as model_attention
 
-    monkeypatch.setattr(model_attention, "_cudnn_attention", keep_residuals(_with_placeholder))
+    stand_in = keep_residuals(_with_placeholder)
+    monkeypatch.setattr(model_attention, "_cudnn_attention", lambda window, scale: stand_in)
 
 
 def test_cudnn_runs_per_device_under_a_shard_map_over_every_axis(cudnn_stand_in, monkeypatch):
@@ -221,7 +222,8 @@ def test_cudnn_runs_per_device_under_a_shard_map_over_every_axis(cudnn_stand_in,
 
     with layout.scope():
         got = jax.jit(jax.value_and_grad(lambda *a: loss(MeshAttention("cudnn"), *a), argnums=(0, 1, 2)))(q, k, v)
-        monkeypatch.setattr("jaxtrain.models.attention._cudnn_attention", keep_residuals(spy))
+        spied = keep_residuals(spy)
+        monkeypatch.setattr("jaxtrain.models.attention._cudnn_attention", lambda window, scale: spied)
         jax.make_jaxpr(lambda q, k, v: MeshAttention("cudnn")(q, k, v, None))(q, k, v)
     assert local_shapes == [(1, 16, 2, 16)]  # batch 4 over data x fsdp, 4 heads over tensor
     for g, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

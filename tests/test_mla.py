@@ -83,22 +83,52 @@ def test_one_layer_equals_transformers_deepseek_v3_attention(q_lora_rank, interl
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _float64_attention(q, k, v, seg):
+    """Causal attention with documents ``seg`` [batch, seq], softmax scale 1/sqrt(q's head dim), a float64 loop."""
+    b_n, s_n, h_n = q.shape[:3]
+    want = np.zeros((b_n, s_n, h_n, v.shape[-1]))
+    for b in range(b_n):
+        for h in range(h_n):
+            for i in range(s_n):
+                keys = [j for j in range(i + 1) if seg[b, j] == seg[b, i]]
+                logits = np.array([q[b, i, h] @ k[b, j, h] for j in keys]) / np.sqrt(q.shape[-1])
+                p = np.exp(logits - logits.max())
+                want[b, i, h] = (p / p.sum()) @ v[b, keys, h]
+    return want
+
+
+def _qkv(seq, rng=None):
+    rng = np.random.default_rng(2) if rng is None else rng
+    return rng.normal(size=(2, seq, 4, 24)), rng.normal(size=(2, seq, 4, 24)), rng.normal(size=(2, seq, 4, 16))
+
+
 def test_the_reference_attention_takes_a_v_head_dim_of_its_own():
     """mha_reference with q/k heads of 24 and v heads of 16 (softmax scale 1/sqrt(24)) against a float64 loop, with
     two packed documents."""
-    rng = np.random.default_rng(2)
-    q, k, v = rng.normal(size=(2, 9, 4, 24)), rng.normal(size=(2, 9, 4, 24)), rng.normal(size=(2, 9, 4, 16))
+    q, k, v = _qkv(9)
     seg = np.array([[0] * 9, [0] * 4 + [1] * 5])
-    want = np.zeros((2, 9, 4, 16))
-    for b in range(2):
-        for h in range(4):
-            for i in range(9):
-                keys = [j for j in range(i + 1) if seg[b, j] == seg[b, i]]
-                logits = np.array([q[b, i, h] @ k[b, j, h] for j in keys]) / np.sqrt(24)
-                p = np.exp(logits - logits.max())
-                want[b, i, h] = (p / p.sum()) @ v[b, keys, h]
     got = mha_reference(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), segment_ids=jnp.asarray(seg))
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), _float64_attention(q, k, v, seg), atol=1e-5)
+
+
+def test_the_flash_kernel_takes_mla_padded_to_its_head_dim():
+    """The Pallas flash kernel (interpreted) through Local: q/k of 24 and v of 16 zero-padded to its 32, the scale
+    kept at 1/sqrt(24): the output equals the float64 loop, and q, k, v's gradients equal the XLA reference's (itself
+    checked against the loop above), with two packed documents."""
+    q, k, v = _qkv(32)
+    seg = np.array([[0] * 32, [0] * 13 + [1] * 19])
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+    kernel, reference = Local("pallas", interpret=True), Local("xla")
+    out = kernel(*args, jnp.asarray(seg))
+    assert out.shape == (2, 32, 4, 16)
+    np.testing.assert_allclose(np.asarray(out), _float64_attention(q, k, v, seg), atol=2e-5)
+    cot = jnp.asarray(np.random.default_rng(5).normal(size=out.shape), jnp.float32)
+
+    def grads(attend):
+        return jax.grad(lambda *a: jnp.sum(attend(*a, jnp.asarray(seg)) * cot), argnums=(0, 1, 2))(*args)
+
+    for got, want in zip(grads(kernel), grads(reference)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=5e-5)
 
 
 def test_parameter_count_and_attention_flops_by_hand():
@@ -191,10 +221,10 @@ def test_a_data_fsdp_tensor_mesh_gives_one_devices_losses(tmp_path):
     (["model.n_kv_heads=4"], "model.n_kv_heads=4 must equal model.n_heads=8 with multi-head latent attention"),
     (["model.head_dim=32"], "model.head_dim=32 does not apply to multi-head latent attention"),
     (["model.qk_norm=true"], "model.qk_norm=true does not combine with multi-head latent attention"),
-    (["model.attention=cudnn"], "model.attention=cudnn cannot take multi-head latent attention's v head dim (16) "
-                                "differing from q/k's (24); use xla or auto"),
-    (["model.attention=pallas"], "model.attention=pallas cannot take"),
-    (["model.attention=triton"], "model.attention=triton cannot take"),
+    (["model.attention=cudnn", "model.qk_nope_head_dim=256"], "model.attention=cudnn takes head dims up to 256, "
+                                                               "not multi-head latent attention's q/k 264 and v 16"),
+    (["model.attention=pallas", "model.qk_nope_head_dim=250"], "model.attention=pallas takes head dims up to 256"),
+    (["model.attention=triton", "model.v_head_dim=272"], "model.attention=triton takes head dims up to 256"),
     (["mesh.ici.context=2"], "mesh.ici.context=2: ring attention takes one head dim"),
 ])
 def test_bad_options_are_refused_in_one_line(overrides, message):
@@ -203,20 +233,50 @@ def test_bad_options_are_refused_in_one_line(overrides, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_kernel_attention_exits_2_in_one_line(tmp_path):
+def test_a_kernel_attention_too_wide_exits_2_in_one_line(tmp_path):
     proc = run_cli("train", "--config", "jaxtrain/configs/tiny-mla.yaml", "model.attention=pallas",
-                   f"run.dir={tmp_path}/run", "train.steps=1", timeout=120)
+                   "model.qk_nope_head_dim=256", f"run.dir={tmp_path}/run", "train.steps=1", timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "model.attention=pallas cannot take multi-head latent attention's v head dim" in lines[0]
+    assert "model.attention=pallas takes head dims up to 256, not multi-head latent attention's q/k 264" in lines[0]
 
 
-def test_auto_attention_is_xla_on_gpus():
+@pytest.mark.parametrize("overrides, want", [
+    ([], "cudnn"),  # q/k 24, v 16: cuDNN at 24
+    (["data.document_mask=true"], "flash"),  # cuDNN's entry takes no segments: the flash kernel at 32
+    (["model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128"], "flash"),  # DeepSeek-V3
+    (["model.qk_nope_head_dim=250"], "xla"),  # 258 wide: no kernel takes it
+])
+def test_auto_attention_on_gpus_by_the_padded_head_dim(overrides, want):
+    """DeepSeek-V3's 192 / 128 pads to 192 on cuDNN (beyond 128: not every GPU's) and 256 on the flash kernels."""
     cfg = load_config(os.path.join(REPO, "jaxtrain/configs/tiny-mla.yaml"),
-                      ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1"])
-    assert resolve_auto(cfg, "gpu", 1).model.attention == "xla"
-    plain = load_config(None, ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1"])
-    assert resolve_auto(plain, "gpu", 1).model.attention == "cudnn"  # the same config without MLA: a kernel
+                      ["model.attention=auto", "model.dtype=bfloat16", "mesh.ici.fsdp=1", *overrides])
+    got = resolve_auto(cfg, "gpu", 1).model.attention
+    assert got in (("pallas", "triton") if want == "flash" else (want,))
+
+
+@pytest.mark.slow  # ~20 s on 2 cores
+def test_a_model_with_flash_mla_equals_the_xla_model():
+    """tiny-mla's shape, one layer: logits and every parameter's gradient with the Pallas kernel (interpreted, MLA
+    padded) equal the XLA reference's."""
+    from jaxtrain.models.moe import make_model
+
+    cfg = load_config(os.path.join(REPO, "jaxtrain/configs/tiny-mla.yaml"),
+                      ["model.n_layers=1", "model.dtype=float32", "model.attention=pallas", "model.init_std=0.2"])
+    m = resolve_auto(cfg, "cpu").model
+    tok = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)))
+
+    def logits_and_grads(attention):
+        with nnx.use_eager_sharding(False):
+            model = make_model(m, rngs=nnx.Rngs(0), attention=attention)
+        graphdef, params = nnx.split(model, nnx.Param)
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tok) ** 2)  # noqa: E731
+        return model(tok), jax.grad(loss)(params)
+
+    (a, ga), (b, gb) = logits_and_grads(Local("pallas", interpret=True)), logits_and_grads(Local("xla"))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=1e-4)
 
 
 def _moe_mla():

@@ -24,6 +24,7 @@ from jaxtrain.config.tree import (
     TrainConfig,
     all_keys,
     default_rules,
+    kernel_head_dim,
     unknown_config_key,
 )
 from jaxtrain.config.validate import config_warnings, validate
@@ -31,4 +32,5 @@ from jaxtrain.errors import ConfigError
 
 __all__ = ["FLASH_HEAD_DIMS", "AxisSizes", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig",
            "ModelConfig", "MoEConfig", "RopeScalingConfig", "RunConfig", "RuntimeConfig", "TrainConfig", "all_keys",
-           "config_warnings", "default_rules", "dump_yaml", "load_config", "to_dict", "unknown_config_key", "validate"]
+           "config_warnings", "default_rules", "dump_yaml", "kernel_head_dim", "load_config", "to_dict",
+           "unknown_config_key", "validate"]

@@ -18,6 +18,18 @@ from jaxtrain.parallel.dims import MESH_AXES
 FLASH_HEAD_DIMS = (32, 64, 128, 256)  # the flash kernels' head dims (kernels/flash/tiling.py's, tested)
 
 
+def kernel_head_dim(impl: str, qk: int, v: int) -> int | None:
+    """The one head dim attention ``impl`` (cudnn, pallas, triton) runs q/k of ``qk`` and v of ``v`` at: cuDNN's
+    next multiple of 8, the flash kernels' next of :data:`FLASH_HEAD_DIMS`; None above their
+    largest (256). Multi-head latent attention pads to it (DeepSeek-V3's 192 / 128: 192 on cuDNN, 256 on the flash
+    kernels)."""
+    need = max(qk, v)
+    if impl == "cudnn":
+        width = -(-need // 8) * 8
+        return width if width <= 256 else None
+    return next((d for d in FLASH_HEAD_DIMS if d >= need), None)
+
+
 @dataclass
 class RunConfig:
     dir: str = "runs/tiny"  # where the run writes (relative to the working directory); its files: docs/training.md

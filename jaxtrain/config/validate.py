@@ -16,7 +16,7 @@ from jaxtrain.config.ops import not_negative as _not_negative
 from jaxtrain.config.ops import positive as _positive
 from jaxtrain.config.ops import require as _require
 from jaxtrain.config.ops import validate_ops
-from jaxtrain.config.tree import FLASH_HEAD_DIMS, Config, default_rules, unknown_config_key
+from jaxtrain.config.tree import FLASH_HEAD_DIMS, Config, default_rules, kernel_head_dim, unknown_config_key
 from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
 
 
@@ -105,7 +105,7 @@ def _check_head_dim(cfg: Config) -> None:
         _require(m.d_model % m.n_heads == 0,
                  f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; set model.head_dim")
     _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even for rotary embeddings")
-    if m.attention in ("pallas", "triton"):
+    if m.attention in ("pallas", "triton") and not m.mla:  # MLA's head dims: _check_mla
         _require(m.resolved_head_dim in FLASH_HEAD_DIMS, f"model.attention={m.attention} needs a head dim in "
                  f"{FLASH_HEAD_DIMS}, got {m.resolved_head_dim}; set model.head_dim")
 
@@ -113,8 +113,8 @@ def _check_head_dim(cfg: Config) -> None:
 def _check_mla(cfg: Config) -> None:
     """Multi-head latent attention (``model.kv_lora_rank`` set): positive ranks and head dims, an even rotary part,
     and what it does not combine with: its own head dims replace head_dim, every head has its own k/v (n_kv_heads =
-    n_heads), no q/k/v biases or q/k norms (DeepSeek has neither), XLA attention only (v's head dim differs from
-    q/k's: the cuDNN and flash kernels here take one head dim); no context axis: ``ParallelDims.check``, which
+    n_heads), no q/k/v biases or q/k norms (DeepSeek has neither), head dims a kernel attention can pad to one of
+    its own (:func:`jaxtrain.config.kernel_head_dim`); no context axis: ``ParallelDims.check``, which
     ``mesh.auto`` asks too."""
     m = cfg.model
     assert m.kv_lora_rank is not None
@@ -131,8 +131,10 @@ def _check_mla(cfg: Config) -> None:
     for name in ("qkv_bias", "qk_norm"):
         _require(not getattr(m, name), f"model.{name}=true does not combine with multi-head latent attention "
                  "(model.kv_lora_rank set); set it false")
-    _require(m.attention in ("xla", "auto"), f"model.attention={m.attention} cannot take multi-head latent "
-             f"attention's v head dim ({m.v_head_dim}) differing from q/k's ({m.qk_head_dim}); use xla or auto")
+    if m.attention in ("cudnn", "pallas", "triton"):  # they run q/k/v zero-padded to one head dim of theirs
+        _require(kernel_head_dim(m.attention, m.qk_head_dim, m.v_head_dim) is not None, f"model.attention="
+                 f"{m.attention} takes head dims up to 256, not multi-head latent attention's q/k "
+                 f"{m.qk_head_dim} and v {m.v_head_dim}; use xla or auto")
 
 
 def _check_window(cfg: Config) -> None:

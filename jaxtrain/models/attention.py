@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxtrain.config import ModelConfig
+from jaxtrain.config import ModelConfig, kernel_head_dim
 from jaxtrain.kernels import flash_attention, mha_reference
 from jaxtrain.kernels.flash.pallas import CHECKPOINT_NAMES
 
@@ -53,19 +53,30 @@ class Local:
         xla: MLA), segment_ids int [batch, seq] or None -> [batch, seq, heads, v's head_dim]."""
         if self.window is not None and self.impl not in WINDOW_IMPLS:  # the config refuses it; a caller is told
             raise ValueError(f"attention impl {self.impl!r} has no sliding window; use one of {WINDOW_IMPLS}")
-        if self.impl != "xla" and v.shape[-1] != q.shape[-1]:  # MLA: the config refuses it; a caller is told
-            raise ValueError(f"attention impl {self.impl!r} needs v's head dim ({v.shape[-1]}) equal to q's "
-                             f"({q.shape[-1]}); use xla")
         if self.impl == "xla":
             return mha_reference(q, k, v, causal=True, segment_ids=segment_ids, window=self.window)
+        if self.impl not in ("cudnn", "pallas", "triton"):
+            raise ValueError(f"attention impl {self.impl!r} is not resolved; expected one of {', '.join(IMPLS)}")
+        width = kernel_head_dim(self.impl, q.shape[-1], v.shape[-1])
+        if width is None:
+            raise ValueError(f"attention impl {self.impl!r} takes no head dim for q/k {q.shape[-1]} and v "
+                             f"{v.shape[-1]}; use xla")
+        if (q.shape[-1], v.shape[-1]) == (width, width):
+            return self._kernel(q, k, v, segment_ids, None)
+        # MLA (v's head dim of its own) or a width the kernel lacks: zero columns change neither q.k nor the
+        # output's real columns; the scale stays q's own.
+        pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width - a.shape[-1])])  # noqa: E731
+        out = self._kernel(pad(q), pad(k), pad(v), segment_ids, 1 / math.sqrt(q.shape[-1]))
+        return out[..., :v.shape[-1]]
+
+    def _kernel(self, q, k, v, segment_ids, scale: float | None) -> jax.Array:
+        """The kernel of ``impl`` on q, k, v of one head dim; ``scale`` None: 1/sqrt(head dim)."""
         if self.impl == "cudnn":
             if segment_ids is not None:
                 raise ValueError("model.attention=cudnn does not take segment ids (data.document_mask)")
-            return _cudnn_attention(q, k, v) if self.window is None else _cudnn_window_attention(self.window)(q, k, v)
-        if self.impl not in ("pallas", "triton"):
-            raise ValueError(f"attention impl {self.impl!r} is not resolved; expected one of {', '.join(IMPLS)}")
+            return _cudnn_attention(self.window, scale)(q, k, v)
         return flash_attention(q, k, v, causal=True, segment_ids=segment_ids, impl=self.impl,
-                               interpret=self.interpret, window=self.window)
+                               interpret=self.interpret, window=self.window, sm_scale=scale)
 
 
 def window_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | None) -> jax.Array:
@@ -182,10 +193,14 @@ class _Static:
 jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
 
 
-# cuDNN's fused attention (GPU, 16-bit), causal, with its output and softmax statistics saveable by the remat
-# policies (REMAT_POLICIES save CHECKPOINT_NAMES).
-_cudnn_attention = keep_residuals(
-    lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+@functools.cache
+def _cudnn_attention(window: int | None, scale: float | None):
+    """cuDNN's fused attention (GPU, 16-bit), causal (with a sliding ``window`` of keys: its sliding-window causal
+    mask), softmax ``scale`` (None: 1/sqrt(head dim)), its output and softmax statistics saveable by the remat
+    policies (REMAT_POLICIES save CHECKPOINT_NAMES)."""
+    kwargs = {"is_causal": True} if window is None else window_kwargs(window)
+    return keep_residuals(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", scale=scale, **kwargs))
 
 
 def window_kwargs(window: int) -> dict:
@@ -194,8 +209,3 @@ def window_kwargs(window: int) -> dict:
     return {"is_causal": True, "local_window_size": (window - 1, 0)}
 
 
-@functools.cache
-def _cudnn_window_attention(window: int):
-    """cuDNN's fused attention with a sliding window (its sliding-window causal mask), residuals named as above."""
-    return keep_residuals(
-        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **window_kwargs(window)))

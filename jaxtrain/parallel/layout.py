@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtrain.config import FLASH_HEAD_DIMS, Config
+from jaxtrain.config import FLASH_HEAD_DIMS, Config, kernel_head_dim
 from jaxtrain.errors import ConfigError
 from jaxtrain.models.fp8 import check_devices as check_fp8_devices
 from jaxtrain.models.llama import Transformer
@@ -52,10 +52,11 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
     (``parallel/attention.py`` calls it per device); else jaxtrain's flash kernel where it takes the head dim and the
     sequence is not sharded or split over the context axis alone (ring attention); the XLA reference everywhere
     else, float32 included (the flash kernels' float32 path is exact-FMA, 32x32 tiles without tensor cores: for
-    checking, not speed; cuDNN has no float32 kernel); multi-head latent attention (``model.kv_lora_rank``) always
-    the XLA reference. A sliding window (``model.sliding_window``) keeps cuDNN (its sliding-window causal mask) or
-    the Pallas flash kernel (the Triton-language one has no window mask). Concrete values pass through unchanged, so
-    resolving twice is harmless; an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
+    checking, not speed; cuDNN has no float32 kernel); multi-head latent attention (``model.kv_lora_rank``) by
+    the head dim its q/k and v pad to (:func:`jaxtrain.config.kernel_head_dim`). A sliding window
+    (``model.sliding_window``) keeps cuDNN (its sliding-window causal mask) or the Pallas flash kernel (the
+    Triton-language one has no window mask). Concrete values pass through unchanged, so resolving twice is harmless;
+    an explicit ``model.attention=cudnn`` with a sharded sequence raises ConfigError.
     ``model.moe.gemm``: :func:`jaxtrain.parallel.expert.resolve_gemm`.
     """
     m = cfg.model
@@ -74,13 +75,15 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
         attention = "xla"
         seq_rule = cfg.mesh.rules.get("act_seq")
         ring = seq_rule == Axis.CONTEXT and shards is not None and shards > 1  # ring attention (parallel/context.py)
-        # Multi-head latent attention (model.kv_lora_rank) stays on XLA: its v head dim differs from q/k's, which
-        # neither cuDNN's entry point nor the flash kernels here take.
-        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring) and not m.mla:
+        # Multi-head latent attention (model.kv_lora_rank): the kernels run it zero-padded to one head dim of theirs
+        # (models/attention.Local), so the padded width is what must fit.
+        cudnn_dim, flash_dim = ((kernel_head_dim(impl, m.qk_head_dim, m.v_head_dim) for impl in ("cudnn", "pallas"))
+                                if m.mla else (m.resolved_head_dim,) * 2)
+        if platform == "gpu" and dtype != "float32" and (shards == 1 or ring):
             segments = cfg.data.document_mask or (cfg.data.format == "chat" and cfg.data.pack)  # chat packs too
-            if shards == 1 and not segments and m.resolved_head_dim in CUDNN_HEAD_DIMS:
+            if shards == 1 and not segments and cudnn_dim in CUDNN_HEAD_DIMS:
                 attention = "cudnn"
-            elif m.resolved_head_dim in FLASH_HEAD_DIMS and seq_rule in (None, Axis.CONTEXT):
+            elif flash_dim in FLASH_HEAD_DIMS and seq_rule in (None, Axis.CONTEXT):
                 # The Triton-language kernel where jax-triton is installed (JAX 0.11 deprecates Pallas' Triton
                 # backend and names jax-triton as the way to keep Triton kernels); the two compile to the same
                 # tiles and wgmma counts for sm_90a (docs/kernels.md).
