@@ -46,7 +46,11 @@ def _header(wide: bool) -> list[str]:
     memory = ["params", "optimizer", "temp", "memory"] if wide else ["memory"]
     kinds = list(_COLLECTIVE_COLUMNS) if wide else []
     return ["#", "mesh (ici | dcn)", *memory, CPU_DERIVED, "fits", *kinds, "in-node", "x-node", "bubble", "compute",
-            "comm", "step", "overlapped"]
+            "comm", "step", "overlapped", *CHECKPOINT_COLUMNS]
+
+
+# The checkpoint's bytes from the busiest host and their save time (planner/storage.py; hidden where absent).
+CHECKPOINT_COLUMNS = ("ckpt/host", "save")
 
 
 # The CPU-derived memory beside XLA:GPU's (planner/xla_gpu/deviceless.py); "" (column hidden) where the plan has
@@ -65,32 +69,52 @@ def _row(rank: int, r: dict, wide: bool) -> list[str]:
             "yes" if r["fits"] else "NO", *kinds, _bytes(r["intra_node_bytes_per_device"]),
             _bytes(r["inter_node_bytes_per_device"]),
             _percent(r["bubble_fraction"]), _sec(t["compute"]), _sec(t["intra_node"] + t["inter_node"]),
-            _sec(r["est_step_seconds"]), _sec(r["est_step_seconds_overlap"])]
+            _sec(r["est_step_seconds"]), _sec(r["est_step_seconds_overlap"]), *_checkpoint_cells(r.get("checkpoint"))]
+
+
+def _checkpoint_cells(ck: dict | None) -> list[str]:
+    """The :data:`CHECKPOINT_COLUMNS` of a row: bytes from the busiest host, its save time ("!" past the share of
+    the interval that the plan warns at)."""
+    if ck is None:
+        return ["", ""]
+    save = "" if ck["save_seconds"] is None else _sec(ck["save_seconds"]) + (" !" if ck["too_slow"] else "")
+    return [_bytes(ck["max_bytes_per_host"]), save]
 
 
 def _pruned_row(p: dict, wide: bool) -> list[str]:
     n = len(_header(wide))
     row = ["-", p["label"]] + [""] * (n - 2)
     memory_col = 5 if wide else 2
-    row[memory_col], row[memory_col + 2], row[-2] = f"> {_bytes(p['state_bytes_per_device'])}", "NO", "pruned"
+    step_col = -2 - len(CHECKPOINT_COLUMNS)
+    row[memory_col], row[memory_col + 2], row[step_col] = f"> {_bytes(p['state_bytes_per_device'])}", "NO", "pruned"
     return row
 
 
 def _hidden(h: str, column: list[str]) -> bool:
-    """Collective columns zero in every row, the bubble column where no mesh is a pipeline and the CPU-derived
-    column where no figure came from XLA:GPU, are left out."""
+    """Collective columns zero in every row, the bubble column where no mesh is a pipeline, the CPU-derived
+    column where no figure came from XLA:GPU and the checkpoint columns without figures, are left out."""
     return (h in _COLLECTIVE_COLUMNS and all(c in ("0 B", "") for c in column)) or \
-        (h == "bubble" and all(c in ("-", "") for c in column)) or (h == CPU_DERIVED and not any(column))
+        (h == "bubble" and all(c in ("-", "") for c in column)) or \
+        (h in (CPU_DERIVED, *CHECKPOINT_COLUMNS) and not any(column))
 
 
 _AXIS_INITIAL = re.compile(r"\b(data|stage|fsdp|context|tensor)(?=\d)")
 SHORT_LABELS = "mesh: d data, s stage, f fsdp, c context, t tensor"
 
 
-def _table(header: list[str], rows: list[list[str]], width: int | None = None) -> tuple[list[str], bool]:
-    """Aligned text table without the :func:`_hidden` columns, and whether the mesh labels were shortened: wider
-    than ``width``, they name the axes by their initials (``d2 s2 f2 | dcn s4``; :data:`SHORT_LABELS`)."""
+def _table(header: list[str], rows: list[list[str]], width: int | None = None) -> tuple[list[str], bool, bool]:
+    """Aligned text table without the :func:`_hidden` columns, whether the mesh labels were shortened (wider than
+    ``width``, they name the axes by their initials: ``d2 s2 f2 | dcn s4``; :data:`SHORT_LABELS`) and whether the
+    checkpoint columns were left out (still wider)."""
     keep = [i for i, h in enumerate(header) if not _hidden(h, [r[i] for r in rows])]
+    lines, short = _table_kept(header, rows, keep, width)
+    if width is None or max(map(len, lines)) <= width or not any(header[i] in CHECKPOINT_COLUMNS for i in keep):
+        return lines, short, False
+    keep = [i for i in keep if header[i] not in CHECKPOINT_COLUMNS]
+    return (*_table_kept(header, rows, keep, width), True)
+
+
+def _table_kept(header: list[str], rows: list[list[str]], keep: list[int], width: int | None) -> tuple[list[str], bool]:
     header, rows = [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
 
     def render(rows: list[list[str]]) -> list[str]:
@@ -139,11 +163,13 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
         f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
         "(per device, each way)"
         + (f"; {hw.collective_latency * 1e6:.0f} us per collective" if hw.collective_latency else ""))
+    lines += _wrap(_checkpoint_line(cfg, result["candidates"]))
     for note in notes:
         lines += _wrap(f"note: {note}")
     lines.append("")
-    table, short = _table(_header(wide), [_row(i, r, wide) for i, r in enumerate(result["candidates"], 1)]
-                          + [_pruned_row(p, wide) for p in result["pruned"]], None if wide else WIDTH)
+    rows = [_row(i, r, wide) for i, r in enumerate(result["candidates"], 1)]
+    table, short, no_checkpoint = _table(_header(wide), rows + [_pruned_row(p, wide) for p in result["pruned"]],
+                                         None if wide else WIDTH)
     lines += table
     lines.append("")
     notes = [
@@ -168,13 +194,16 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
                      "each backward recomputes.")
     if short:
         notes.append(f"{SHORT_LABELS} (the full names do not fit in {WIDTH} columns; --json has them).")
+    if no_checkpoint:
+        notes.append(f"The checkpoint columns ({', '.join(CHECKPOINT_COLUMNS)}) do not fit in {WIDTH} columns: "
+                     "--wide or --json has them.")
     if result["pruned"]:
         notes.append("pruned: parameters + optimizer state alone exceed the usable memory, so not compiled.")
     if any(r.get("cpu_derived") for r in result["candidates"]):
         notes.append(f"memory, fits, bytes and times from XLA:GPU's compile; {CPU_DERIVED}: the memory XLA:CPU's "
                      "compile gives (--json: cpu_derived, with its collective bytes); (cpu): XLA:GPU failed, the "
                      "row's figures are CPU-derived.")
-    notes += gpu_warnings(result["candidates"])
+    notes += gpu_warnings(result["candidates"]) + checkpoint_warnings(result["candidates"])
     if any(u["holds_collectives"] for r in result["candidates"] for u in r["unknown_trip_count_loops"]):
         notes.append("note: some collectives run inside a loop whose number of iterations the compiler does not "
                      "state; they are counted as running once per step, so the collective bytes and comm times "
@@ -182,6 +211,29 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     for note in notes:
         lines += _wrap(note)
     return "\n".join(lines)
+
+
+def _checkpoint_line(cfg: Config, candidates: list[dict]) -> str:
+    """The header line on the candidates' ``checkpoint`` entries (planner/storage.py); "" where they have none."""
+    figs = [r["checkpoint"] for r in candidates if r.get("checkpoint")]
+    if not figs:
+        return ""
+    ck, every = figs[0], cfg.checkpoint.every
+    line = (f"checkpoint: {_bytes(ck['bytes'])} a save (the train state in its dtypes); ckpt/host: the bytes the "
+            "busiest host writes, each distinct shard once, "
+            + ("replicated shards split among their copies (Orbax's replica-parallel writing)" if
+               ck["replica_parallel"] else "replicated shards by the hosts of their first copy (Orbax with "
+                                               "JAX_PLATFORMS=cuda, as jaxtrain's launchers set it)"))
+    if ck["write_bandwidth"] is None:
+        return line + "; --write-bandwidth adds the save time"
+    return line + (f"; save: at {ck['write_bandwidth'] / 1e9:g} GB/s per host, '!' where longer than "
+                   f"{ck['save_share']:g} x the interval between saves "
+                   + (f"(checkpoint.every {every} x step)" if every else "(none: checkpoint.every=0)"))
+
+
+def checkpoint_warnings(candidates: list[dict]) -> list[str]:
+    """The ``warning:`` line of each candidate whose checkpoint save takes too long (planner/storage.py)."""
+    return [r["checkpoint"]["warning"] for r in candidates if (r.get("checkpoint") or {}).get("warning")]
 
 
 def gpu_warnings(candidates: list[dict]) -> list[str]:
