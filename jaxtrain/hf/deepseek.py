@@ -9,8 +9,10 @@ experts of ``moe_intermediate_size`` (``moe.experts``, ``moe.d_ff``), the top ``
 scores (``moe.router=sigmoid``) chosen with ``e_score_correction_bias`` (``moe.expert_bias``) within the
 ``topk_group`` best of ``n_group`` groups, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``;
 ``n_shared_experts`` always-on experts of the same width (``moe.shared_experts``, ungated); dropless. The first
-``first_k_dense_replace`` layers are dense MLPs of ``intermediate_size`` (``model.d_ff``); with it at least
-``num_hidden_layers`` the model is dense. Tensors of layer i (expert j), as ``save_pretrained`` writes them:
+``first_k_dense_replace`` layers (``moe.first_dense``) are dense MLPs of ``intermediate_size`` (``model.d_ff``),
+parameters ``first_dense`` [i]; MoE layer k + g is ``blocks.moe`` [g]; with ``first_k_dense_replace`` at least
+``num_hidden_layers`` the model is dense (``blocks`` [i]). Tensors of layer i (expert j), as ``save_pretrained``
+writes them (dense layers: ``mlp.{gate,up,down}_proj.weight``):
 
     self_attn.q_proj.weight [h (nope + rope), d]     -> attn.latent.q.kernel [d, h, nope + rope]  (rope rows *)
     self_attn.q_a_proj.weight [q_lora, d]             -> attn.latent.q_a.kernel                     (transposed)
@@ -94,7 +96,7 @@ def _refuse(hf: dict) -> None:
 def model_fields_from_hf(hf: dict) -> dict:
     """ModelConfig field values (dotted ``model.*`` keys) for a DeepSeek-V3 ``config.json``; ConfigError naming the
     first field whose value jaxtrain cannot represent (quantized weights, attention biases, rms_norm_eps other than
-    1e-6, yarn or other rope scaling, first_k_dense_replace between 0 and the layer count, ...)."""
+    1e-6, yarn or other rope scaling, ...)."""
     _refuse(hf)
     fields = mapping.decoder_fields(hf)
     q_lora = hf.get("q_lora_rank", 1536)
@@ -112,11 +114,7 @@ def model_fields_from_hf(hf: dict) -> dict:
     dense = _int(hf, "first_k_dense_replace", 3, low=0)
     if dense >= fields["model.n_layers"]:
         return {**fields, "model.moe.experts": 0}  # every layer a dense MLP: no MoE layer to describe
-    if dense:
-        raise ConfigError(f"unsupported feature: first_k_dense_replace={dense} in config.json (the first {dense} "
-                          "layers dense, the others MoE); jaxtrain maps 0 (every layer MoE) or at least "
-                          f"num_hidden_layers={fields['model.n_layers']} (a dense model)")
-    return {**fields, **_moe_fields(hf)}
+    return {**fields, **_moe_fields(hf), "model.moe.first_dense": dense}
 
 
 def _moe_fields(hf: dict) -> dict:
@@ -294,7 +292,11 @@ def tensor_maps(m: ModelConfig, names: Collection[str] = (), interleaved: bool =
             for p in ("gate", "up", "down")]
     experts += [TM(layer + "mlp.gate.e_score_correction_bias", (*path, "expert_bias"), True, (0,), ()),
                 *_mlp_maps(layer + "mlp.shared_experts.", (*path, "shared"))]
-    return before + attention_maps(layer, ("blocks", "moe"), m, interleaved) + experts + after
+    k = m.moe.first_dense  # Hugging Face layers 0..k-1 are first_dense [i], layer k + g is blocks.moe [g]
+    moe_layers = [dataclasses.replace(tm, offset=k) for tm in attention_maps(layer, ("blocks", "moe"), m, interleaved)
+                  + experts]
+    dense = attention_maps(layer, ("first_dense",), m, interleaved) + _mlp_maps(layer + "mlp.", ("first_dense", "mlp"))
+    return before + (dense if k else []) + moe_layers + after
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,7 +314,7 @@ def hf_config_from_model(m: ModelConfig, *, eos_token_id=None, bos_token_id=None
     routed = {"n_routed_experts": moe.experts, "num_experts_per_tok": moe.top_k, "moe_intermediate_size":
               m.expert_d_ff, "n_shared_experts": moe.shared_experts, "n_group": moe.n_group,
               "topk_group": moe.topk_group, "norm_topk_prob": moe.normalize,
-              "routed_scaling_factor": moe.routed_scaling_factor, "first_k_dense_replace": 0}
+              "routed_scaling_factor": moe.routed_scaling_factor, "first_k_dense_replace": moe.first_dense}
     if not moe.experts:  # transformers builds no MoE layer; these only need to be valid
         routed = {"n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": m.d_ff,
                   "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
