@@ -109,6 +109,10 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
                                             # shared expert + 128 gate)
                                             ("tiny-qwen2.5", 0.821376), ("tiny-mistral", 0.853120),
                                             ("tiny-qwen2-moe", 3.189376),
+                                            # 32,768 + 4 x 73,120 (MLA 72,704 + latent norms 160 + 2 norms) + a
+                                            # dense MLP 3 x 128 x 384 + 3 x (16 x 3 x 128 x 64 experts + 3 x 128 x
+                                            # 128 shared + 128 x 16 router) + 128
+                                            ("tiny-deepseek-v3", 1.806080),
                                             # released models: hand counts from their config.json, the published totals
                                             ("qwen2.5-7b", 7615.617), ("qwen3-8b", 8190.735),
                                             ("mistral-7b", 7248.024), ("qwen3-30b-a3b", 30532.123)])
