@@ -132,7 +132,10 @@ CASES = {
     "direct_q_all_moe_tied_unnormalised": dict(q_lora_rank=None, tie_word_embeddings=True, norm_topk_prob=False,
                                                routed_scaling_factor=1.5, n_group=2, topk_group=1,
                                                num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=0),
-    "dense": dict(first_k_dense_replace=3),
+    # every layer dense, with Llama 3's rope scaling (the 24 tokens reach past original_max_position_embeddings)
+    "dense_llama3_rope": dict(first_k_dense_replace=3, rope_parameters=dict(
+        rope_type="llama3", rope_theta=1e4, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8)),
 }
 
 
@@ -164,8 +167,8 @@ def tokens(shape=(8, 24), seed=1):
 
 
 # Float32 on both sides; the sums run in different orders (XLA's einsums, torch's matmuls and its per-expert loop),
-# which moves logits of magnitude up to ~4 by a few 1e-6 (measured over the three cases: 2.5e-6 to 4.3e-6, at most
-# 1.3e-6 of the largest logit); 2e-5 (5e-6 of it) leaves that a 5x margin and is far below what a wrong expert, a
+# which moves logits of magnitude up to ~4 by a few 1e-6 (measured over the three cases: 2.5e-6 to 3.8e-6, at most
+# 1.2e-6 of the largest logit); 2e-5 (5e-6 of it) leaves that a 5x margin and is far below what a wrong expert, a
 # misplaced rotary row or a missing bias changes (> 1e-2: test_expert_bias_and_the_rotary_layout_matter).
 ATOL = 2e-5
 _MOE_KEYS = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
@@ -183,7 +186,8 @@ def test_logits_match_transformers_and_the_round_trip_is_bit_exact(hf, tmp_path,
     hf_model = make_deepseek(tmp_path / "hf", **CASES[case])
     mesh = ["runtime.cpu_devices=8", "mesh.ici.expert=2", "mesh.ici.fsdp=2", "mesh.ici.tensor=2"]
     cfg = import_dir(tmp_path / "hf", tmp_path / "jt", *(mesh if case == SHARDED else []))
-    assert cfg.model.mla and cfg.model.moe.experts == (0 if case == "dense" else 8)
+    dense = case == "dense_llama3_rope"
+    assert cfg.model.mla and cfg.model.moe.experts == (0 if dense else 8)
     toks = tokens()
     want = hf_logits(hf_model, toks)
     assert want.std() > 0.1
@@ -192,7 +196,7 @@ def test_logits_match_transformers_and_the_round_trip_is_bit_exact(hf, tmp_path,
     src, out = export_round_trip(cfg, tmp_path)
     assert set(src) - {"transformers_version"} == set(out) - {"rope_theta", "rope_scaling"}, set(src) ^ set(out)
     skip = {"transformers_version", "initializer_range", "num_nextn_predict_layers"}
-    for key in set(src) - skip - (_MOE_KEYS if case == "dense" else set()):
+    for key in set(src) - skip - (_MOE_KEYS if dense else set()):
         assert out[key] == src[key], key
     assert out["num_nextn_predict_layers"] == 0 and out["rope_interleave"] is True
     back = load_export(tmp_path / "out")

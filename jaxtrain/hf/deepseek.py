@@ -96,7 +96,7 @@ def _refuse(hf: dict) -> None:
 def model_fields_from_hf(hf: dict) -> dict:
     """ModelConfig field values (dotted ``model.*`` keys) for a DeepSeek-V3 ``config.json``; ConfigError naming the
     first field whose value jaxtrain cannot represent (quantized weights, attention biases, rms_norm_eps other than
-    1e-6, yarn or other rope scaling, ...)."""
+    1e-6, yarn rope scaling, ...)."""
     _refuse(hf)
     fields = mapping.decoder_fields(hf)
     q_lora = hf.get("q_lora_rank", 1536)
@@ -159,7 +159,6 @@ def problem(m: ModelConfig) -> str | None:
         (not m.mla, "model.kv_lora_rank=null (DeepSeek-V3's attention is multi-head latent attention)"),
         (m.norm_eps != LATENT_EPS, f"model.norm_eps={m.norm_eps:g} (transformers' latent norms use {LATENT_EPS:g})"),
         (m.sliding_window is not None, f"model.sliding_window={m.sliding_window} (DeepSeek-V3 has no window)"),
-        (m.rope_scaling.type != "none", f"model.rope_scaling.type={m.rope_scaling.type} (not mapped for DeepSeek-V3)"),
     ]
     if moe.experts:
         problems += [
