@@ -284,11 +284,12 @@ def _with_mtp_layer(src, dst):
     return sorted(mtp)
 
 
-@pytest.mark.slow  # four CLI processes, each importing JAX and compiling: about 60 s on 2 busy cores
+@pytest.mark.slow  # five CLI processes, each importing JAX: 25-45 s on 2 busy cores
 def test_the_commands_skip_mtp_layers_generate_and_round_trip(hf, tmp_path):
     """convert from-hf of a checkpoint with an MTP layer: one log line says it is skipped, the logits are
     transformers'; generate --prompt-ids is transformers' greedy; convert to-hf writes the source's tensors bit for
-    bit without the MTP layer. Without num_nextn_predict_layers the same tensors are refused (exit 2, one line)."""
+    bit without the MTP layer. Without num_nextn_predict_layers the same tensors are refused, and so is rms_norm_eps
+    1e-5 (exit 2, one line naming it, nothing written)."""
     torch, _ = hf
     hf_model = make_deepseek(tmp_path / "hf", seed=5)
     added = _with_mtp_layer(tmp_path / "hf", tmp_path / "mtp")
@@ -314,9 +315,35 @@ def test_the_commands_skip_mtp_layers_generate_and_round_trip(hf, tmp_path):
     assert sorted(after) == sorted(before)
     assert all(np.array_equal(after[k].view(np.uint32), before[k].view(np.uint32)) for k in before)
 
-    bad = config_variant(tmp_path / "mtp", tmp_path / "bad", lambda c: c.update(num_nextn_predict_layers=0))
-    r = run_cli("convert", "from-hf", str(bad), "--out", str(tmp_path / "jt_bad"), timeout=120)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "unsupported feature: tensor 'model.layers.3." in lines[0], r.stderr
-    assert not (tmp_path / "jt_bad").exists()
+    bad_inputs = [("mtp", dict(num_nextn_predict_layers=0), "unsupported feature: tensor 'model.layers.3."),
+                  ("eps", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05 in config.json")]
+    for name, edit, phrase in bad_inputs:
+        bad = config_variant(tmp_path / "mtp", tmp_path / f"bad_{name}", lambda c, edit=edit: c.update(edit))
+        r = run_cli("convert", "from-hf", str(bad), "--out", str(tmp_path / f"jt_{name}"), timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (name, r.stderr)
+        assert phrase in lines[0] and not (tmp_path / f"jt_{name}").exists(), (name, r.stderr)
+
+
+@pytest.mark.slow  # a train-step compilation: about 60 s on 2 busy cores
+def test_a_trained_tiny_deepseek_v3_exports_to_transformers_logits(hf, tmp_path):
+    """configs/tiny-deepseek-v3.yaml (MLA, a dense first layer, sigmoid routing in groups, shared experts), trained
+    3 steps so that its expert bias has moved off zero, exports as a DeepseekV3ForCausalLM whose logits equal
+    jaxtrain's own; the bias exported is the one the steps left."""
+    import jax
+    from safetensors.numpy import load_file
+
+    from jaxtrain.train import loop
+    from jaxtrain_testing import FAST
+
+    cfg = load_config("tiny-deepseek-v3", [f"run.dir={tmp_path / 'run'}", *FAST, "data.seq_len=32",
+                                           "train.global_batch=8", "train.steps=3", "train.eval_every=0"])
+    loop.train(cfg, devices=jax.devices()[:1])
+    directory, step = ckpt.resolve(str(tmp_path / "run"))
+    convert.export_hf(cfg, directory, step, ckpt.read_meta(directory, step), str(tmp_path / "out"))
+    bias = load_file(str(tmp_path / "out" / "model.safetensors"))["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert np.abs(bias).max() > 0  # 0.01 a step (bias_update_rate): the steps moved it
+    toks = np.random.default_rng(2).integers(0, cfg.model.vocab_size, size=(8, 32))
+    back = load_export(tmp_path / "out")
+    back.set_experts_implementation("eager")
+    np.testing.assert_allclose(hf_logits(back, toks), jax_logits(cfg, tmp_path / "run", toks), atol=ATOL, rtol=0)
