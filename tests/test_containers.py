@@ -101,6 +101,67 @@ def test_the_install_adds_what_is_missing_and_never_changes_an_installed_package
     assert re.search(r"^Would install .*\bprotobuf-", plain.stdout, re.M), plain.stdout[-2000:]
 
 
+# The Flax and Orbax of ghcr.io/nvidia/jax:jax-2026-06-27 (the Dockerfile's base), as far as JAX-Toolbox's recipe
+# says (not read from the image: no registry but PyPI here): Flax is built from its main branch on the build day,
+# whose flax/version.py said 0.12.8 from 2026-06-19; Orbax is what pip-compile resolved from PyPI for Flax's
+# unpinned requirement that day: 0.12.1 (released 2026-06-24; 0.12.2 followed on 2026-08-03). docs/gpu.md.
+IMAGE_VERSIONS = {"flax": "0.12.8", "orbax-checkpoint": "0.12.1"}
+
+
+def test_the_image_stack_is_never_replaced_and_the_libraries_are():
+    for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax_cuda13_pjrt", "nvidia-nccl-cu13", "nvidia-cudnn-cu12",
+                 "transformer-engine", "transformer_engine_jax", "numpy", "NumPy"):
+        assert packages.protected(name), name
+    for name in ("flax", "orbax-checkpoint", "optax", "grain", "tensorboardX", "safetensors", "jax-triton",
+                 "numpyro"):
+        assert not packages.protected(name), name
+    free = packages.constraints(frozenset({"pyyaml"}))
+    assert not any(c.lower().startswith("pyyaml==") for c in free) and any(c.startswith("numpy==") for c in free)
+
+
+@pytest.mark.slow
+def test_the_images_flax_and_orbax_are_kept_in_range_and_replaced_outside(tmp_path):
+    """A venv over this Python with the image's Flax and Orbax (IMAGE_VERSIONS) installed into it, from the package
+    index (skipped where it is unreachable). Flax 0.12.8 is inside jaxtrain's range, Orbax 0.12.1 below it: `--strict`
+    names Orbax alone; jaxtrain's checkpoint tests pass with them as they are; `--install` replaces Orbax with a
+    version in the range and touches nothing else (Flax, jax, numpy as before); then `--strict` passes."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    got = subprocess.run([py, "-m", "pip", "install", "--no-deps", "--ignore-installed", "--no-cache-dir",
+                          *(f"{n}=={v}" for n, v in IMAGE_VERSIONS.items())], capture_output=True, text=True,
+                         timeout=600)
+    if got.returncode != 0:
+        pytest.skip(f"the package index is unreachable: {(got.stderr or got.stdout).strip().splitlines()[-1:]}")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("XLA_FLAGS", None)
+
+    def run(*args, timeout=600):
+        return subprocess.run([py, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+    def versions():
+        out = run("-c", "import importlib.metadata as m; print(*(m.version(n) for n in "
+                        "('flax', 'orbax-checkpoint', 'jax', 'numpy')))").stdout.split()
+        return dict(zip(("flax", "orbax-checkpoint", "jax", "numpy"), out))
+
+    before = versions()
+    assert (before["flax"], before["orbax-checkpoint"]) == ("0.12.8", "0.12.1")
+    strict = run("-m", "jaxtrain.cluster.packages", "--strict")
+    assert strict.returncode == 2, strict.stdout + strict.stderr
+    (line,) = [x for x in strict.stdout.splitlines() if "outside jaxtrain's requirements" in x]
+    assert line.endswith("orbax-checkpoint 0.12.1 (jaxtrain is tested with >=0.12.8,<0.14)"), line
+    tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_checkpoint.py", "-k",
+                "save_schedule_and_retention or adamw_moments")
+    assert tests.returncode == 0 and re.search(r"^3 passed", tests.stdout, re.M), tests.stdout[-2000:]
+    install = run("-m", "jaxtrain.cluster.packages", "--install")
+    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    assert "orbax-checkpoint (replacing 0.12.1, outside >=0.12.8,<0.14)" in install.stdout
+    after = versions()
+    assert after["flax"] == "0.12.8" and after["jax"] == before["jax"] and after["numpy"] == before["numpy"]
+    assert packages._satisfies(after["orbax-checkpoint"], ">=0.12.8,<0.14"), after
+    assert run("-m", "jaxtrain.cluster.packages", "--strict").returncode == 0
+
+
 def test_a_hidden_install_counts_as_missing(tmp_path):
     """Metadata present but the module unimportable (a broken install, or one shadowed on the path): missing."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['grain'] = None\n")

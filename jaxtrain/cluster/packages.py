@@ -19,6 +19,14 @@ version is outside the requirements); ``--missing`` prints the missing requireme
 ``--install`` installs them with pip, constrained to the versions of everything already installed, so that an image's
 own jax, CUDA plugin and numpy are never replaced (pip stops instead, naming the conflict). ``launch/slurm.sbatch``
 runs it in the container for the no-build path (``JAXTRAIN_CONTAINER_INSTALL=1``, docs/gpu.md).
+
+The policy for an image's versions (docs/gpu.md#containers): a requirement installed *within* jaxtrain's range is
+kept, whatever the image's build (a development build of Flax included); one installed *outside* it, older or newer,
+is replaced by ``--install`` with a version inside it, unless it belongs to the image's compiled stack
+(:func:`protected`: jax, jaxlib, the CUDA plugins, NVIDIA's wheels, Transformer Engine, numpy), which is never
+touched. The range is what jaxtrain is tested with; a pure-Python library such as Flax, Orbax or optax is cheap to
+swap, a JAX built against the image's CUDA is not. So after ``--install`` only a protected package can still be
+outside the range, and ``--strict`` refuses exactly that image (its JAX is not one jaxtrain runs on).
 """
 
 from __future__ import annotations
@@ -37,6 +45,12 @@ from jaxtrain.errors import ConfigError
 # installed (then there is no metadata to read them from) but its modules may still be importable from a path.
 IMPORT_NAMES = {"pyyaml": "yaml", "orbax-checkpoint": "orbax.checkpoint", "prometheus-client": "prometheus_client",
                 "tensorboardx": "tensorboardX"}
+
+# The image's compiled stack (by normalised distribution name): JAX and its plugins, NVIDIA's CUDA, cuDNN and NCCL
+# wheels, Transformer Engine, and numpy, whose ABI the compiled packages were built against. --install never replaces
+# them, whatever their version (:func:`install`).
+PROTECTED = frozenset({"jax", "jaxlib", "numpy"})
+PROTECTED_PREFIXES = ("jax-cuda", "jax-rocm", "nvidia-", "transformer-engine")
 
 # Commands that start no JAX and import none of the requirements: `env` is what one runs on a bare node to see
 # what is wrong with it, so it reports missing packages instead of refusing to run.
@@ -216,10 +230,17 @@ def require_runtime() -> None:
         raise MissingPackagesError(missing_message(report))
 
 
-def constraints() -> list[str]:
-    """``name==version`` for every installed distribution (the first on the path where one is installed twice):
-    the constraints under which installing the missing requirements can add packages but never change one."""
-    seen, out = set(), []
+def protected(name: str) -> bool:
+    """Whether distribution ``name`` belongs to an image's compiled stack, which :func:`install` never replaces."""
+    norm = _normalise(name)
+    return norm in PROTECTED or norm.startswith(PROTECTED_PREFIXES)
+
+
+def constraints(free: frozenset[str] = frozenset()) -> list[str]:
+    """``name==version`` for every installed distribution (the first on the path where one is installed twice) but
+    those named in ``free`` (normalised names, the ones being replaced): the constraints under which installing can
+    add packages but never change another one."""
+    seen, out = set(free), []
     for dist in importlib.metadata.distributions():
         name = dist.metadata["Name"]
         if name and _normalise(name) not in seen:
@@ -229,21 +250,31 @@ def constraints() -> list[str]:
 
 
 def install(dry_run: bool = False) -> int:
-    """pip-install the missing requirements under :func:`constraints`; 0 when nothing is missing."""
+    """pip-install the missing requirements, and those installed outside jaxtrain's range that are not
+    :func:`protected` (in a version inside it), under :func:`constraints` for everything else; 0 when there is
+    nothing to do. A protected package outside the range is left as it is, and said."""
     import subprocess
     import tempfile
 
     report = check()
-    if not report.missing:
-        print("jaxtrain: every runtime package is installed")
+    replace = [(r, v) for r, v in report.other_versions if not protected(r.name)]
+    for r, v in report.other_versions:
+        if protected(r.name):
+            print(f"jaxtrain: {r.name} {v} is outside jaxtrain's range ({r.specifier}) and part of the image's "
+                  "compiled stack: left as it is (`--strict` refuses it)")
+    todo = [*report.missing, *(r for r, _ in replace)]
+    if not todo:
+        print("jaxtrain: every runtime package is installed" + (" (outside its range: the line above)"
+                                                                if report.other_versions else ""))
         return 0
     with tempfile.NamedTemporaryFile("w", suffix="-constraints.txt", delete=False) as f:
-        f.write("\n".join(constraints()) + "\n")
+        f.write("\n".join(constraints(frozenset(_normalise(r.name) for r, _ in replace))) + "\n")
     # The same interpreter as started: a Python run with -S (no site-packages processing) installs into its path.
     cmd = [sys.executable, *(["-S"] if sys.flags.no_site else []), "-m", "pip", "install", "--no-cache-dir",
-           "--constraint", f.name, *(["--dry-run"] if dry_run else []), *(r.text for r in report.missing)]
-    print("jaxtrain: installing " + ", ".join(r.name for r in report.missing) + " (installed versions kept): "
-          + " ".join(cmd), flush=True)
+           "--constraint", f.name, *(["--dry-run"] if dry_run else []), *(r.text for r in todo)]
+    said = [r.name for r in report.missing] + [f"{r.name} (replacing {v}, outside {r.specifier})" for r, v in replace]
+    print("jaxtrain: installing " + ", ".join(said) + " (other installed versions kept): " + " ".join(cmd),
+          flush=True)
     try:
         return subprocess.call(cmd)
     finally:
@@ -254,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxtrain.cluster.packages", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--missing", action="store_true", help="print the missing requirements, one per line")
-    mode.add_argument("--install", action="store_true", help="pip-install the missing ones, keeping the installed")
+    mode.add_argument("--install", action="store_true", help="pip-install the missing ones, and replace those outside "
+                                                               "jaxtrain's range but the image's compiled stack")
     p.add_argument("--dry-run", action="store_true", help="with --install: pip's --dry-run")
     p.add_argument("--strict", action="store_true", help="exit 2 on installed versions outside the requirements too")
     args = p.parse_args(argv)
