@@ -57,6 +57,8 @@ def test_config_maps_onto_latent_attention_and_deepseek_routing():
     assert _fields(q_lora_rank=None)["model.q_lora_rank"] is None
     assert _fields(first_k_dense_replace=0)["model.moe.first_dense"] == 0
     assert _fields(first_k_dense_replace=3)["model.moe.experts"] == 0
+    # MTP layers: transformers' DeepseekV3Config reads num_mtp_layers as an alias and defaults to 1
+    assert [deepseek.mtp_layers(c) for c in ({}, {"num_mtp_layers": 2}, {"num_nextn_predict_layers": 0})] == [1, 2, 0]
     cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in f.items()])  # a valid jaxtrain config
     assert cfg.model.mla and cfg.model.moe.expert_bias
 

@@ -71,6 +71,14 @@ def _int(hf: dict, key: str, default, low: int = 1) -> int:
     return value
 
 
+def mtp_layers(hf: dict) -> int:
+    """How many multi-token-prediction layers the checkpoint stores after the decoder's: ``num_nextn_predict_layers``
+    (``num_mtp_layers``, its alias in transformers), 1 when absent as transformers reads it."""
+    key = "num_nextn_predict_layers" if "num_nextn_predict_layers" in hf or "num_mtp_layers" not in hf else (
+        "num_mtp_layers")
+    return _int(hf, key, 1, low=0)
+
+
 def _refuse(hf: dict) -> None:
     """ConfigError naming the first ``config.json`` value jaxtrain's DeepSeek-V3 cannot represent exactly."""
     mapping.check_common(hf)
@@ -110,7 +118,7 @@ def model_fields_from_hf(hf: dict) -> dict:
         "model.v_head_dim": _int(hf, "v_head_dim", 128),
         "model.qkv_bias": False, "model.qk_norm": False, "model.sliding_window": None,
     })
-    _int(hf, "num_nextn_predict_layers", 0, low=0)
+    mtp_layers(hf)
     dense = _int(hf, "first_k_dense_replace", 3, low=0)
     if dense >= fields["model.n_layers"]:
         return {**fields, "model.moe.experts": 0}  # every layer a dense MLP: no MoE layer to describe
@@ -220,7 +228,7 @@ class Tensors(mapping.SafetensorsDir):
 
     def __init__(self, src: str, hf: dict):
         super().__init__(src)
-        n, extra = hf["num_hidden_layers"], hf.get("num_nextn_predict_layers", 0)
+        n, extra = hf["num_hidden_layers"], mtp_layers(hf)
         mtp = sorted(name for name in self.shapes if (m := _LAYER.match(name)) and n <= int(m[1]) < n + extra)
         for name in mtp:
             del self.where[name], self.shapes[name], self.dtypes[name]
