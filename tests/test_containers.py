@@ -8,6 +8,7 @@ applies pyxis' rule for the container's environment (the image's value wins unle
 """
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -162,6 +163,31 @@ def test_the_images_flax_and_orbax_are_kept_in_range_and_replaced_outside(tmp_pa
     assert run("-m", "jaxtrain.cluster.packages", "--strict").returncode == 0
 
 
+def test_kernel_packages_are_the_gpu_extras():
+    extra = tomllib.load(open(os.path.join(REPO, "pyproject.toml"), "rb"))["project"]["optional-dependencies"]["gpu"]
+    wanted = {packages._normalise(re.match(r"[\w.-]+", t).group(0)): "".join(t.split()) for t in extra
+              if re.match(r"(jax-triton|triton)\b", t)}
+    got = packages.kernel_requirements()
+    assert {packages._normalise(r.name): r.text for r in got} == wanted and set(wanted) == {"jax-triton", "triton"}
+
+
+@pytest.mark.slow
+def test_install_kernels_adds_jax_triton_and_keeps_jax(tmp_path):
+    """`--install-kernels --dry-run` against the package index (skipped where it is unreachable): with triton 3.6
+    installed and no jax-triton, pip would install jax-triton alone, in the gpu extra's range (0.3.x: 0.4 needs
+    jax >= 0.11, and the installed jax is pinned)."""
+    if importlib.util.find_spec("jax_triton") is not None:
+        pytest.skip("jax-triton is installed here: nothing to add")
+    proc = subprocess.run([sys.executable, "-m", "jaxtrain.cluster.packages", "--install-kernels", "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    said = proc.stdout + proc.stderr
+    if proc.returncode != 0 and re.search(r"No matching distribution|Could not fetch|connection", said, re.I):
+        pytest.skip(f"the package index is unreachable: {said.strip().splitlines()[-1:]}")
+    assert proc.returncode == 0, said[-2000:]
+    (would,) = [line for line in proc.stdout.splitlines() if line.startswith("Would install")]
+    assert would.split()[2:] and all(p.startswith("jax-triton-0.3.") for p in would.split()[2:]), would
+
+
 def test_a_hidden_install_counts_as_missing(tmp_path):
     """Metadata present but the module unimportable (a broken install, or one shadowed on the path): missing."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['grain'] = None\n")
@@ -256,7 +282,7 @@ def test_dockerfile_pins_the_base_by_digest_and_installs_the_project_itself():
     (copy,) = [v for k, v in steps if k == "COPY"]
     source, target = copy.split()
     assert source == "."  # the repository root: pyproject.toml, from which pip reads the requirements
-    (run,) = [v for k, v in steps if k == "RUN"]
+    run, kernels = [v for k, v in steps if k == "RUN"]
     commands = [shlex.split(c) for c in run.split("&&")]
     # The package list is pyproject.toml's, read by jaxtrain.cluster.packages in the copied checkout (the tests
     # above run the same command): no name of a requirement is listed by hand, so the image cannot drift from it.
@@ -269,8 +295,40 @@ def test_dockerfile_pins_the_base_by_digest_and_installs_the_project_itself():
     # Then, from outside the checkout, the installed jaxtrain checks itself: missing packages or versions outside
     # pyproject's fail the build.
     assert commands[-2:] == [["cd", "/"], ["python", "-m", "jaxtrain.cluster.packages", "--strict"]]
+    # Then the Triton-language kernels' packages, from the same checkout and by the same module (the gpu extra's
+    # versions, none named here), the build going on with one line where pip cannot add them.
+    steps = [" ".join(c.split()) for c in kernels.split("&&")]
+    assert steps[0] == "cd /opt/jaxtrain" and "pip install" not in kernels
+    assert re.fullmatch(r"\{ python -m jaxtrain\.cluster\.packages --install-kernels \|\| echo \"jaxtrain: jax-triton "
+                        r"not added [^\"]*\"; \}", steps[-1]), steps[-1]
     ignore = open(DOCKERFILE + ".dockerignore").read().split()
     assert {".git", "runs", "gpu-wheels"} <= set(ignore) and "jaxtrain" not in ignore and "pyproject.toml" not in ignore
+
+
+def test_the_efa_variant_extends_the_built_image_with_libfabric_and_the_nccl_plugin():
+    """launch/container/Dockerfile.efa: on the jaxtrain image named at build time (no default), AWS's EFA installer
+    in its NGC-container mode (installer 1.49.0 or later has it), a build that fails without an NCCL net plugin, and
+    the libfabric variables the eks overlay sets, with the overlay's values."""
+    import yaml
+
+    dockerfile_parse = pytest.importorskip("dockerfile_parse")
+    with open(DOCKERFILE + ".efa", "rb") as f:
+        parser = dockerfile_parse.DockerfileParser(fileobj=f)
+        steps = [(i["instruction"], i["value"]) for i in parser.structure if i["instruction"] != "COMMENT"]
+    assert steps[:2] == [("ARG", "BASE"), ("FROM", "${BASE}")]
+    (version,) = [v.partition("=")[2] for k, v in steps if k == "ARG" and v.startswith("EFA_INSTALLER_VERSION=")]
+    assert tuple(map(int, version.split("."))) >= (1, 49, 0), version
+    (run,) = [v for k, v in steps if k == "RUN"]
+    commands = [" ".join(c.split()) for c in run.split("&&")]
+    assert "./efa_installer.sh -y --enable-ngc" in commands[commands.index("cd aws-efa-installer") + 1:][:1]
+    assert 'test -n "$plugin"' in commands and "/opt/amazon/efa/bin/fi_info --version" in commands
+    (env,) = [v for k, v in steps if k == "ENV"]
+    image_env = dict(item.split("=", 1) for item in env.split())
+    overlay = yaml.safe_load(open(os.path.join(LAUNCH, "k8s", "overlays", "eks", "kustomization.yaml")))
+    ops = yaml.safe_load(overlay["patches"][0]["patch"])
+    pod_env = {op["value"]["name"]: op["value"]["value"] for op in ops if op["path"].endswith("/env/-")}
+    assert set(image_env) == {"FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA"}
+    assert image_env == {k: pod_env[k] for k in image_env}
 
 
 # --- launch/slurm.sbatch under pyxis ---------------------------------------------------------------------------------

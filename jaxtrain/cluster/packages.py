@@ -52,6 +52,9 @@ IMPORT_NAMES = {"pyyaml": "yaml", "orbax-checkpoint": "orbax.checkpoint", "prome
 PROTECTED = frozenset({"jax", "jaxlib", "numpy"})
 PROTECTED_PREFIXES = ("jax-cuda", "jax-rocm", "nvidia-", "transformer-engine")
 
+# The Triton-language kernels' packages (model.attention=triton, model.moe.gemm=triton), from the `gpu` extra.
+KERNEL_PACKAGES = ("jax-triton", "triton")
+
 # Commands that start no JAX and import none of the requirements: `env` is what one runs on a bare node to see
 # what is wrong with it, so it reports missing packages instead of refusing to run.
 COMMANDS_WITHOUT_CHECK = frozenset({"env"})
@@ -253,9 +256,6 @@ def install(dry_run: bool = False) -> int:
     """pip-install the missing requirements, and those installed outside jaxtrain's range that are not
     :func:`protected` (in a version inside it), under :func:`constraints` for everything else; 0 when there is
     nothing to do. A protected package outside the range is left as it is, and said."""
-    import subprocess
-    import tempfile
-
     report = check()
     replace = [(r, v) for r, v in report.other_versions if not protected(r.name)]
     for r, v in report.other_versions:
@@ -267,12 +267,21 @@ def install(dry_run: bool = False) -> int:
         print("jaxtrain: every runtime package is installed" + (" (outside its range: the line above)"
                                                                 if report.other_versions else ""))
         return 0
+    said = [r.name for r in report.missing] + [f"{r.name} (replacing {v}, outside {r.specifier})" for r, v in replace]
+    return _pip_install(todo, frozenset(_normalise(r.name) for r, _ in replace), said, dry_run)
+
+
+def _pip_install(reqs: list[Requirement], free: frozenset[str], said: list[str], dry_run: bool) -> int:
+    """pip-install ``reqs`` under :func:`constraints` for every installed distribution not in ``free``; pip's exit
+    status. ``said``: what the log line calls them."""
+    import subprocess
+    import tempfile
+
     with tempfile.NamedTemporaryFile("w", suffix="-constraints.txt", delete=False) as f:
-        f.write("\n".join(constraints(frozenset(_normalise(r.name) for r, _ in replace))) + "\n")
+        f.write("\n".join(constraints(free)) + "\n")
     # The same interpreter as started: a Python run with -S (no site-packages processing) installs into its path.
     cmd = [sys.executable, *(["-S"] if sys.flags.no_site else []), "-m", "pip", "install", "--no-cache-dir",
-           "--constraint", f.name, *(["--dry-run"] if dry_run else []), *(r.text for r in todo)]
-    said = [r.name for r in report.missing] + [f"{r.name} (replacing {v}, outside {r.specifier})" for r, v in replace]
+           "--constraint", f.name, *(["--dry-run"] if dry_run else []), *(r.text for r in reqs)]
     print("jaxtrain: installing " + ", ".join(said) + " (other installed versions kept): " + " ".join(cmd),
           flush=True)
     try:
@@ -281,17 +290,59 @@ def install(dry_run: bool = False) -> int:
         os.unlink(f.name)
 
 
+def extra_texts(extra: str) -> list[str]:
+    """The requirement strings of jaxtrain's optional ``extra`` (``gpu``), from the checkout's pyproject.toml, else
+    the installed metadata (their ``extra == "..."`` marker removed)."""
+    path = _checkout_pyproject()
+    if path is not None:
+        import tomllib
+
+        with open(path, "rb") as f:
+            project = tomllib.load(f).get("project", {})
+        if project.get("name") == "jaxtrain":
+            return list(project.get("optional-dependencies", {}).get(extra, []))
+    try:
+        texts = importlib.metadata.requires("jaxtrain") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    marker = re.compile(rf"""extra\s*==\s*["']{re.escape(extra)}["']""")
+    return [t.partition(";")[0].strip() for t in texts if marker.search(t.partition(";")[2])]
+
+
+def kernel_requirements() -> list[Requirement]:
+    """What ``model.attention=triton`` and ``model.moe.gemm=triton`` need beyond the runtime: the ``gpu`` extra's
+    :data:`KERNEL_PACKAGES` with its versions (the extra's jax[cudaNN] is the image's business, never installed)."""
+    reqs = [parse(t) for t in extra_texts("gpu")]
+    return [r for r in reqs if r is not None and _normalise(r.name) in KERNEL_PACKAGES]
+
+
+def install_kernels(dry_run: bool = False) -> int:
+    """pip-install the missing :func:`kernel_requirements` with every installed version kept (the image's jax
+    included); 0 when both are importable already. Where pip cannot (the image's triton outside the range, say),
+    its exit status, and the run-time check says the kernels are missing."""
+    todo = [r for r in kernel_requirements() if not _present(r)]
+    if not todo:
+        print("jaxtrain: " + " and ".join(KERNEL_PACKAGES) + " are installed")
+        return 0
+    return _pip_install(todo, frozenset(), [r.name for r in todo], dry_run)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxtrain.cluster.packages", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--missing", action="store_true", help="print the missing requirements, one per line")
     mode.add_argument("--install", action="store_true", help="pip-install the missing ones, and replace those outside "
                                                                "jaxtrain's range but the image's compiled stack")
-    p.add_argument("--dry-run", action="store_true", help="with --install: pip's --dry-run")
+    mode.add_argument("--install-kernels", action="store_true",
+                      help="pip-install jax-triton and triton (the gpu extra's versions) for the Triton-language "
+                           "kernels, keeping every installed version")
+    p.add_argument("--dry-run", action="store_true", help="with --install or --install-kernels: pip's --dry-run")
     p.add_argument("--strict", action="store_true", help="exit 2 on installed versions outside the requirements too")
     args = p.parse_args(argv)
     if args.install:
         return install(args.dry_run)
+    if args.install_kernels:
+        return install_kernels(args.dry_run)
     report = check()
     if args.missing:
         print("\n".join(r.text for r in report.missing))
