@@ -171,6 +171,18 @@ def test_kernel_packages_are_the_gpu_extras():
     assert {packages._normalise(r.name): r.text for r in got} == wanted and set(wanted) == {"jax-triton", "triton"}
 
 
+def test_an_image_without_jax_triton_refuses_the_triton_grouped_matmul_in_one_line():
+    """What model.moe.gemm=triton does on GPUs where --install-kernels could not add jax-triton: a ConfigError
+    (exit status 2, one line) when the layout is resolved, before anything compiles."""
+    if importlib.util.find_spec("jax_triton") is not None:
+        pytest.skip("jax-triton is installed here")
+    from jaxtrain.parallel.expert import resolve_gemm
+
+    with pytest.raises(packages.ConfigError, match=r"^model\.moe\.gemm=triton needs the jax-triton package") as e:
+        resolve_gemm("triton", "gpu")
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_install_kernels_adds_jax_triton_and_keeps_jax(tmp_path):
     """`--install-kernels --dry-run` against the package index (skipped where it is unreachable): with triton 3.6
