@@ -35,9 +35,9 @@ def add_arguments(p):
                                          "figures replace the hardware file's (default: run.dir's, if any)")
     p.add_argument("--write-bandwidth", type=_positive("--write-bandwidth"), metavar="GB/S",
                    help="the rate one host writes a checkpoint at, in GB/s (decimal; on a shared file system its "
-                        "aggregate over the hosts writing at once): adds each layout's save time, slowest host, and "
-                        "a warning where it exceeds --save-share of the interval between saves (checkpoint.every x "
-                        "the step). E.g. 1.68, one local disk as measured (docs/checkpoints.md#where-checkpoints-"
+                        "aggregate divided by the hosts writing at once): adds each layout's save time, slowest host, "
+                        "and a warning where it exceeds --save-share of the interval between saves (checkpoint.every "
+                        "x the step). E.g. 1.68, one local disk as measured (docs/checkpoints.md#where-checkpoints-"
                         "live-on-a-cluster); default: sizes only")
     p.add_argument("--save-share", type=_share, default=None, metavar="F",
                    help="the share of the checkpoint interval a save may take before the plan warns (with "
