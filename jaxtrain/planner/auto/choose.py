@@ -59,7 +59,9 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     ``attention``: the kernel the run uses where ``cfg`` compiles a stand-in (``target.Target.attention``)."""
     t0 = time.perf_counter()
     budget = hw.usable_bytes * (1 - cfg.mesh.auto_memory_margin)
-    rows = [closed_form(cfg, c, hw, attention) for c in candidates(cfg, len(devices), nodes, remats, microbatches)]
+    compiler = "xla-cpu" if gpu is None else "xla-gpu"  # whose memory figures rank the candidates
+    rows = [closed_form(cfg, c, hw, attention, compiler)
+            for c in candidates(cfg, len(devices), nodes, remats, microbatches)]
     # Layouts in the order of their best guess, and within one the lighter settings first (less remat; without a
     # pipeline, fewer microbatches), so that a lighter setting that fits is compiled before the heavier ones it
     # dominates (below): the guesses favour accumulation, whose smaller matmuls they do not price.

@@ -112,16 +112,19 @@ class Row:
         return self.result["est_step_seconds"]
 
 
-def closed_form(cfg: Config, cand: Candidate, hw: Hardware, attention: str | None = None) -> Row:
+def closed_form(cfg: Config, cand: Candidate, hw: Hardware, attention: str | None = None,
+                compiler: str = "xla-cpu") -> Row:
     """``cand``'s row before compiling: state and memory bounds, compute time (a lower bound on the step) and a
     guess of the step with communication and the optimizer update (``cost``'s closed forms); ``attention``: the
-    kernel the run uses, where ``cfg`` compiles a stand-in."""
+    kernel the run uses, where ``cfg`` compiles a stand-in; ``compiler``: whose memory figures the search ranks by
+    (``cost.COMPILERS``: XLA:GPU's where it compiles for the GPUs)."""
     c = cand.apply(cfg)
     state = cost.state_bytes_lower(c, cand.shape)
-    lower_act, act = cost.activation_bytes(c, cand.shape)
+    lower_act, act = cost.activation_bytes(c, cand.shape, compiler)
     compute = cost.compute_seconds(c, cand.shape, hw, attention)
     update = cost.optimizer_bytes_moved(state / 3, 2 * state / 3) / cost.hbm_bandwidth(hw)
-    return Row(cand, state + lower_act, state + act, compute, compute + cost.comm_seconds(c, cand.shape, hw) + update)
+    guess = state + cost.gradient_bytes(c, cand.shape) + act  # cost.memory_estimate, its parts reused
+    return Row(cand, state + lower_act, guess, compute, compute + cost.comm_seconds(c, cand.shape, hw) + update)
 
 
 @dataclass

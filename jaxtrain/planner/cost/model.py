@@ -336,45 +336,133 @@ def state_bytes_lower(cfg: Config, shape: MeshShape) -> float:
     return 3 * _params_per_shard(cfg, shape) * _dtype_bytes(cfg.model.param_dtype) / shards
 
 
+def gradient_bytes(cfg: Config, shape: MeshShape) -> float:
+    """The gradients one device holds when the optimizer runs: a temporary the state does not count, and the
+    largest one the closed forms had missed (at 32 Mixtral layers, a third of the state again).
+
+    One gradient per parameter of the device's shards (``state_bytes_lower``'s third), in param_dtype; with
+    microbatches under ``train.accumulate=sharded`` (or no batch axis), the float32 accumulator beside the
+    microbatch's gradient (``train.step._accumulated_grads``); under ``unreduced``, each device's accumulator, its
+    microbatch's gradient and the parameters gathered once in the compute dtype, all the size of the parameters
+    gathered over the batch axes (fsdp's shards undone). A pipeline accumulates inside its loop: one gradient."""
+    m, dims = cfg.model, ParallelDims(cfg, shape)
+    pb, elems = _dtype_bytes(m.param_dtype), _params_per_shard(cfg, shape) / dims.param_shards
+    if dims.microbatches == 1 or dims.stages > 1:
+        return elems * pb
+    if cfg.train.accumulate == "sharded" or not dims.batch_axes:
+        return elems * (4 + pb)
+    gathered = elems * math.prod(dims.size(a) for a in dims.batch_axes if a == Axis.FSDP)
+    return gathered * (4 + pb + _dtype_bytes(m.dtype))
+
+
+def memory_estimate(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -> float:
+    """The closed-form estimate of a step's memory per device: the state (:func:`state_bytes_lower`), the gradients
+    (:func:`gradient_bytes`) and the activations (:func:`activation_bytes`' estimate). What ``mesh.auto`` orders and
+    skips candidates by before compiling (the compiled figure is the judge); ``compiler``: whose temporaries
+    (:data:`COMPILERS`: XLA:CPU's, or XLA:GPU's where the search compiles for the GPUs)."""
+    return state_bytes_lower(cfg, shape) + gradient_bytes(cfg, shape) + activation_bytes(cfg, shape, compiler)[1]
+
+
 def _rows_and_seq(cfg: Config, shape: MeshShape) -> tuple[float, float]:
     """(sequences of one microbatch per device, tokens of a sequence per device)."""
     dims = ParallelDims(cfg, shape)
     return dims.rows_per_microbatch / dims.data_parallel, cfg.data.seq_len / dims.context
 
 
-def activation_bytes(cfg: Config, shape: MeshShape) -> tuple[float, float]:
+COMPILERS = ("xla-cpu", "xla-gpu")  # whose temporaries the closed forms size (activation_bytes' ``compiler``)
+
+
+def activation_bytes(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -> tuple[float, float]:
     """(lower bound, estimate) of the activations one device keeps for the backward of one microbatch.
 
-    Lower bound: each layer's input (what every remat policy saves). Estimate per layer and token: no remat ~ 8 x
-    d_model + 3 x d_ff values (projections, norms, the MLP's hidden) plus, with the XLA reference attention, the
-    heads' score rows; save_matmuls: the matmul outputs, ~4 x d_model + 2 x d_ff; full: the input alone, plus one
-    layer's worth recomputed. GPipe keeps every microbatch of its stage."""
+    Lower bound: each layer's input (what every remat policy saves). Estimate: what each layer keeps
+    (:func:`_kept_per_layer`), plus the peak of one layer's backward (:func:`_layer_peak`: the heaviest layer, dense
+    or MoE, recomputed or not) and the float32 logits with their gradient. GPipe keeps every microbatch of its stage.
+    ``compiler``: whose temporaries (:data:`COMPILERS`); XLA:CPU keeps some 16-bit buffers in float32 that XLA:GPU
+    keeps in 16 bits (the saved attention outputs, the experts' hidden products; docs/planning.md)."""
     m, s = cfg.model, shape.axis_sizes
     rows, seq = _rows_and_seq(cfg, shape)
-    act = _dtype_bytes(m.dtype)
-    layers = m.n_layers / s[Axis.STAGE]
+    act, layers = _dtype_bytes(m.dtype), m.n_layers / s[Axis.STAGE]
     tokens = rows * seq
     lower = layers * tokens * m.d_model * act
-    scores = m.n_heads / s[Axis.TENSOR] * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
-    full_layer = tokens * ((8 * m.d_model + 3 * m.d_ff) / s[Axis.TENSOR] * act + scores)
-    if m.moe.experts:  # an MoE layer: the dispatch buffers and the expert rows' hidden states (float32 gate and up
-        # products, the SwiGLU in the compute dtype, and their gradients), on every row of the padded buffer
-        moe = moe_dispatch(cfg, shape)
-        hidden = 2 * moe["expert_rows"] * m.expert_d_ff / s[Axis.TENSOR] * (8 + act)
-        # XLA's ragged_dot masks the rows once per local expert (docs/moe.md): that many copies of their input; and
-        # one layer's local experts gathered over fsdp, with their float32 gradient, are a layer's worth of weights.
-        local = m.moe.experts // s[Axis.EXPERT]
-        width = max(m.d_model, m.expert_d_ff / s[Axis.TENSOR])
-        masked = 2 * local * moe["expert_rows"] * width * act if local > 1 else 0
-        gathered = local * 3 * m.d_model * m.expert_d_ff / s[Axis.TENSOR] * (act + 4)
-        full_layer += (moe["buffer_bytes"] + hidden + masked + gathered) / m.moe.every
-    per_layer = {"none": full_layer, "save_matmuls": tokens * (4 * m.d_model + 2 * m.d_ff) / s[Axis.TENSOR] * act,
-                 "full": tokens * m.d_model * act}[m.remat]
+    dense, moe = _layer_peak(cfg, shape, compiler)
+    n_moe = m.moe_layers / s[Axis.STAGE]
+    kept = _kept_per_layer(cfg, shape, compiler)
+    if m.remat == "none":  # every layer keeps what its backward needs: its own peak, unfused (no GEMM epilogue
+        # can take elementwise work whose inputs must be kept anyway: XLA:GPU keeps XLA:CPU's float32 products too)
+        dense_kept, moe_kept = _layer_peak(cfg, shape, "xla-cpu")
+        kept = (layers - n_moe) * dense_kept + n_moe * moe_kept
+    else:
+        kept *= layers
     logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * 2  # float32 logits and their gradient
-    est = layers * per_layer + full_layer + logits
     if s[Axis.STAGE] > 1 and cfg.train.pipeline_schedule == "gpipe":
-        est *= cfg.train.microbatches / s[Axis.STAGE]
-    return lower, est
+        # GPipe keeps what every microbatch's pass through the stage's layers keeps (``kept`` is one microbatch's
+        # over the stage's layers): M of them, not M / S (until 2026-12-05, which put Mixtral's GPipe layouts at a
+        # third of their compiled memory and sent mesh.auto's compiles there first)
+        kept *= cfg.train.microbatches
+    elif s[Axis.STAGE] > 1:  # 1F1B: at most 2 S - 1 stage inputs, each pass's own recomputed from its input
+        kept += (2 * s[Axis.STAGE] - 1) * tokens * m.d_model * act
+    return lower, kept + max(dense, moe) + logits
+
+
+def _kept_per_layer(cfg: Config, shape: MeshShape, compiler: str) -> float:
+    """Bytes a layer keeps for the backward under remat ``full`` or ``save_matmuls``, per device and microbatch:
+    its input; save_matmuls also the weight matmuls' outputs (~4 d_model + 2 d_ff a token); and where attention is
+    a kernel (cuDNN, flash: not the XLA reference, which names nothing) both policies keep its named output and
+    log-sum-exp (``models.attention.REMAT_POLICIES``) -- missed until 2026-12-05. XLA:CPU keeps that stacked output
+    in float32 (docs/planning.md: the 7B's +17 GB), XLA:GPU in the compute dtype."""
+    m, s = cfg.model, shape.axis_sizes
+    rows, seq = _rows_and_seq(cfg, shape)
+    tokens, act, t = rows * seq, _dtype_bytes(m.dtype), s[Axis.TENSOR]
+    kept = tokens * m.d_model * act
+    if m.remat == "save_matmuls":
+        kept = tokens * (4 * m.d_model + 2 * m.d_ff) / t * act
+    if m.attention != "xla":
+        v_dim = m.v_head_dim if m.mla else m.resolved_head_dim
+        kept += tokens * m.n_heads / t * (v_dim * (4 if compiler == "xla-cpu" else act) + 4)
+    return kept
+
+
+def _layer_peak(cfg: Config, shape: MeshShape, compiler: str) -> tuple[float, float]:
+    """(a dense layer's, an MoE layer's) activations while its backward runs, per device and microbatch: ~8 d_model
+    values a token (projections, norms) and, with the XLA reference attention, the heads' score rows; the dense MLP
+    3 d_ff (an MoE layer's shared experts instead, not model.d_ff: Qwen3-MoE's d_ff is no layer's); an MoE layer
+    adds :func:`_moe_peak`. 0 for an MoE layer of a dense model."""
+    m, s = cfg.model, shape.axis_sizes
+    rows, seq = _rows_and_seq(cfg, shape)
+    tokens, act, t = rows * seq, _dtype_bytes(m.dtype), s[Axis.TENSOR]
+    scores = m.n_heads / t * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
+    dense = tokens * ((8 * m.d_model + 3 * m.d_ff) / t * act + scores)
+    if not m.moe.experts:
+        return dense, 0.0
+    shared = m.moe.shared_experts * m.expert_d_ff
+    moe = tokens * ((8 * m.d_model + 3 * shared) / t * act + scores) + _moe_peak(cfg, shape, compiler)
+    return dense, moe
+
+
+def _moe_peak(cfg: Config, shape: MeshShape, compiler: str) -> float:
+    """An MoE layer's own buffers in its backward, per device and microbatch: the dispatch buffers
+    (:func:`moe_dispatch`), the expert rows' hidden states on every row of the padded buffer, XLA's ragged_dot's
+    masked copies (``moe.gemm=xla`` only: the kernels take the groups as they are), and one layer's local experts
+    with their float32 gradient (gathered over fsdp)."""
+    m, s = cfg.model, shape.axis_sizes
+    act, t = _dtype_bytes(m.dtype), s[Axis.TENSOR]
+    moe = moe_dispatch(cfg, shape)
+    rows = moe["expert_rows"]
+    cpu = compiler == "xla-cpu"
+    # XLA:CPU: float32 gate and up products, the SwiGLU in the compute dtype, and their gradients (2 x (8 + act) a
+    # row and hidden unit); XLA:GPU fuses the backward's elementwise work into its GEMMs' epilogues and keeps three
+    # compute-dtype arrays (gate, up, SwiGLU): compiled Mixtral and Qwen3 layouts, docs/planning.md.
+    hidden = rows * m.expert_d_ff / t * (2 * (8 + act) if cpu else 3 * act)
+    local = m.moe.experts // s[Axis.EXPERT]
+    width = max(m.d_model, m.expert_d_ff / t)
+    # XLA's ragged_dot masks the rows once per local expert (docs/moe.md): the gate and up products' masked inputs
+    # and their gradients, 4 copies (2 until 2026-12-05, when 8 CPU devices' compiled fsdp8 step had twice them).
+    masked = 4 * local * rows * width * act if local > 1 and m.moe.gemm == "xla" else 0
+    # The layer's weights in the compute dtype with their gradient: float32 on XLA:CPU, the GEMM's own 16-bit
+    # output on XLA:GPU (converted as it is reduce-scattered).
+    gathered = local * 3 * m.d_model * m.expert_d_ff / t * (act + (4 if cpu else act))
+    return moe["buffer_bytes"] + hidden + masked + gathered
 
 
 def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
@@ -438,8 +526,12 @@ def moe_dispatch(cfg: Config, shape: MeshShape) -> dict:
         buffers = 4 * expert_rows * m.d_model * act
     else:
         expert_rows = chunk_rows(tokens * ep, moe.top_k, moe.experts, ep, per_expert * ep)
-        buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * act
-    return {"kind": kind if ep > 1 else "local", "layers": m.n_layers // moe.every, "buffer_bytes": buffers,
+        # The gathered tokens and their float32 results, then per expert row its input (taken from the gathered
+        # tokens), its output and its weighted float32 copy (scatter-added into the results) with the latter's
+        # float32 gradient: missed until 2026-12-05, when the compiled Qwen3-30B-A3B layouts (16 experts a device,
+        # eight rows a token) had twice these buffers' memory (docs/planning.md).
+        buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * (2 * act + 8)
+    return {"kind": kind if ep > 1 else "local", "layers": m.moe_layers, "buffer_bytes": buffers,
             "expert_rows": expert_rows,
             "bytes_per_layer": dispatch_bytes(kind, tokens, moe.top_k, moe.experts, ep, m.d_model, act, per_expert)}
 
