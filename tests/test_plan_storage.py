@@ -135,6 +135,7 @@ def test_save_warning_thresholds_hand_worked():
     assert storage.save_figures(hosts, 100, 2.0, storage.Storage(None, 0.1), False)["save_seconds"] is None
 
 
+@pytest.mark.slow
 def test_plan_cli_reports_and_warns(tmp_path):
     """``plan --json --write-bandwidth``: every host's bytes sum to the state's; a bandwidth far too low for a save
     every step warns, a huge one does not."""
