@@ -2,12 +2,12 @@
 
 import re
 
-FAMILIES = "Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE or Qwen2-MoE"
+FAMILIES = "Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3"
 
 
 def add_arguments(p):
-    p.description = ("Convert Hugging Face Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE and Qwen2-MoE "
-                     "checkpoints (safetensors + config.json) to and from jaxtrain's.")
+    p.description = (f"Convert Hugging Face {FAMILIES.replace(' or ', ' and ')} checkpoints (safetensors + "
+                     "config.json) to and from jaxtrain's.")
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION", parser_class=type(p))
     sub.required = True
     a = sub.add_parser("from-hf", help="import a local Hugging Face model directory as a jaxtrain checkpoint",

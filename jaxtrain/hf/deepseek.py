@@ -47,7 +47,7 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.hf import mapping
 from jaxtrain.models.mla import deinterleave_rope
 
-ARCHITECTURE = "DeepseekV3ForCausalLM"
+ARCHITECTURE = mapping.DEEPSEEK_ARCHITECTURE
 MODEL_TYPE = "deepseek_v3"
 # transformers' DeepseekV3RMSNorm default: q_a_layernorm and kv_a_layernorm use it whatever rms_norm_eps says, while
 # jaxtrain's latent norms use model.norm_eps like every other norm; the two agree only at this value.
@@ -294,9 +294,7 @@ def tensor_maps(m: ModelConfig, names: Collection[str] = (), interleaved: bool =
     if fused:
         experts = mapping.fused_expert_maps(layer)
     else:
-        experts = [TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,))] + [
-            TM(layer + f"mlp.experts.{{j}}.{p}_proj.weight", (*path, f"w_{p}"), True, (1,), (0,), experts=True)
-            for p in ("gate", "up", "down")]
+        experts = mapping.expert_maps(layer)
     experts += [TM(layer + "mlp.gate.e_score_correction_bias", (*path, "expert_bias"), True, (0,), ()),
                 *_mlp_maps(layer + "mlp.shared_experts.", (*path, "shared"))]
     k = m.moe.first_dense  # Hugging Face layers 0..k-1 are first_dense [i], layer k + g is blocks.moe [g]

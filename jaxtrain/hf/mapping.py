@@ -32,6 +32,7 @@ from jaxtrain.hf.families import MODEL_TYPES, attention_fields, class_entries, d
 
 ARCHITECTURES = tuple(MODEL_TYPES)  # the dense classes (jaxtrain.hf.families)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")  # jaxtrain.hf.moe_mapping
+DEEPSEEK_ARCHITECTURE = "DeepseekV3ForCausalLM"  # jaxtrain.hf.deepseek (MLA, dense or MoE)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json")
 # Hugging Face's default max_shard_size for save_pretrained; published checkpoints use 5 GB shards.
@@ -135,7 +136,7 @@ def model_fields_from_hf(hf: dict) -> dict:
     arch = next((a for a in archs if a in ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(f"unsupported architecture {', '.join(map(str, archs))} "
-                          f"(supported: {', '.join(ARCHITECTURES + MOE_ARCHITECTURES)})")
+                          f"(supported: {', '.join((*ARCHITECTURES, *MOE_ARCHITECTURES, DEEPSEEK_ARCHITECTURE))})")
     for key in ("num_local_experts", "num_experts"):
         if hf.get(key):
             raise ConfigError(f"unsupported feature: mixture of experts ({key}={hf[key]!r} in config.json)")
@@ -300,6 +301,16 @@ def fused_expert_maps(layer: str) -> list[TensorMap]:
         TensorMap(layer + "mlp.experts.down_proj", (*path, "w_down"), True, (1,), (0,), True, (0, 1)),
         TensorMap(layer + "mlp.experts.gate_up_proj", (*path, "w_up"), True, (1,), (0,), True, (1, 2)),
     ]
+
+
+def expert_maps(layer: str) -> list[TensorMap]:
+    """An MoE layer's router and routed experts as checkpoints store them (Qwen-MoE, DeepSeek-V3):
+    ``mlp.gate.weight`` [E, d] (the router transposed) and each expert's ``mlp.experts.{j}.{gate,up,down}_proj``
+    (transposed)."""
+    path = ("blocks", "moe", "mlp")
+    return [TensorMap(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,))] + [
+        TensorMap(layer + f"mlp.experts.{{j}}.{p}_proj.weight", (*path, f"w_{p}"), True, (1,), (0,), experts=True)
+        for p in ("gate", "up", "down")]
 
 
 def outer_maps(m: ModelConfig) -> tuple[list[TensorMap], list[TensorMap]]:

@@ -133,9 +133,7 @@ def tensor_maps(m: ModelConfig, fused: bool = False) -> list[mapping.TensorMap]:
     if fused:
         experts = mapping.fused_expert_maps(layer)
     else:
-        experts = [TM(layer + "mlp.gate.weight", (*path, "router"), True, (1,), (0,))] + [
-            TM(layer + f"mlp.experts.{{j}}.{p}_proj.weight", (*path, f"w_{p}"), True, (1,), (0,), experts=True)
-            for p in ("gate", "up", "down")]
+        experts = mapping.expert_maps(layer)
     if m.moe.shared_experts:
         experts += [TM(layer + f"mlp.shared_expert.{p}_proj.weight", (*path, "shared", p, "kernel"), True, (1,),
                        (0,)) for p in ("gate", "up", "down")]
