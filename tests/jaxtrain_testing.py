@@ -32,6 +32,16 @@ MESHES = {
 }
 
 
+def load_tool(name):
+    """The module of ``tools/NAME.py`` (tools/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_cli(*args, cwd=None, timeout=300, env=None):
     """``python -m jaxtrain ARGS`` in a subprocess; returns CompletedProcess with text output."""
     env = dict(os.environ if env is None else env)

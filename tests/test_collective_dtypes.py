@@ -1,17 +1,13 @@
 """tools/collective_dtypes.py on the hand-written XLA:GPU module of tests/golden (async collectives, a loop of known
 trip count, a tuple all-reduce, an async-wrapped reduce-scatter): bytes per kind and dtype worked out by hand."""
 
-import importlib.util
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from jaxtrain_testing import REPO, load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("collective_dtypes", os.path.join(REPO, "tools/collective_dtypes.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("collective_dtypes")
 
 
 def test_bytes_by_dtype_of_the_handwritten_module():

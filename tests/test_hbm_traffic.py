@@ -2,17 +2,13 @@
 (trip count 4) whose body slices its input out of the stacked buffer, takes its amax, casts it to float8, multiplies
 it by a float8 weight and writes the result into the stacked output; every kernel's class and bytes by hand."""
 
-import importlib.util
 import os
 
-from jaxtrain_testing import REPO
+from jaxtrain_testing import REPO, load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("hbm_traffic", os.path.join(REPO, "tools/hbm_traffic.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("hbm_traffic")
 
 
 def test_each_kernel_class_and_bytes_by_hand():
