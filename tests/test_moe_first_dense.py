@@ -72,7 +72,7 @@ def _copied_logits(tokens):
     bias = np.array([[0.3, -0.2, 0.1, 0.0]], np.float32)  # the selection bias too, nonzero: it picks experts
     first.blocks.moe.mlp.expert_bias[...] = bias
     grouped.blocks.moe.mlp.expert_bias[...] = bias
-    return first(tokens), grouped(tokens)
+    return jax.jit(first)(tokens), jax.jit(grouped)(tokens)
 
 
 def test_the_dense_layers_before_the_groups_equal_a_group_of_every_2():
@@ -82,17 +82,19 @@ def test_the_dense_layers_before_the_groups_equal_a_group_of_every_2():
     assert float(jnp.std(a)) > 0.1  # not a degenerate, near-constant output
 
 
+@pytest.mark.slow  # ~10 s on 2 cores; test_hf_deepseek's greedy generation covers the split cache in the default pass
 def test_decoding_through_the_cache_equals_the_full_forward():
     m = _model_cfg("model.n_layers=3", "model.moe.first_dense=1")
     model = _make(m)
     tok = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 12)))
-    full = model(tok)
+    full = jax.jit(model)(tok)
     cache = model.init_cache(2, 14)
     assert cache["k"].shape == (3, 2, 14, 2, 8)
-    prefill, cache = model(tok[:, :8], positions=jnp.broadcast_to(jnp.arange(8), (2, 8)), cache=cache)
+    decode = jax.jit(lambda t, pos, c: model(t, positions=pos, cache=c))
+    prefill, cache = decode(tok[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache)
     steps = [prefill]
     for i in range(8, 12):
-        logits, cache = model(tok[:, i:i + 1], positions=jnp.full((2, 1), i), cache=cache)
+        logits, cache = decode(tok[:, i:i + 1], jnp.full((2, 1), i), cache)
         steps.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=2e-5)
     assert cache["k"].shape == (3, 2, 14, 2, 8)
