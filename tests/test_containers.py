@@ -183,6 +183,20 @@ def test_an_image_without_jax_triton_refuses_the_triton_grouped_matmul_in_one_li
     assert "\n" not in str(e.value)
 
 
+def test_an_image_without_jax_triton_refuses_triton_attention_in_one_line():
+    """model.attention=triton likewise: refused when the config is resolved for GPUs, not when the kernel is first
+    traced."""
+    if importlib.util.find_spec("jax_triton") is not None:
+        pytest.skip("jax-triton is installed here")
+    from jaxtrain.config import load_config
+    from jaxtrain.parallel.layout import resolve_auto
+
+    cfg = load_config(None, ["model.attention=triton", "model.dtype=bfloat16", "model.head_dim=32"])
+    with pytest.raises(packages.ConfigError, match=r"^model\.attention=triton needs the jax-triton package") as e:
+        resolve_auto(cfg, "gpu", 1)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_install_kernels_adds_jax_triton_and_keeps_jax(tmp_path):
     """`--install-kernels --dry-run` against the package index (skipped where it is unreachable): with triton 3.6

@@ -67,6 +67,10 @@ def resolve_auto(cfg: Config, platform: str, num_devices: int | None = None) -> 
             f"model.attention=cudnn cannot take a sharded sequence: mesh.rules.act_seq="
             f"{cfg.mesh.rules.get('act_seq')!r} cuts it into {shards} slices and cuDNN refuses that at compile "
             "time; set mesh.rules.act_seq=null or model.attention=xla")
+    if m.attention == "triton" and platform == "gpu" and importlib.util.find_spec("jax_triton") is None:
+        raise ConfigError("model.attention=triton needs the jax-triton package, which is not installed (python -m "
+                          "jaxtrain.cluster.packages --install-kernels, or pip install jax-triton); or set "
+                          "model.attention=pallas, cudnn, xla or auto")
     if m.attention == "triton" and platform != "gpu":
         raise ConfigError(f"model.attention=triton runs on a CUDA GPU, not on {platform} devices; use pallas (on CPU "
                           "interpreted, for checking), xla, or auto")
