@@ -444,11 +444,13 @@ def test_the_no_build_path_installs_into_the_named_container_first(tmp_path):
     (tmp_path / "ok").mkdir()
     proc, calls, inside = _sbatch_in_pyxis(tmp_path / "ok", settings, "train")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    install, check, train = calls
-    assert install[install.index(next(a for a in install if a.endswith("python"))):][1:] == \
-        ["-u", "-m", "jaxtrain.cluster.packages", "--install"]
-    assert "--ntasks-per-node=1" in install and "--ntasks=2" in install and "--container-writable" in install
-    assert len({_options(c)["container-name"] for c in (install, check, train)}) == 1  # the steps find what it added
+    install, kernels, check, train = calls
+    for step, mode in ((install, "--install"), (kernels, "--install-kernels")):
+        assert step[step.index(next(a for a in step if a.endswith("python"))):][1:] == \
+            ["-u", "-m", "jaxtrain.cluster.packages", mode]
+        assert "--ntasks-per-node=1" in step and "--ntasks=2" in step and "--container-writable" in step
+    # the steps find what the installs added
+    assert len({_options(c)["container-name"] for c in (install, kernels, check, train)}) == 1
     assert set(inside) == {"jaxtrain.cluster.packages", "check", "train"}
     # A failed install stops the job before any other step.
     (tmp_path / "fail").mkdir()
