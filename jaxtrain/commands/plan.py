@@ -106,7 +106,7 @@ def run(args) -> int:
                               "chosen mesh with mesh.auto=false and its mesh.ici.* / mesh.dcn.* sizes")
         return planner.main(cfg, args.overrides, hardware_name=args.hardware, nodes=args.nodes[0],
                             efficiency=args.efficiency, mem_fraction=args.mem_fraction, as_json=args.json,
-                            wide=args.wide, calibration_path=args.calibration)
+                            calibration_path=args.calibration)
     return _single(cfg, args)
 
 

@@ -40,9 +40,11 @@ def log(msg: str) -> None:
 
 def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None, nodes: int | None = None,
          efficiency: float | None = None, mem_fraction: float | None = None, as_json: bool = False,
-         wide: bool = False, calibration_path: str | None = None) -> int:
-    """``jaxtrain plan``: plan ``cfg`` (loaded from the command line's ``overrides``, which say whether a mesh is
-    given) for the hardware named, or the devices at hand; print the table or JSON. Returns the exit status."""
+         calibration_path: str | None = None) -> int:
+    """``jaxtrain plan mesh.auto=true``: the layout ``mesh.auto`` would choose for ``cfg`` (loaded from the command
+    line's ``overrides``, which say which mesh sizes are given) on the hardware named, or the devices at hand;
+    print its report or JSON. Returns the exit status. Plans of given meshes: ``jaxtrain.commands.plan``."""
+    assert cfg.mesh.auto, "planner.main plans mesh.auto=true; commands/plan.py plans given meshes"
     from jaxtrain.planner.search import target as target_lib
 
     target = target_lib.resolve(cfg, overrides, hardware_name=hardware_name, nodes=nodes, efficiency=efficiency,
@@ -52,12 +54,11 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     from jaxtrain.planner.auto import compile_cache
     from jaxtrain.planner.auto import report as auto_report
     from jaxtrain.planner.cost import calibration
-    from jaxtrain.planner.search import meshes as search
     from jaxtrain.planner.search import report
 
     runtime.quiet_logs()
     # Measured figures (`check`'s calibration file: --calibration, else run.dir's) replace the hardware file's.
-    if target.cfg.mesh.auto and hardware_name is None and target.devices[0].platform == "cpu":
+    if hardware_name is None and target.devices[0].platform == "cpu":
         # train's figures: the same choice
         cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log,
                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
@@ -74,24 +75,14 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
 
         gpu, note = xla_gpu.for_plan(target.hw, target.nodes, cfg.model.attention)
         target.notes.append(note)
-    if target.cfg.mesh.auto:  # the layout train would choose (docs/auto-layout.md)
-        # plan writes into no run directory (run.dir is the default job's unless given): its readings go into
-        # this user's cache, keyed by everything they depend on, so every later plan finds them.
-        res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
-                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache), gpu=gpu,
-                                 attention=target.attention)
-        warnings = report.gpu_warnings([r.result for r in res.compiled if r.result is not None])
-        print(json.dumps({"notes": target.notes, **auto_report.to_json(res), "warnings": warnings}, indent=1)
-              if as_json else "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res),
-                                         *warnings]))
-        return 0
-    log(f"planning {len(target.shapes)} mesh(es) over {target.n_devices} device(s) on {target.nodes} node(s) for "
-        f"{target.hw.name}" + (" (each compiled by XLA:CPU and by XLA:GPU)" if gpu else ""))
-    result = search.plan(target.cfg, target.shapes, target.hw, target.devices, progress=log, gpu=gpu,
-                         attention=target.attention)
-    if as_json:
-        print(json.dumps(report.to_json(target.hw, target.n_devices, target.nodes, result, target.notes), indent=1))
-    else:
-        print(report.format_report(target.cfg, target.hw, target.n_devices, target.nodes, result, wide=wide,
-                                   notes=target.notes))
+    # The layout train would choose (docs/auto-layout.md). plan writes into no run directory (run.dir is the default
+    # job's unless given): its readings go into this user's cache, keyed by everything they depend on, so every
+    # later plan finds them.
+    res = auto.search_layout(target.cfg, target.devices, target.hw, target.nodes, progress=log,
+                             cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache), gpu=gpu,
+                             attention=target.attention)
+    warnings = report.gpu_warnings([r.result for r in res.compiled if r.result is not None])
+    print(json.dumps({"notes": target.notes, **auto_report.to_json(res), "warnings": warnings}, indent=1)
+          if as_json else "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res),
+                                     *warnings]))
     return 0
