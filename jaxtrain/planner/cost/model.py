@@ -344,12 +344,13 @@ def gradient_bytes(cfg: Config, shape: MeshShape) -> float:
     microbatches under ``train.accumulate=sharded`` (or no batch axis), the float32 accumulator beside the
     microbatch's gradient (``train.step._accumulated_grads``); under ``unreduced``, each device's accumulator, its
     microbatch's gradient and the parameters gathered once in the compute dtype, all the size of the parameters
-    gathered over the batch axes (fsdp's shards undone). A pipeline accumulates inside its loop: one gradient."""
+    gathered over the batch axes (fsdp's shards undone). A pipeline sums its microbatches' gradients inside its
+    loop, in a float32 accumulator beside the result (a compiled Mixtral 1F1B stage: 12.7 GB of gradients twice)."""
     m, dims = cfg.model, ParallelDims(cfg, shape)
     pb, elems = _dtype_bytes(m.param_dtype), _params_per_shard(cfg, shape) / dims.param_shards
-    if dims.microbatches == 1 or dims.stages > 1:
+    if dims.microbatches == 1:
         return elems * pb
-    if cfg.train.accumulate == "sharded" or not dims.batch_axes:
+    if cfg.train.accumulate == "sharded" or not dims.batch_axes or dims.stages > 1:
         return elems * (4 + pb)
     gathered = elems * math.prod(dims.size(a) for a in dims.batch_axes if a == Axis.FSDP)
     return gathered * (4 + pb + _dtype_bytes(m.dtype))
@@ -394,12 +395,15 @@ def activation_bytes(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -
         kept = (layers - n_moe) * dense_kept + n_moe * moe_kept
     else:
         kept *= layers
-    logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * 2  # float32 logits and their gradient
+    # float32 logits and their gradient; XLA:GPU writes the gradient over the logits (one float32 array: compiled
+    # Qwen3-30B-A3B, vocabulary 151,936, docs/planning.md)
+    logits = tokens * m.vocab_size / s[Axis.TENSOR] * 4 * (2 if compiler == "xla-cpu" else 1)
     if s[Axis.STAGE] > 1 and cfg.train.pipeline_schedule == "gpipe":
         # GPipe keeps what every microbatch's pass through the stage's layers keeps (``kept`` is one microbatch's
         # over the stage's layers): M of them, not M / S (until 2026-12-05, which put Mixtral's GPipe layouts at a
-        # third of their compiled memory and sent mesh.auto's compiles there first)
-        kept *= cfg.train.microbatches
+        # third of their compiled memory and sent mesh.auto's compiles there first), and the loop's buffers of
+        # every microbatch's input and output activations (a compiled Mixtral stage at 512 microbatches: 34 GB)
+        kept = cfg.train.microbatches * (kept + 2 * tokens * m.d_model * act)
     elif s[Axis.STAGE] > 1:  # 1F1B: at most 2 S - 1 stage inputs, each pass's own recomputed from its input
         kept += (2 * s[Axis.STAGE] - 1) * tokens * m.d_model * act
     return lower, kept + max(dense, moe) + logits
@@ -447,7 +451,7 @@ def _moe_peak(cfg: Config, shape: MeshShape, compiler: str) -> float:
     with their float32 gradient (gathered over fsdp)."""
     m, s = cfg.model, shape.axis_sizes
     act, t = _dtype_bytes(m.dtype), s[Axis.TENSOR]
-    moe = moe_dispatch(cfg, shape)
+    moe = moe_dispatch(cfg, shape, compiler)
     rows = moe["expert_rows"]
     cpu = compiler == "xla-cpu"
     # XLA:CPU: float32 gate and up products, the SwiGLU in the compute dtype, and their gradients (2 x (8 + act) a
@@ -504,12 +508,12 @@ def comm_seconds(cfg: Config, shape: MeshShape, hw: Hardware) -> float:
     return t + count * hw.collective_latency
 
 
-def moe_dispatch(cfg: Config, shape: MeshShape) -> dict:
+def moe_dispatch(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -> dict:
     """Closed-form figures of an MoE model's dispatch per device, MoE layer and microbatch (``jaxtrain.parallel.
     expert``): ``kind`` (model.moe.dispatch resolved), ``bytes_per_layer`` (sent in the forward; the backward sends as
     many), ``buffer_bytes`` (the forward's dispatch buffers: all_to_all's chunks out and in, both ways; all_gather's
     gathered tokens, expert rows and float32 results), ``expert_rows`` (the rows the device's experts run on: the
-    padded buffer's), ``layers`` (MoE layers in the model)."""
+    padded buffer's), ``layers`` (MoE layers in the model); ``compiler``: whose buffers (:data:`COMPILERS`)."""
     m, s = cfg.model, shape.axis_sizes
     moe, ep, act = m.moe, s[Axis.EXPERT], _dtype_bytes(m.dtype)
     rows, seq = _rows_and_seq(cfg, shape)
@@ -527,10 +531,12 @@ def moe_dispatch(cfg: Config, shape: MeshShape) -> dict:
     else:
         expert_rows = chunk_rows(tokens * ep, moe.top_k, moe.experts, ep, per_expert * ep)
         # The gathered tokens and their float32 results, then per expert row its input (taken from the gathered
-        # tokens), its output and its weighted float32 copy (scatter-added into the results) with the latter's
-        # float32 gradient: missed until 2026-12-05, when the compiled Qwen3-30B-A3B layouts (16 experts a device,
-        # eight rows a token) had twice these buffers' memory (docs/planning.md).
-        buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * (2 * act + 8)
+        # tokens), its output and, on XLA:CPU, its weighted float32 copy (scatter-added into the results) with the
+        # latter's float32 gradient (XLA:GPU fuses the weighting into the scatter): missed until 2026-12-05, when
+        # the compiled Qwen3-30B-A3B layouts (16 experts a device, eight rows a token) had twice these buffers'
+        # memory (docs/planning.md).
+        per_row = 2 * act + (8 if compiler == "xla-cpu" else 0)
+        buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * per_row
     return {"kind": kind if ep > 1 else "local", "layers": m.moe_layers, "buffer_bytes": buffers,
             "expert_rows": expert_rows,
             "bytes_per_layer": dispatch_bytes(kind, tokens, moe.top_k, moe.experts, ep, m.d_model, act, per_expert)}
