@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, kernel_head_dim
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.models.flops import attention_flops_per_token, count_params, fp8_flops_per_token, train_flops_per_token
 from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape, ParallelDims
@@ -431,7 +431,7 @@ def activation_bytes(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -
 
 def _kept_per_layer(cfg: Config, shape: MeshShape, compiler: str) -> float:
     """Bytes a layer keeps for the backward under remat ``full`` or ``save_matmuls``, per device and microbatch:
-    its input; save_matmuls also the weight matmuls' outputs (~4 d_model + 2 d_ff a token); and where attention is
+    its input; save_matmuls also the weight matmuls' outputs (:func:`_matmul_outputs`); and where attention is
     a kernel (cuDNN, flash: not the XLA reference, which names nothing) both policies keep its named output and
     log-sum-exp (``models.attention.REMAT_POLICIES``) -- missed until 2026-12-05. XLA:CPU keeps that stacked output
     in float32 (docs/planning.md: the 7B's +17 GB), XLA:GPU in the compute dtype."""
@@ -440,11 +440,34 @@ def _kept_per_layer(cfg: Config, shape: MeshShape, compiler: str) -> float:
     tokens, act, t = rows * seq, _dtype_bytes(m.dtype), s[Axis.TENSOR]
     kept = tokens * m.d_model * act
     if m.remat == "save_matmuls":
-        kept = tokens * (4 * m.d_model + 2 * m.d_ff) / t * act
+        kept += tokens * _matmul_outputs(cfg, t) * act
     if m.attention != "xla":
-        v_dim = m.v_head_dim if m.mla else m.resolved_head_dim
+        # MLA runs the kernels zero-padded to one head dim (config.kernel_head_dim): cuDNN's on XLA:GPU, the flash
+        # kernel's (which stands in for cuDNN) on XLA:CPU; the saved output is that wide
+        impl = m.attention if compiler == "xla-cpu" else "cudnn"
+        v_dim = (kernel_head_dim(impl, m.qk_head_dim, m.v_head_dim) or m.v_head_dim) if m.mla else m.resolved_head_dim
         kept += tokens * m.n_heads / t * (v_dim * (4 if compiler == "xla-cpu" else act) + 4)
     return kept
+
+
+def _matmul_outputs(cfg: Config, tensor: int) -> float:
+    """Values a token's weight matmuls output in one layer (the layers' mean), what remat ``save_matmuls`` keeps
+    (``dots_with_no_batch_dims_saveable``): the attention projections (MLA's latents, whole on every tensor device,
+    and its up-projections; or q, k, v), the output projection and the MLP's down projection at d_model (whole after
+    their all-reduce), gate and up (an MoE layer's shared experts', and its router's logits; the routed experts'
+    grouped matmuls are not dots the policy saves). Until 2026-12-05 this was 4 d_model + 2 d_ff over tensor, which
+    put DeepSeek-V3's MLA layers at a third of their compiled figure."""
+    m = cfg.model
+    if m.mla:
+        assert m.kv_lora_rank is not None
+        attn = ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+                + m.n_heads * (m.qk_head_dim + m.qk_nope_head_dim + m.v_head_dim) / tensor)
+    else:
+        attn = (m.n_heads + 2 * m.n_kv_heads) * m.resolved_head_dim / tensor
+    dense = 2 * m.d_ff / tensor
+    moe = 2 * m.moe.shared_experts * m.expert_d_ff / tensor + m.moe.experts
+    mlp = (dense * (m.n_layers - m.moe_layers) + moe * m.moe_layers) / m.n_layers
+    return attn + 2 * m.d_model + mlp
 
 
 def _layer_peak(cfg: Config, shape: MeshShape, compiler: str) -> tuple[float, float]:
