@@ -35,7 +35,16 @@ from jaxtrain.errors import ConfigError
 from jaxtrain.planner.auto.compile_cache import compile_cached, plan_cache_dir
 from jaxtrain.planner.auto.figures import affordable, hardware_for  # noqa: F401  (auto's API)
 from jaxtrain.planner.auto.report import format_result, gb, ms, nothing_fits, why
-from jaxtrain.planner.auto.space import MAX_COMPILES, REMATS, AutoResult, Candidate, Row, candidates, closed_form
+from jaxtrain.planner.auto.space import (
+    GUESS_OVER,
+    MAX_COMPILES,
+    REMATS,
+    AutoResult,
+    Candidate,
+    Row,
+    candidates,
+    closed_form,
+)
 from jaxtrain.planner.auto.trial import measure
 from jaxtrain.planner.search import meshes as search
 
@@ -85,8 +94,10 @@ def search_layout(cfg: Config, devices: list, hw: Hardware, nodes: int = 1, *, c
     for r in viable:
         # More recompute usually adds compute, and without a pipeline more microbatches cut the same matmuls
         # smaller: where a lighter setting of the same layout fits at no more compute, a heavier one is not tried;
-        # else, nor where it is no faster than the runner-up even without communication.
-        if any(_dominates(f, r) for f in fitting) or (len(fitting) >= 2 and r.lower_s >= fitting[1].est):
+        # else, nor where it is no faster than the runner-up even without communication, nor where its closed-form
+        # memory is far over the budget (GUESS_OVER).
+        if (any(_dominates(f, r) for f in fitting) or (len(fitting) >= 2 and r.lower_s >= fitting[1].est)
+                or r.memory_guess > GUESS_OVER * budget):
             bounded += 1
             continue
         if compiles + hits >= max_compiles:  # cached readings count: a warm cache visits the same candidates

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxtrain.config import Config
-from jaxtrain.planner.auto.space import MAX_COMPILES, AutoResult, Row
+from jaxtrain.planner.auto.space import GUESS_OVER, MAX_COMPILES, AutoResult, Row
 
 
 def gb(x: float) -> str:
@@ -82,8 +82,8 @@ def format_result(res: AutoResult, top: int = 8) -> str:
     capped = f", {res.capped} not compiled (stopped at {MAX_COMPILES} compiled or cached)" if res.capped else ""
     lines += [f"  searched {len(res.rows)} candidates in {res.seconds:.1f} s: {res.pruned} pruned (state alone "
               f"over the budget), {res.compiles} compiled, {res.cache_hits} from the cache, {res.bounded} not "
-              f"compiled (a lighter remat of the layout fits, or no faster than the runner-up without any "
-              f"communication)" + capped,
+              f"compiled (a lighter remat of the layout fits, no faster than the runner-up without any "
+              f"communication, or its closed-form memory over {GUESS_OVER:g}x the budget)" + capped,
               "  compiled (fits first, then by estimated step):"]
     for i, r in enumerate(res.compiled[:top], 1):
         assert r.result is not None  # compiled

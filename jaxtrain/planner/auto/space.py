@@ -18,6 +18,10 @@ from jaxtrain.planner.search import meshes as search
 
 REMATS = ("none", "save_matmuls", "full")
 MAX_COMPILES = 6  # a bound on the search's time; the table says when it stopped a search
+# A candidate whose closed-form memory is over this many budgets is not compiled: the closed forms came within
+# 0.86-1.53 of XLA:GPU's compiled figure on Mixtral, Qwen3-MoE and DeepSeek-V3 (docs/planning.md), so it would not
+# fit; without this, DeepSeek-V3's search spent four of its six compiles on layouts guessed at 2-70x the budget.
+GUESS_OVER = 2.0
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,8 @@ class AutoResult:
     compiles: int
     cache_hits: int
     pruned: int  # state alone over the budget
-    bounded: int  # not compiled: no faster than the runner-up even with no communication
+    bounded: int  # not compiled: dominated, no faster than the runner-up even with no communication, or guessed
+    # far over the budget (choose.GUESS_OVER)
     capped: int  # not compiled: MAX_COMPILES readings (compiled or cached) reached
     fitting: list[Row] = field(default_factory=list)  # compiled, fit, not dominated: ranked by estimate
     estimated: Row | None = None  # the estimate's choice, where a trial then chose (maybe another)
