@@ -99,7 +99,8 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         if mesh_given(overrides) and not c.mesh.auto:  # mesh.auto searches, keeping the sizes given (auto_keep)
             return [given_shape(c, n, k)]
         shapes, rejected = search_shapes(c, n, k)
-        note = pipeline_note(c, rejected, shapes)
+        # mesh.auto searches the microbatch counts pipelines need: the note's advice is for a plan of the config's
+        note = None if c.mesh.auto else pipeline_note(c, rejected, shapes)
         if note:
             notes.append(note)
         return shapes
