@@ -575,10 +575,10 @@ def moe_dispatch(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -> di
         expert_rows = chunk_rows(tokens * ep, moe.top_k, moe.experts, ep, per_expert * ep)
         # The gathered tokens and their float32 results, then per expert row its input (taken from the gathered
         # tokens), its output and, on XLA:CPU, its weighted float32 copy (scatter-added into the results) with the
-        # latter's float32 gradient (XLA:GPU fuses the weighting into the scatter): missed until 2026-12-05, when
-        # the compiled Qwen3-30B-A3B layouts (16 experts a device, eight rows a token) had twice these buffers'
-        # memory (docs/planning.md).
-        per_row = 2 * act + (8 if compiler == "xla-cpu" else 0)
+        # latter's float32 gradient; XLA:GPU fuses the weighting into the scatter and keeps the output's gradient in
+        # the compute dtype: missed until 2026-12-05, when the compiled Qwen3-30B-A3B layouts (16 experts a device,
+        # eight rows a token) had twice these buffers' memory (docs/planning.md).
+        per_row = 2 * act + (8 if compiler == "xla-cpu" else act)
         buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * per_row
     return {"kind": kind if ep > 1 else "local", "layers": m.moe_layers, "buffer_bytes": buffers,
             "expert_rows": expert_rows,
