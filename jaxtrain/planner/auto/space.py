@@ -19,7 +19,7 @@ from jaxtrain.planner.search import meshes as search
 REMATS = ("none", "save_matmuls", "full")
 MAX_COMPILES = 6  # a bound on the search's time; the table says when it stopped a search
 # A candidate whose closed-form memory is over this many budgets is not compiled: the closed forms came within
-# 0.86-1.53 of XLA:GPU's compiled figure on Mixtral, Qwen3-MoE and DeepSeek-V3 (docs/planning.md), so it would not
+# 0.85-1.53 of XLA:GPU's compiled figure on Mixtral, Qwen3-MoE and DeepSeek-V3 (docs/planning.md), so it would not
 # fit; without this, DeepSeek-V3's search spent four of its six compiles on layouts guessed at 2-70x the budget.
 GUESS_OVER = 2.0
 
