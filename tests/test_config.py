@@ -115,7 +115,8 @@ def test_cpu_devices_default_to_the_fixed_mesh_axes():
                                             ("tiny-deepseek-v3", 1.806080),
                                             # released models: hand counts from their config.json, the published totals
                                             ("qwen2.5-7b", 7615.617), ("qwen3-8b", 8190.735),
-                                            ("mistral-7b", 7248.024), ("qwen3-30b-a3b", 30532.123)])
+                                            ("mistral-7b", 7248.024), ("qwen3-30b-a3b", 30532.123),
+                                            ("deepseek-v3", 671000)])  # the model card's 671B, MTP module apart
 def test_shipped_configs_build_the_advertised_model(name, millions):
     cfg = load_config(os.path.join(REPO, f"configs/{name}.yaml"))
     with nnx.use_eager_sharding(False):  # no mesh here: only shapes are wanted
