@@ -14,7 +14,7 @@ from jaxtrain.parallel.dims import MESH_AXES
 from jaxtrain.planner.auto import choose as auto
 from jaxtrain.planner.auto import compile_cache, space, trial
 from jaxtrain.planner.auto import report as auto_report
-from jaxtrain.planner.cost import calibration
+from jaxtrain.planner.cost import calibration, memory
 from jaxtrain.planner.cost import model as cost
 
 # One device: the candidates differ in remat only (one microbatch), so the slow test compiles two small steps.
@@ -60,8 +60,8 @@ def test_closed_forms_are_lower_bounds_where_they_claim(make_config):
     c = next(c for c in space.candidates(cfg, 8, 1) if c.shape.axis_sizes["fsdp"] == 8 and c.remat == "none")
     # Parameters + two AdamW moments in float32, sharded 8 ways: the closed form, not a bound, for a pure fsdp mesh.
     from jaxtrain.models.flops import count_params
-    assert cost.state_bytes_lower(cfg, c.shape) == 3 * 4 * count_params(cfg.model)["total"] / 8
-    lower, guess = cost.activation_bytes(c.apply(cfg), c.shape)
+    assert memory.state_bytes_lower(cfg, c.shape) == 3 * 4 * count_params(cfg.model)["total"] / 8
+    lower, guess = memory.activation_bytes(c.apply(cfg), c.shape)
     assert 0 < lower < guess
     full = dataclasses.replace(c, remat="full")
     assert cost.compute_seconds(full.apply(cfg), c.shape, hw(1e9)) == pytest.approx(

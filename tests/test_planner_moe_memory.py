@@ -1,4 +1,4 @@
-"""The closed forms mesh.auto orders MoE candidates by (``cost.memory_estimate``: state, gradients, activations)
+"""The closed forms mesh.auto orders MoE candidates by (``memory.memory_estimate``: state, gradients, activations)
 against the memory XLA:CPU compiles the same step to, on the 8 emulated CPU devices: one layout per expert
 dispatch (all_to_all at one expert a device, all_gather at two, the experts local to each device under fsdp with
 microbatches). The expected figure is always the compiled one. docs/planning.md has the same comparison on the
@@ -11,7 +11,7 @@ from jaxtrain.config import load_config
 from jaxtrain.models.flops import count_params
 from jaxtrain.parallel.dims import MeshShape
 from jaxtrain.parallel.layout import resolve_auto
-from jaxtrain.planner.cost import model as cost
+from jaxtrain.planner.cost import memory
 from jaxtrain.planner.search import meshes as search
 
 # Mixtral's design (8 experts, top 2, grouped-query attention) at a size that compiles in seconds: float32 compute
@@ -35,9 +35,9 @@ def small(tmp_path, *overrides):
 def test_moe_memory_closed_form_is_within_a_tenth_of_the_compiled_step(tmp_path, mesh, dispatch):
     cfg = small(tmp_path, *mesh)
     shape = MeshShape.resolve(cfg.mesh, 8)
-    assert cost.moe_dispatch(cfg, shape)["kind"] == dispatch
+    assert memory.moe_dispatch(cfg, shape)["kind"] == dispatch
     compiled = search.compile_step(cfg, shape, jax.devices()[:8])
-    assert cost.memory_estimate(cfg, shape) == pytest.approx(compiled.memory_bytes, rel=0.1)
+    assert memory.memory_estimate(cfg, shape) == pytest.approx(compiled.memory_bytes, rel=0.1)
 
 
 def test_gradients_are_counted_once_a_step_and_twice_with_sharded_accumulation(tmp_path):
@@ -48,6 +48,6 @@ def test_gradients_are_counted_once_a_step_and_twice_with_sharded_accumulation(t
     two = small(tmp_path, "mesh.ici.expert=1", "mesh.ici.fsdp=8", "train.microbatches=2")
     shape = MeshShape.resolve(one.mesh, 8)
     params = count_params(one.model)["total"]
-    assert cost.gradient_bytes(one, shape) == pytest.approx(params * 4 / 8)
-    assert cost.gradient_bytes(two, shape) == pytest.approx(params * 8 / 8)
-    assert cost.memory_estimate(two, shape) > cost.state_bytes_lower(two, shape) + params * 8 / 8
+    assert memory.gradient_bytes(one, shape) == pytest.approx(params * 4 / 8)
+    assert memory.gradient_bytes(two, shape) == pytest.approx(params * 8 / 8)
+    assert memory.memory_estimate(two, shape) > memory.state_bytes_lower(two, shape) + params * 8 / 8

@@ -246,7 +246,7 @@ def test_planner_counts_every_experts_parameters(tie):
     from jaxtrain.models.flops import count_params
     from jaxtrain.parallel.dims import Axis, MeshShape
     from jaxtrain.parallel.layout import Layout
-    from jaxtrain.planner.cost.model import state_bytes_lower
+    from jaxtrain.planner.cost.memory import state_bytes_lower
     total, experts = hand_params(tie)
     cfg = load_config(None, ["run.dir=unused", *FAST, *PLANNED, f"model.tie_embeddings={str(tie).lower()}",
                              "mesh.ici.fsdp=1"])

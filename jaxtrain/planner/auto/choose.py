@@ -4,8 +4,8 @@
 The choice is the fastest estimated candidate (``cost.estimate`` on the compiled step, no overlap) whose compiled
 memory fits ``usable x (1 - mesh.auto_memory_margin)`` per device. To stay quick:
 
-1. every candidate is costed in closed form first (``cost.state_bytes_lower``, ``cost.gradient_bytes``,
-   ``cost.activation_bytes`` sized for the compiler whose figures rank them, ``cost.compute_seconds``,
+1. every candidate is costed in closed form first (``memory.state_bytes_lower``, ``memory.gradient_bytes``,
+   ``memory.activation_bytes`` sized for the compiler whose figures rank them, ``cost.compute_seconds``,
    ``cost.comm_seconds``); those whose state alone exceeds the budget are pruned, those whose memory guess is over
    ``GUESS_OVER`` budgets not compiled;
 2. the rest are compiled in order of the closed-form estimate (expected fits first), and one is skipped once its

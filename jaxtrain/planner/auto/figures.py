@@ -22,7 +22,7 @@ from jaxtrain.config import Config, to_dict
 from jaxtrain.errors import ConfigError
 from jaxtrain.planner.auto.report import gb, nothing_fits
 from jaxtrain.planner.auto.space import REMATS, Row, candidates
-from jaxtrain.planner.cost import model as cost
+from jaxtrain.planner.cost import memory
 
 FIGURES_VERSION = 1
 
@@ -40,7 +40,7 @@ def affordable(cfg: Config, devices: list, nodes: int = 1, progress: Callable[[s
     rows = []
     for c in cands:
         applied = c.apply(resolved)
-        need = cost.state_bytes_lower(applied, c.shape) + cost.activation_bytes(applied, c.shape)[0]
+        need = memory.state_bytes_lower(applied, c.shape) + memory.activation_bytes(applied, c.shape)[0]
         rows.append(Row(c, need, need, 0.0, 0.0))
     over = sum(r.state_lower > budget for r in rows)
     if over == len(rows):

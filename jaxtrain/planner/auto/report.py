@@ -105,7 +105,7 @@ def to_json(res: AutoResult) -> dict:
                 **{k: r.result[k] for k in ("est_step_seconds_overlap", "time", "collective_bytes",
                                             "intra_node_bytes_per_device", "inter_node_bytes_per_device")
                    if k in r.result},
-                # what the search knew before compiling: the closed forms' memory and step (cost.memory_estimate)
+                # what the search knew before compiling: the closed forms' memory and step (memory.memory_estimate)
                 "closed_form": {"memory_bytes_per_device": r.memory_guess, "step_seconds": r.guess_s},
                 # With --hardware and a GPU compiler: which compiler's figures, the CPU-derived ones, the checks.
                 **{k: r.result[k] for k in ("figures", "cpu_derived", "xla_gpu", "xla_gpu_error") if k in r.result}}

@@ -13,6 +13,7 @@ from jaxtrain.config import Config
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MESH_AXES, Axis, MeshShape
+from jaxtrain.planner.cost import memory
 from jaxtrain.planner.cost import model as cost
 from jaxtrain.planner.search import meshes as search
 
@@ -121,13 +122,13 @@ def closed_form(cfg: Config, cand: Candidate, hw: Hardware, attention: str | Non
     """``cand``'s row before compiling: state and memory bounds, compute time (a lower bound on the step) and a
     guess of the step with communication and the optimizer update (``cost``'s closed forms); ``attention``: the
     kernel the run uses, where ``cfg`` compiles a stand-in; ``compiler``: whose memory figures the search ranks by
-    (``cost.COMPILERS``: XLA:GPU's where it compiles for the GPUs)."""
+    (``memory.COMPILERS``: XLA:GPU's where it compiles for the GPUs)."""
     c = cand.apply(cfg)
-    state = cost.state_bytes_lower(c, cand.shape)
-    lower_act, act = cost.activation_bytes(c, cand.shape, compiler)
+    state = memory.state_bytes_lower(c, cand.shape)
+    lower_act, act = memory.activation_bytes(c, cand.shape, compiler)
     compute = cost.compute_seconds(c, cand.shape, hw, attention)
     update = cost.optimizer_bytes_moved(state / 3, 2 * state / 3) / cost.hbm_bandwidth(hw)
-    guess = state + cost.gradient_bytes(c, cand.shape) + act  # cost.memory_estimate, its parts reused
+    guess = state + memory.gradient_bytes(c, cand.shape) + act  # memory.memory_estimate, its parts reused
     return Row(cand, state + lower_act, guess, compute, compute + cost.comm_seconds(c, cand.shape, hw) + update)
 
 

@@ -300,18 +300,18 @@ def _point(cfg, n: int, remat: str, t: int):
 
 def model_bytes(cfg, n: int, points) -> float:
     """The most bytes one of ``n`` devices holds while :func:`measure_model` times one of ``points`` (one at a time):
-    its copy of the point's model and the gradient, the activations the backward keeps (``cost.activation_bytes``'
+    its copy of the point's model and the gradient, the activations the backward keeps (``memory.activation_bytes``'
     estimate for the layout the point stands for) and its share of the host's copy of the weights."""
     import jax.numpy as jnp
 
     from jaxtrain.models.flops import count_params
-    from jaxtrain.planner.cost import model as cost
+    from jaxtrain.planner.cost import memory
 
     need = 0.0
     for remat, t in points:
         _, local, ref, shape = _point(cfg, n, remat, t)
         weights = count_params(local)["total"] * jnp.dtype(local.param_dtype).itemsize
-        need = max(need, weights * (2 + 1 / n) + cost.activation_bytes(ref, shape)[1])
+        need = max(need, weights * (2 + 1 / n) + memory.activation_bytes(ref, shape)[1])
     return need
 
 

@@ -122,22 +122,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
                          "the flash kernel's memory, like cuDNN's, grows linearly with the sequence")
         shapes = shapes_for(cfg, n_devices, nodes)
         attention = on_gpu.model.attention
-        # Nothing compiled here ever runs, so skip LLVM's optimisations of the CPU code: about a third of the compile
-        # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Constant folding is
-        # skipped too: on the 7B config it spent ~10 s per compile folding a scatter and printed XLA's "Constant
-        # folding an instruction is taking > 1s" alarm (4 lines per compile); without it the collectives were
-        # identical and the memory 130 kB (3e-6) lower. Not for the devices at hand: their rates are measured by
-        # running code. Set before JAX creates its CPU client.
-        _add_xla_flags("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                       f"--xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}")
-        import jax
-
-        if not getattr(jax.config, "jax_platforms", None):
-            # The plan compiles on CPU devices only: a CUDA plugin installed on a machine without a GPU (for the
-            # XLA:GPU compiles, planner/xla_gpu/deviceless.py) would otherwise fail its start-up checks loudly here.
-            jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", max(n_devices, device_pool or 0))
-        devices = jax.devices("cpu")[:n_devices]
+        devices = _compile_only_devices(n_devices, device_pool)
     else:
         import jax
 
@@ -159,6 +144,26 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
     if efficiency:
         hw = dataclasses.replace(hw, compute_efficiency=efficiency)
     return Target(cfg, hw, devices, nodes, shapes, notes + measured_notes(cfg, hw, attention, efficiency), attention)
+
+
+def _compile_only_devices(n_devices: int, device_pool: int | None) -> list:
+    """The first ``n_devices`` of ``max(n_devices, device_pool)`` CPU devices to compile a GPU cluster's step on."""
+    # Nothing compiled here ever runs, so skip LLVM's optimisations of the CPU code: about a third of the compile
+    # time, and the HLO (collectives) and buffer assignment (memory) do not depend on it. Constant folding is
+    # skipped too: on the 7B config it spent ~10 s per compile folding a scatter and printed XLA's "Constant
+    # folding an instruction is taking > 1s" alarm (4 lines per compile); without it the collectives were
+    # identical and the memory 130 kB (3e-6) lower. Not for the devices at hand: their rates are measured by
+    # running code. Set before JAX creates its CPU client.
+    _add_xla_flags("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                   f"--xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}")
+    import jax
+
+    if not getattr(jax.config, "jax_platforms", None):
+        # The plan compiles on CPU devices only: a CUDA plugin installed on a machine without a GPU (for the
+        # XLA:GPU compiles, planner/xla_gpu/deviceless.py) would otherwise fail its start-up checks loudly here.
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", max(n_devices, device_pool or 0))
+    return jax.devices("cpu")[:n_devices]
 
 
 def measured_notes(cfg: Config, hw: Hardware, attention: str, efficiency: float | None) -> list[str]:
