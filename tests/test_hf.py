@@ -186,8 +186,8 @@ def _bad_inputs(tmp):
 
     cases.append(("shape disagrees", variant("shape", lambda c: c.update(intermediate_size=80)),
                   "model.layers.0.mlp.gate_proj.weight has shape [64, 32] but config.json implies [80, 32]"))
-    cases.append(("architecture", variant("arch", lambda c: c.update(architectures=["DeepseekV3ForCausalLM"])),
-                  "unsupported architecture DeepseekV3ForCausalLM"))
+    cases.append(("architecture", variant("arch", lambda c: c.update(architectures=["Gemma2ForCausalLM"])),
+                  "unsupported architecture Gemma2ForCausalLM"))
     cases.append(("biases", variant("bias", lambda c: c.update(attention_bias=True)), "attention biases"))
     cases.append(("sliding window on some layers", variant("window", lambda c: c.update(
         architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8, max_window_layers=1)),
