@@ -339,7 +339,7 @@ MUTANTS = [
            "flat = experts.transpose(0, 2, 1).reshape(b, k * s)", "flat = experts.reshape(b, k * s)",
            (MOE_FP8 + "test_keep_mask_on_a_hand_built_routing",),
            "a token's second choice served before others' first"),
-    Mutant("planner-counts-active-experts", "planner", "jaxtrain/planner/cost/model.py",
+    Mutant("planner-counts-active-experts", "planner", "jaxtrain/planner/cost/memory.py",
            'return counts["total"] - counts["experts"]', 'return counts["active"] - counts["experts"]',
            (MOE_FP8 + "test_planner_counts_every_experts_parameters",),
            "the planner's memory from active, not total, parameters"),
@@ -358,7 +358,7 @@ MUTANTS = [
            ("tests/test_mla.py::test_the_flash_kernel_takes_mla_padded_to_its_head_dim",),
            "MLA zero-padded for a kernel but scaled by the padded head dim, not q/k's own"),
     Mutant("first-dense-after-the-groups", "model", "jaxtrain/models/moe.py",
-           "        if self.first_dense is not None:\n            x = scan_dense(self.first_dense, x, segment_ids, "
+           "        if self.first_dense is not None:\n            x = scan_blocks(self.first_dense, x, segment_ids, "
            "positions, self.cfg.remat)\n        graphdef, stacked = nnx.split(self.blocks)",
            "        graphdef, stacked = nnx.split(self.blocks)",
            ("tests/test_moe_first_dense.py::test_the_dense_layers_before_the_groups_equal_a_group_of_every_2",),

@@ -148,6 +148,44 @@ class Block(nnx.Module):
         return x if cache is None else (x, cache)
 
 
+def stack_blocks(cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs, n: int, axis: str):
+    """``n`` :class:`Block` s created stacked, leading logical axis ``axis`` (``layers``: the dense model's stack,
+    split over stages; ``sublayers``: dense layers inside or before an MoE model's groups, never split)."""
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+    def make(rngs):
+        return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
+
+    return make(rngs)
+
+
+def scan_blocks(stack, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
+                remat: str = "none") -> jax.Array:
+    """x [batch, seq, embed] through a :func:`stack_blocks` stack's layers in turn -> same (one scan; ``remat`` the
+    policy of each layer's body)."""
+    graphdef, stacked = nnx.split(stack)
+
+    def body(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, segment_ids, positions), None
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, stacked)[0]
+
+
+def decode_blocks(stack, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
+    """One decoding pass through a :func:`stack_blocks` stack: cache (k, v), each [n, batch, max_len, ...] -> (x,
+    the updated cache)."""
+    graphdef, stacked = nnx.split(stack)
+
+    def body(h, item):
+        layer, k1, v1 = item
+        h, (k1, v1) = nnx.merge(graphdef, layer)(h, None, positions, (k1, v1))
+        return h, (k1, v1)
+
+    return jax.lax.scan(body, x, (stacked, *cache))
+
+
 class Transformer(nnx.Module):
     """Decoder-only transformer for a resolved model config (``layout.resolve_auto``: no "auto" left).
 
@@ -173,12 +211,7 @@ class Transformer(nnx.Module):
     def stack_layers(self, cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs):
         """The layer stack: ``cfg.n_layers`` blocks created stacked, leading logical axis ``layers`` (the MoE model,
         ``jaxtrain.models.moe``, stacks groups of layers instead)."""
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
-
-        return make_blocks(rngs)
+        return stack_blocks(cfg, dtype, param_dtype, attention, rngs, cfg.n_layers, "layers")
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None, *, positions: jax.Array | None = None,
                  cache: dict | None = None):
@@ -191,14 +224,8 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens)
         if cache is None:
             return self.head(self.layers(x, segment_ids, positions))
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def decode_body(h, layer):
-            layer_state, k, v = layer
-            h, (k, v) = nnx.merge(graphdef, layer_state)(h, None, positions, (k, v))
-            return h, (k, v)
-
-        x, (k, v) = jax.lax.scan(decode_body, x, (stacked, cache["k"], cache["v"]))
+        assert positions is not None, "decoding needs each token's position"
+        x, (k, v) = decode_blocks(self.blocks, x, positions, (cache["k"], cache["v"]))
         return self.head(x), {"k": k, "v": v}
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -213,15 +240,7 @@ class Transformer(nnx.Module):
     def layers(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None) -> jax.Array:
         """The layer stack, one scan: x [batch, seq, embed] -> same; ``positions`` int [batch, seq] each token's
         place in its sequence for rotary (default 0..seq-1; the context axis's zigzag order passes them)."""
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, segment_ids, positions), None
-
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
-        return x
+        return scan_blocks(self.blocks, x, segment_ids, positions, self.cfg.remat)
 
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection: x [batch, seq, embed] -> logits float32 [batch, seq, vocab]."""

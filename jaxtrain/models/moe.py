@@ -36,7 +36,17 @@ from jaxtrain.config import ModelConfig, MoEConfig
 from jaxtrain.models import fp8, fp8_experts, routing
 from jaxtrain.models.attention import REMAT_POLICIES
 from jaxtrain.models.experts import ExpertsFn, local_experts
-from jaxtrain.models.llama import MLP, Attention, AttentionFn, Block, Transformer, _init, _norm
+from jaxtrain.models.llama import (
+    MLP,
+    Attention,
+    AttentionFn,
+    Transformer,
+    _init,
+    _norm,
+    decode_blocks,
+    scan_blocks,
+    stack_blocks,
+)
 
 ACT = ("batch", "act_seq", "act_embed")
 
@@ -109,51 +119,13 @@ class MoEBlock(nnx.Module):
         return with_logical_constraint(x + y, ACT), stats, cache
 
 
-def dense_stack(cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs, n: int):
-    """``n`` dense blocks (:class:`Block`) created stacked, leading logical axis ``sublayers`` (never split over a mesh
-    axis: a group's dense layers, and the dense layers before the groups)."""
-    @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "sublayers"})
-    def make(rngs):
-        return Block(cfg, dtype, param_dtype, attention=attention, rngs=rngs)
-
-    return make(rngs)
-
-
-def scan_dense(stack, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None,
-               remat: str = "none") -> jax.Array:
-    """x [batch, seq, embed] through a :func:`dense_stack`'s layers in turn -> same (one scan; ``remat`` the
-    policy of each layer's body)."""
-    graphdef, stacked = nnx.split(stack)
-
-    def body(h, layer_state):
-        return nnx.merge(graphdef, layer_state)(h, segment_ids, positions), None
-
-    if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, stacked)[0]
-
-
-def decode_dense(stack, x: jax.Array, positions: jax.Array, cache: tuple[jax.Array, jax.Array]):
-    """One decoding pass through a :func:`dense_stack`: cache (k, v) [n, batch, max_len, ...] -> (x, the updated
-    cache)."""
-    graphdef, stacked = nnx.split(stack)
-
-    def body(h, item):
-        layer, k1, v1 = item
-        h, (k1, v1) = nnx.merge(graphdef, layer)(h, None, positions, (k1, v1))
-        return h, (k1, v1)
-
-    return jax.lax.scan(body, x, (stacked, *cache))
-
-
 class MoEGroup(nnx.Module):
     """``every`` consecutive layers: ``every - 1`` dense blocks (stacked, logical axis ``sublayers``), then one
     :class:`MoEBlock`."""
 
     def __init__(self, cfg: ModelConfig, dtype, param_dtype, *, attention: AttentionFn, experts: ExpertsFn,
                  rngs: nnx.Rngs):
-        self.dense = nnx.data(dense_stack(cfg, dtype, param_dtype, attention, rngs, cfg.moe.every - 1)
+        self.dense = nnx.data(stack_blocks(cfg, dtype, param_dtype, attention, rngs, cfg.moe.every - 1, "sublayers")
                               if cfg.moe.every > 1 else None)
         self.moe = MoEBlock(cfg, dtype, param_dtype, attention=attention, experts=experts, rngs=rngs)
 
@@ -161,7 +133,7 @@ class MoEGroup(nnx.Module):
                  routed: jax.Array | None = None) -> tuple[jax.Array, routing.RouterStats]:
         """x [batch, seq, embed] -> (x, the MoE layer's RouterStats); ``routed`` as :class:`MoE`'s."""
         if self.dense is not None:
-            x = scan_dense(self.dense, x, segment_ids, positions)
+            x = scan_blocks(self.dense, x, segment_ids, positions)
         x, stats, _ = self.moe(x, segment_ids, positions, routed=routed)
         return x, stats
 
@@ -170,7 +142,7 @@ class MoEGroup(nnx.Module):
         updated cache)."""
         k, v = cache
         if self.dense is not None:
-            x, (kd, vd) = decode_dense(self.dense, x, positions, (k[:-1], v[:-1]))
+            x, (kd, vd) = decode_blocks(self.dense, x, positions, (k[:-1], v[:-1]))
         x, _, (km, vm) = self.moe(x, None, positions, (k[-1], v[-1]))
         if self.dense is None:
             return x, (km[None], vm[None])
@@ -191,9 +163,10 @@ class MoETransformer(Transformer):
     def stack_layers(self, cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs):
         """(n_layers - first_dense) / every groups (:class:`MoEGroup`) created stacked, leading logical axis
         ``layers``; also sets ``first_dense``: the ``model.moe.first_dense`` dense layers before them
-        (:func:`dense_stack`, [first_dense, ...]; None without)."""
+        (:func:`jaxtrain.models.llama.stack_blocks`, [first_dense, ...]; None without)."""
         k = cfg.moe.first_dense
-        self.first_dense = nnx.data(dense_stack(cfg, dtype, param_dtype, attention, rngs, k) if k else None)
+        dense = stack_blocks(cfg, dtype, param_dtype, attention, rngs, k, "sublayers") if k else None
+        self.first_dense = nnx.data(dense)
 
         @nnx.split_rngs(splits=cfg.moe_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -207,7 +180,7 @@ class MoETransformer(Transformer):
         """The stack, one scan over the groups: x [batch, seq, embed] -> (x, RouterStats stacked [G, ...]);
         ``routed`` as :class:`MoE`'s."""
         if self.first_dense is not None:
-            x = scan_dense(self.first_dense, x, segment_ids, positions, self.cfg.remat)
+            x = scan_blocks(self.first_dense, x, segment_ids, positions, self.cfg.remat)
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(h, group_state):
@@ -238,7 +211,7 @@ class MoETransformer(Transformer):
         every, first = self.cfg.moe.every, self.cfg.moe.first_dense
         x = self.embed_tokens(tokens)
         if self.first_dense is not None:
-            x, (k0, v0) = decode_dense(self.first_dense, x, positions, (cache["k"][:first], cache["v"][:first]))
+            x, (k0, v0) = decode_blocks(self.first_dense, x, positions, (cache["k"][:first], cache["v"][:first]))
         graphdef, stacked = nnx.split(self.blocks)
         grouped = [c[first:].reshape(-1, every, *c.shape[1:]) for c in (cache["k"], cache["v"])]
 
