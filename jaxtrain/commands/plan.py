@@ -142,7 +142,7 @@ def _plans(cfg, args, node_counts: list[int], pool: int | None) -> list:
     import os
 
     from jaxtrain.cluster import process as runtime
-    from jaxtrain.planner import log, storage
+    from jaxtrain.planner import apply_calibration, gpu_compiler, log, storage
     from jaxtrain.planner.search import meshes as search
     from jaxtrain.planner.search import target as target_lib
 
@@ -150,26 +150,14 @@ def _plans(cfg, args, node_counts: list[int], pool: int | None) -> list:
                                   efficiency=args.efficiency, mem_fraction=args.mem_fraction, device_pool=pool)
                for n in node_counts]
     runtime.quiet_logs()
-    from jaxtrain.planner.cost import calibration
-
     for t in targets:  # measured figures (check's calibration file) replace the hardware file's
-        cal = calibration.for_plan(t.hw, args.calibration, t.cfg.run.dir, t.cfg.model.dtype,
-                                   calibration.Devices.of_hardware(t.hw, t.nodes) if args.hardware else
-                                   calibration.Devices.at_hand(t.devices))
-        t.hw = cal.hw
-        t.notes.append(cal.note(f"the hardware file {t.hw.name}" if args.hardware else
-                                "the devices at hand (measured by plan)"))
+        apply_calibration(t, args.hardware is not None, args.calibration)
     # Orbax's replica-parallel writing: off on GPUs run by jaxtrain's launchers (JAX_PLATFORMS=cuda); for the
     # devices at hand, as this environment sets it.
     replica_parallel = False if args.hardware else storage.orbax_replica_parallel(os.environ.get("JAX_PLATFORMS", ""))
     plans = []
     for t in targets:
-        gpu = None
-        if args.hardware:  # the GPU's own compiler where it is installed (planner/xla_gpu/deviceless.py)
-            from jaxtrain.planner.xla_gpu import deviceless as xla_gpu
-
-            gpu, note = xla_gpu.for_plan(t.hw, t.nodes, cfg.model.attention)
-            t.notes.append(note)
+        gpu = gpu_compiler(t, cfg) if args.hardware else None
         log(f"planning {len(t.shapes)} mesh(es) over {t.n_devices} device(s) on {t.nodes} node(s) for {t.hw.name}"
             + (" (each compiled by XLA:CPU and by XLA:GPU)" if gpu else ""))
         result = search.plan(t.cfg, t.shapes, t.hw, t.devices, progress=log, gpu=gpu, attention=t.attention)

@@ -53,7 +53,6 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
     from jaxtrain.planner.auto import choose as auto
     from jaxtrain.planner.auto import compile_cache
     from jaxtrain.planner.auto import report as auto_report
-    from jaxtrain.planner.cost import calibration
     from jaxtrain.planner.search import report
 
     runtime.quiet_logs()
@@ -62,19 +61,11 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
         # train's figures: the same choice
         cal = auto.hardware_for(target.cfg, target.devices, calibration_path, target.nodes, progress=log,
                                 cache_dir=compile_cache.plan_cache_dir(target.cfg.runtime.compile_cache))
+        target.hw = cal.hw
+        target.notes.append(cal.note("the devices at hand (measured by plan)"))
     else:
-        cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype,
-                                   calibration.Devices.of_hardware(target.hw, target.nodes) if hardware_name else
-                                   calibration.Devices.at_hand(target.devices))
-    target.hw = cal.hw
-    target.notes.append(cal.note(f"the hardware file {target.hw.name}" if hardware_name else
-                                 "the devices at hand (measured by plan)"))
-    gpu = None
-    if hardware_name:  # the GPU's own compiler where it is installed (planner/xla_gpu/deviceless.py)
-        from jaxtrain.planner.xla_gpu import deviceless as xla_gpu
-
-        gpu, note = xla_gpu.for_plan(target.hw, target.nodes, cfg.model.attention)
-        target.notes.append(note)
+        apply_calibration(target, hardware_name is not None, calibration_path)
+    gpu = gpu_compiler(target, cfg) if hardware_name else None
     # The layout train would choose (docs/auto-layout.md). plan writes into no run directory (run.dir is the default
     # job's unless given): its readings go into this user's cache, keyed by everything they depend on, so every
     # later plan finds them.
@@ -86,3 +77,27 @@ def main(cfg: Config, overrides: list[str], *, hardware_name: str | None = None,
           if as_json else "\n".join([*(f"note: {n}" for n in target.notes), auto_report.format_result(res),
                                      *warnings]))
     return 0
+
+
+def apply_calibration(target, on_hardware: bool, calibration_path: str | None) -> None:
+    """``target``'s hardware figures replaced by ``check``'s measured ones (``--calibration``, else run.dir's
+    calibration.json) where they fit the devices planned for (the hardware file's with ``on_hardware``, else the
+    devices at hand), and a note saying which were used."""
+    from jaxtrain.planner.cost import calibration
+
+    devices = (calibration.Devices.of_hardware(target.hw, target.nodes) if on_hardware else
+               calibration.Devices.at_hand(target.devices))
+    cal = calibration.for_plan(target.hw, calibration_path, target.cfg.run.dir, target.cfg.model.dtype, devices)
+    target.hw = cal.hw
+    target.notes.append(cal.note(f"the hardware file {target.hw.name}" if on_hardware else
+                                 "the devices at hand (measured by plan)"))
+
+
+def gpu_compiler(target, cfg: Config):
+    """The GPU's own compiler for ``target`` where it is installed (``xla_gpu/deviceless.py``), for ``cfg``'s
+    attention as given (before the target resolved it), or None; its note joins the target's."""
+    from jaxtrain.planner.xla_gpu import deviceless as xla_gpu
+
+    gpu, note = xla_gpu.for_plan(target.hw, target.nodes, cfg.model.attention)
+    target.notes.append(note)
+    return gpu
