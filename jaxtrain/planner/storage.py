@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxtrain.config import Config
 from jaxtrain.parallel.dims import MeshShape
+from jaxtrain.planner.search.report import decimal_bytes
 
 GB = 1e9  # write bandwidths are given in decimal GB/s, as storage vendors state them
 DEFAULT_SAVE_SHARE = 0.1
@@ -111,18 +112,11 @@ def save_figures(node_bytes: Sequence[int], every: int, step_seconds: float, sto
             "too_slow": save_s is not None and interval is not None and save_s > storage.save_share * interval}
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def warning(label: str, fig: dict, every: int) -> str | None:
     """A ``warning:`` line where ``fig`` (:func:`save_figures`) says a save takes too long, else None."""
     if not fig["too_slow"]:
         return None
-    return (f"warning: {label}: a checkpoint save writes {_size(fig['max_bytes_per_host'])} from the busiest "
+    return (f"warning: {label}: a checkpoint save writes {decimal_bytes(fig['max_bytes_per_host'])} from the busiest "
             f"host, {fig['save_seconds']:.3g} s at {fig['write_bandwidth'] / GB:g} GB/s, more than "
             f"{fig['save_share']:g} of the {fig['interval_seconds']:.3g} s between saves (checkpoint.every={every} "
             f"steps): raise checkpoint.every to at least "

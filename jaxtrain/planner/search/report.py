@@ -19,8 +19,8 @@ WIDTH = 120
 _COLLECTIVE_COLUMNS = ("all-reduce", "all-gather", "reduce-scatter", "a2a+permute")
 
 
-def _bytes(x: float) -> str:
-    """Decimal units, as datasheets and link rates use them."""
+def decimal_bytes(x: float) -> str:
+    """``x`` bytes in decimal units (kB, MB, GB, TB: as datasheets and link rates use them), 3 digits."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.3g} {unit}"
@@ -60,14 +60,14 @@ CPU_DERIVED = "cpu-derived"
 
 def _row(rank: int, r: dict, wide: bool) -> list[str]:
     cb, mem, t = r["collective_bytes"], r["memory"], r["time"]
-    memory = [_bytes(mem["params"]), _bytes(mem["optimizer"]), _bytes(mem["temp"])] if wide else []
-    kinds = [_bytes(cb["all-reduce"]), _bytes(cb["all-gather"]), _bytes(cb["reduce-scatter"]),
-             _bytes(cb["all-to-all"] + cb["collective-permute"])] if wide else []
+    memory = [decimal_bytes(mem["params"]), decimal_bytes(mem["optimizer"]), decimal_bytes(mem["temp"])] if wide else []
+    kinds = [decimal_bytes(cb["all-reduce"]), decimal_bytes(cb["all-gather"]), decimal_bytes(cb["reduce-scatter"]),
+             decimal_bytes(cb["all-to-all"] + cb["collective-permute"])] if wide else []
     cpu = r.get("cpu_derived")
-    cpu_memory = _bytes(cpu["memory_bytes_per_device"]) if cpu else ("(cpu)" if r.get("xla_gpu_error") else "")
-    return [str(rank), r["label"], *memory, _bytes(r["memory_bytes_per_device"]), cpu_memory,
-            "yes" if r["fits"] else "NO", *kinds, _bytes(r["intra_node_bytes_per_device"]),
-            _bytes(r["inter_node_bytes_per_device"]),
+    cpu_memory = decimal_bytes(cpu["memory_bytes_per_device"]) if cpu else ("(cpu)" if r.get("xla_gpu_error") else "")
+    return [str(rank), r["label"], *memory, decimal_bytes(r["memory_bytes_per_device"]), cpu_memory,
+            "yes" if r["fits"] else "NO", *kinds, decimal_bytes(r["intra_node_bytes_per_device"]),
+            decimal_bytes(r["inter_node_bytes_per_device"]),
             _percent(r["bubble_fraction"]), _sec(t["compute"]), _sec(t["intra_node"] + t["inter_node"]),
             _sec(r["est_step_seconds"]), _sec(r["est_step_seconds_overlap"]), *_checkpoint_cells(r.get("checkpoint"))]
 
@@ -78,7 +78,7 @@ def _checkpoint_cells(ck: dict | None) -> list[str]:
     if ck is None:
         return ["", ""]
     save = "" if ck["save_seconds"] is None else _sec(ck["save_seconds"]) + (" !" if ck["too_slow"] else "")
-    return [_bytes(ck["max_bytes_per_host"]), save]
+    return [decimal_bytes(ck["max_bytes_per_host"]), save]
 
 
 def _pruned_row(p: dict, wide: bool) -> list[str]:
@@ -86,7 +86,8 @@ def _pruned_row(p: dict, wide: bool) -> list[str]:
     row = ["-", p["label"]] + [""] * (n - 2)
     memory_col = 5 if wide else 2
     step_col = -2 - len(CHECKPOINT_COLUMNS)
-    row[memory_col], row[memory_col + 2], row[step_col] = f"> {_bytes(p['state_bytes_per_device'])}", "NO", "pruned"
+    row[memory_col] = f"> {decimal_bytes(p['state_bytes_per_device'])}"
+    row[memory_col + 2], row[step_col] = "NO", "pruned"
     return row
 
 
@@ -158,7 +159,7 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     lines += _wrap(
         f"hardware: {hw.name}: {n_devices} devices ({hw.device}) on {nodes} node(s); peak "
         f"{_rate(hw.peak_flops, 'FLOP/s')} x efficiency {_efficiency(hw)}"
-        + (" where no rate was measured" if for_hardware(hw) else "") + f"; memory {_bytes(hw.hbm_bytes)} x "
+        + (" where no rate was measured" if for_hardware(hw) else "") + f"; memory {decimal_bytes(hw.hbm_bytes)} x "
         f"{hw.mem_fraction:g} usable at {_rate(hw.hbm_bandwidth, 'B/s')}; links "
         f"{_rate(hw.intra_node_bandwidth, 'B/s')} in a node, {_rate(hw.inter_node_bandwidth, 'B/s')} between nodes "
         "(per device, each way)"
@@ -174,7 +175,7 @@ def format_report(cfg: Config, hw: Hardware, n_devices: int, nodes: int, result:
     lines.append("")
     notes = [
         "Per device and step. memory: parameter and optimizer shards (exact) + the compiler's temporaries + "
-        f"non-donated outputs; fits: memory <= {hw.mem_fraction:g} x {_bytes(hw.hbm_bytes)}.",
+        f"non-donated outputs; fits: memory <= {hw.mem_fraction:g} x {decimal_bytes(hw.hbm_bytes)}.",
         "in-node / x-node: collective bytes each device sends within its node / to other nodes (hierarchical "
         "rings), loop trip counts included.",
         "step = compute + comm + optimizer update (no overlap); overlapped = max(compute, in-node, x-node) + update. "
@@ -219,8 +220,8 @@ def _checkpoint_line(cfg: Config, candidates: list[dict]) -> str:
     if not figs:
         return ""
     ck, every = figs[0], cfg.checkpoint.every
-    line = (f"checkpoint: {_bytes(ck['bytes'])} a save (the train state in its dtypes); ckpt/host: the bytes the "
-            "busiest host writes, each distinct shard once, "
+    line = (f"checkpoint: {decimal_bytes(ck['bytes'])} a save (the train state in its dtypes); ckpt/host: the bytes "
+            "the busiest host writes, each distinct shard once, "
             + ("replicated shards split among their copies (Orbax's replica-parallel writing)" if
                ck["replica_parallel"] else "replicated shards by the hosts of their first copy (Orbax with "
                                                "JAX_PLATFORMS=cuda, as jaxtrain's launchers set it)"))
@@ -343,7 +344,7 @@ def format_budget(cfg: Config, hw: Hardware, tokens: float, gpu_hour_cost: float
     lines.append("")
     header = ["nodes", "devices", "mesh (ici | dcn)", "memory", "fits", "step", "time (overlapped)", "device-hours",
               *(["cost"] if gpu_hour_cost is not None else []), "scaling"]
-    body = [[str(r["nodes"]), str(r["devices"]), r["mesh"], _bytes(r["memory_bytes_per_device"]),
+    body = [[str(r["nodes"]), str(r["devices"]), r["mesh"], decimal_bytes(r["memory_bytes_per_device"]),
              "yes" if r["fits"] else "NO", _step(r["est_step_seconds"]),
              f"{_duration(r['days'])} ({_duration(r['days_overlapped'])})", _amount(r["gpu_hours"]),
              *([_amount(r["cost"])] if gpu_hour_cost is not None else []),
