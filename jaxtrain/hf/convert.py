@@ -115,9 +115,9 @@ def hf_import_config(src: str, out: str, overrides: list[str],
     from jaxtrain.config import load_config
 
     hf_cfg = hf.read_hf_config(src)
-    ds = deepseek.is_deepseek(hf_cfg)
-    fields = deepseek.model_fields_from_hf(hf_cfg) if ds else moe_hf.model_fields(hf_cfg)
-    tensors = deepseek.Tensors(src, hf_cfg) if ds else hf.SafetensorsDir(src)
+    fields = moe_hf.model_fields(hf_cfg)
+    # DeepSeek's reader leaves out the multi-token-prediction layers' tensors, saying so.
+    tensors = deepseek.Tensors(src, hf_cfg) if deepseek.is_deepseek(hf_cfg) else hf.SafetensorsDir(src)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"--out {out!r} already exists and is not an empty directory (nothing is overwritten)")
     eos = hf_cfg.get("eos_token_id")
@@ -141,7 +141,8 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
     user_cfg = cfg  # config.yaml keeps "auto" choices for the machine that trains
     layout = Layout.build(cfg)
     cfg, abstract = layout.cfg, layout.abstract_params
-    maps = {tm.path: tm for tm in _tensor_maps(cfg.model, tensors.shapes, hf_cfg.get("rope_interleave", True))}
+    interleaved = hf_cfg.get("rope_interleave", True)
+    maps = {tm.path: tm for tm in moe_hf.tensor_maps_for(cfg.model, tensors.shapes, interleaved)}
     hf.check_tensors(tensors, list(maps.values()), _leaf_shapes(abstract), cfg.model.tie_embeddings)
 
     def build(path, leaf):
@@ -188,12 +189,6 @@ def import_hf(cfg, hf_cfg: dict, tensors: hf.SafetensorsDir, src: str, out: str)
     return {"params": n_params, "seconds": time.perf_counter() - t0, "tokenizer": tokenizer}
 
 
-def _tensor_maps(m, names=(), interleaved: bool = True) -> list[hf.TensorMap]:
-    """The maps of ``m``'s parameters: DeepSeek-V3's for multi-head latent attention (the only class that has it;
-    ``interleaved``: its ``rope_interleave``), else the dense or MoE class's (:func:`moe_hf.tensor_maps_for`)."""
-    return deepseek.tensor_maps(m, names, interleaved) if m.mla else moe_hf.tensor_maps_for(m, names)
-
-
 def _architecture(hf_cfg: dict) -> str | None:
     """The class of an imported config.json that jaxtrain maps (the export writes it again where it can)."""
     known = hf.ARCHITECTURES + hf.MOE_ARCHITECTURES + (deepseek.ARCHITECTURE,)
@@ -216,7 +211,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     cfg, abstract = layout.cfg, layout.abstract_params
     shapes = _leaf_shapes(abstract)
     dtypes = {ckpt.leaf_path(p): leaf.dtype for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
-    maps = _tensor_maps(cfg.model)  # refuses a model no class can hold
+    maps = moe_hf.tensor_maps_for(cfg.model)  # refuses a model no class can hold
     # Parameter by parameter (all layers of q, then of k, ...): each parameter is restored from the checkpoint once.
     # The index maps names to files, so readers do not depend on the order.
     order = [(tm, key) for tm in maps for key in tm.keys(shapes[tm.path])]
@@ -231,8 +226,7 @@ def export_hf(cfg, directory: str, step: int, meta: dict, out: str, max_shard_by
     kw = dict(eos_token_id=eos[0] if len(eos) == 1 else eos, bos_token_id=origin.get("bos_token_id"),
               max_position_embeddings=origin.get("max_position_embeddings") or cfg.data.seq_len,
               output_router_logits=bool(origin.get("output_router_logits", False)))
-    config = (deepseek.hf_config_from_model(cfg.model, **kw) if cfg.model.mla
-              else moe_hf.hf_config(cfg.model, architecture=origin.get("architecture"), **kw))
+    config = moe_hf.hf_config(cfg.model, architecture=origin.get("architecture"), **kw)
     t0 = time.perf_counter()
     existed = os.path.isdir(out)  # and empty: checked before
     try:

@@ -23,7 +23,7 @@ from collections.abc import Collection
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import ConfigError
-from jaxtrain.hf import families, mapping, qwen_moe
+from jaxtrain.hf import deepseek, families, mapping, qwen_moe
 
 ARCHITECTURES = mapping.MOE_ARCHITECTURES
 _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5's in-memory names
@@ -31,8 +31,10 @@ _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers 5
 
 def model_fields(hf: dict) -> dict:
     """ModelConfig field values for any ``config.json`` :mod:`jaxtrain.hf` reads: Mixtral's here, Qwen3-MoE's and
-    Qwen2-MoE's from :mod:`.qwen_moe`, the dense ones' from :func:`jaxtrain.hf.mapping.model_fields_from_hf`;
-    ConfigError naming what does not fit."""
+    Qwen2-MoE's from :mod:`.qwen_moe`, DeepSeek-V3's from :mod:`.deepseek`, the dense ones' from
+    :func:`jaxtrain.hf.mapping.model_fields_from_hf`; ConfigError naming what does not fit."""
+    if deepseek.is_deepseek(hf):
+        return deepseek.model_fields_from_hf(hf)
     archs = hf.get("architectures") or [hf.get("model_type", "?")]
     qwen = next((a for a in archs if a in qwen_moe.MODEL_TYPES), None)
     if qwen is not None:
@@ -56,9 +58,12 @@ def moe_architecture(m: ModelConfig, preferred: str | None = None) -> str:
     raise ConfigError("this MoE model has no Hugging Face form: " + "; ".join(f"{a}: {p}" for a, p in why.items()))
 
 
-def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping.TensorMap]:
-    """Every parameter of the model ``m``, dense or MoE (in the class :func:`moe_architecture` picks); ``names``:
-    the tensor names of the checkpoint to read (an MoE import reads the fused layout when they have it)."""
+def tensor_maps_for(m: ModelConfig, names: Collection[str] = (), interleaved: bool = True) -> list[mapping.TensorMap]:
+    """Every parameter of the model ``m``, dense or MoE (in the class :func:`moe_architecture` picks; DeepSeek-V3's,
+    the only class with multi-head latent attention, for an MLA model, ``interleaved`` its ``rope_interleave``);
+    ``names``: the tensor names of the checkpoint to read (an MoE import reads the fused layout when they have it)."""
+    if m.mla:
+        return deepseek.tensor_maps(m, names, interleaved)
     if not m.moe.experts:
         return mapping.tensor_maps(m)
     if moe_architecture(m) == "MixtralForCausalLM":
@@ -69,7 +74,9 @@ def tensor_maps_for(m: ModelConfig, names: Collection[str] = ()) -> list[mapping
 def hf_config(m: ModelConfig, *, architecture: str | None = None, output_router_logits: bool = False, **kw) -> dict:
     """``config.json`` for the model ``m``, dense (the class :func:`jaxtrain.hf.mapping.dense_architecture` picks,
     preferring ``architecture``) or MoE (:func:`moe_architecture`'s, with ``output_router_logits`` as the imported
-    config had it); ``kw`` as :func:`hf_config_from_model`."""
+    config had it), or DeepSeek-V3 for an MLA model; ``kw`` as :func:`hf_config_from_model`."""
+    if m.mla:
+        return deepseek.hf_config_from_model(m, output_router_logits=output_router_logits, **kw)
     if m.moe.experts:
         arch = moe_architecture(m, architecture)
         config = (hf_config_from_model(m, **kw) if arch == "MixtralForCausalLM"
