@@ -34,7 +34,15 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from jaxtrain.planner.cost.hlo import HloModule, Instr, array_bytes, multiplicities, parse_hlo  # noqa: E402
+from jaxtrain.planner.cost.hlo import (  # noqa: E402
+    HloModule,
+    Instr,
+    array_bytes,
+    called,
+    fused_computation,
+    multiplicities,
+    parse_hlo,
+)
 
 # Ops that launch nothing (or only wait for what another op launched).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
@@ -54,7 +62,7 @@ def _body(module: HloModule, comp: str, seen: set[str] | None = None) -> list[In
     out: list[Instr] = []
     for ins in module.comps.get(comp, []):
         out.append(ins)
-        for callee in re.findall(r"\b(?:calls|to_apply)=%([\w.\-]+)", ins.attrs):
+        for callee in called(ins):  # a fusion's body, a reducer's computation
             if callee not in seen:
                 seen.add(callee)
                 out += _body(module, callee, seen)
@@ -112,9 +120,8 @@ def _classify(module: HloModule, ins: Instr, body: list[Instr]) -> str:
 
 def kernel_traffic(module: HloModule, ins: Instr) -> tuple[str, int, int]:
     """(class, bytes read, bytes written) of one launched kernel."""
-    comp = re.search(r"\bcalls=%([\w.\-]+)", ins.attrs)
-    if ins.opcode in ("fusion", "fusion-start") and comp:
-        name = comp.group(1)
+    name = fused_computation(ins)
+    if ins.opcode in ("fusion", "fusion-start") and name:
         body = _body(module, name)
         params = [b for b in module.comps.get(name, []) if b.opcode == "parameter"]
         return _classify(module, ins, body), sum(_param_read(module, p) for p in params), _written(module, name, ins)
@@ -128,7 +135,7 @@ def traffic(text: str) -> dict[str, dict[str, float]]:
     module = parse_hlo(text)
     runs, _ = multiplicities(module)
     fused = {c for instrs in module.comps.values() for i in instrs if i.opcode in ("fusion", "fusion-start")
-             for c in re.findall(r"\bcalls=%([\w.\-]+)", i.attrs)}
+             for c in [fused_computation(i)] if c}
     table: dict[str, collections.Counter] = {c: collections.Counter() for c in CLASSES}
     for comp, instrs in module.comps.items():
         times = runs.get(comp, 0)
