@@ -227,6 +227,15 @@ class ModelConfig:
     # history kept in the train state (Transformer Engine's DelayedScaling).
     fp8: Literal["none", "tensorwise", "rowwise", "delayed"] = "none"
     fp8_amax_history: int = 1024  # model.fp8=delayed: steps of amax history per tensor (TE's amax_history_len)
+    # The dtype of the projections' weight gradients, hence of their reduction over the batch axes (FSDP's
+    # reduce-scatter, data parallelism's all-reduce): "compute" (Flax's cast of the kernel before its dot: a
+    # compute-dtype gradient, half the bytes in bfloat16, as MaxText) or "float32" (torchtitan FSDP2's reduce_dtype
+    # default: the weight gradient is a compute-dtype dot accumulated and returned in float32; the forward and the
+    # input gradients are unchanged). Applies to the projections (attention, MLA, MLP, shared experts, the output
+    # projection, tied or not) but the FP8 ones, whose float8 dot computes their weight gradients (in the compute
+    # dtype); the routed experts' grouped matmuls keep compute-dtype weight gradients. Needs
+    # model.param_dtype=float32; with model.dtype=float32 it changes nothing (docs/parallelism.md).
+    reduce_dtype: Literal["compute", "float32"] = "compute"
     moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts; experts=0: dense (docs/moe.md)
 
     @property
@@ -286,8 +295,8 @@ class TrainConfig:
     accumulate: Literal["unreduced", "sharded"] = "unreduced"
     # The dtype train.accumulate=unreduced gathers the parameters in before its microbatch loop: "compute" (half the
     # bytes in bfloat16: every parameter the model casts at its use is cast first, so no value changes; the router
-    # and the embedding table stay float32; FP8 runs gather float32, their weight gradients being float32) or
-    # "float32" (the master weights as stored). Gradients are accumulated and reduced in float32 either way.
+    # and the embedding table stay float32; FP8 runs and model.reduce_dtype=float32 gather float32) or "float32"
+    # (the master weights as stored). Gradients are accumulated and reduced in float32 either way.
     # Elsewhere XLA already gathers the compute dtype (docs/parallelism.md).
     gather_dtype: Literal["compute", "float32"] = "compute"
     # Pipeline (mesh stage axis > 1): chunks of the layer stack each stage holds, visited round-robin (the

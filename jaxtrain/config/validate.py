@@ -53,6 +53,10 @@ def validate(cfg: Config, num_devices: Callable[[Config], int | None] | None = N
                  f"{rs.high_freq_factor} must be > model.rope_scaling.low_freq_factor={rs.low_freq_factor}")
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.fp8_amax_history", m.fp8_amax_history)
+    # The weight gradients take the parameters' dtype: float32 ones cannot come out of 16-bit parameters.
+    _require(m.reduce_dtype == "compute" or m.param_dtype == "float32",
+             f"model.reduce_dtype={m.reduce_dtype} needs model.param_dtype=float32 (the weight gradients have the "
+             f"parameters' dtype, here {m.param_dtype}); set model.reduce_dtype=compute or model.param_dtype=float32")
     _positive("model.init_std", m.init_std)
     check_moe_config(cfg)  # model.moe.*: routing, capacity, layer groups (docs/moe.md)
 

@@ -34,6 +34,7 @@ from jaxtrain.models.attention import (  # noqa: F401  (rotary and the decoding 
 from jaxtrain.models.fp8 import use_fp8
 from jaxtrain.models.mla import CACHE_AXES as LATENT_CACHE_AXES
 from jaxtrain.models.mla import LatentAttention
+from jaxtrain.models.precision import attend, use_reduce_dtype
 
 # (q, k, v, segment_ids) -> out: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim], segment
 # ids int [batch, seq] or None, out like q. Causal.
@@ -78,6 +79,7 @@ class Attention(nnx.Module):
         self.o = nnx.LinearGeneral((cfg.n_heads, hd), d, axis=(-2, -1),
                                    kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
         use_fp8(cfg, self.q, self.k, self.v, self.o)  # model.fp8: these projections multiply in FP8
+        use_reduce_dtype(cfg, self.q, self.k, self.v, self.o)  # model.reduce_dtype: their weight gradients' dtype
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None = None,
                  cache: tuple[jax.Array, jax.Array] | None = None):
@@ -115,6 +117,7 @@ class MLP(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model, kernel_init=_init(out_std, ("mlp", "embed")), **common)
         use_fp8(cfg, self.gate, self.up, self.down)  # model.fp8: these projections multiply in FP8
+        use_reduce_dtype(cfg, self.gate, self.up, self.down)  # model.reduce_dtype: their weight gradients' dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """SwiGLU. x: [batch, seq, embed] -> [batch, seq, embed]; hidden [batch, seq, mlp]."""
@@ -207,6 +210,7 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                       kernel_init=_init(cfg.init_std, ("embed", "vocab")), rngs=rngs)
+            use_reduce_dtype(cfg, self.unembed)  # never FP8's: the logits stay in the compute dtype
 
     def stack_layers(self, cfg: ModelConfig, dtype, param_dtype, attention: AttentionFn, rngs: nnx.Rngs):
         """The layer stack: ``cfg.n_layers`` blocks created stacked, leading logical axis ``layers`` (the MoE model,
@@ -245,7 +249,12 @@ class Transformer(nnx.Module):
     def head(self, x: jax.Array) -> jax.Array:
         """Final norm and output projection: x [batch, seq, embed] -> logits float32 [batch, seq, vocab]."""
         x = self.final_norm(x)
-        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.unembed(x)
+        if not self.cfg.tie_embeddings:
+            logits = self.unembed(x)
+        elif self.cfg.reduce_dtype == "float32":  # the tied table's gradient from the logits: float32 too
+            logits = attend(self.embed, x)
+        else:
+            logits = self.embed.attend(x)
         return with_logical_constraint(logits.astype(jnp.float32), ("batch", "act_seq", "act_vocab"))
 
     def cache_shapes(self, batch: int, max_len: int) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:

@@ -26,6 +26,7 @@ from flax.linen import with_logical_constraint
 from jaxtrain.config import ModelConfig
 from jaxtrain.models.attention import cached_attention, rope_frequencies, rotary
 from jaxtrain.models.fp8 import use_fp8
+from jaxtrain.models.precision import use_reduce_dtype
 
 Q_AXES = ("batch", "act_seq", "act_heads", None)  # q, k, v and the output [batch, seq, heads, head_dim]
 LATENT_AXES = ("batch", "act_seq", None)  # c_kv [batch, seq, kv_lora_rank], the rotary key [batch, seq, rope dim]
@@ -88,6 +89,7 @@ class LatentAttention(nnx.Module):
         self.o = nnx.LinearGeneral((h, cfg.v_head_dim), d, axis=(-2, -1),
                                    kernel_init=_init(out_std, ("heads", "head_dim", "embed")), **common)
         use_fp8(cfg, *queries, self.kv_a, self.kv_b, self.o)
+        use_reduce_dtype(cfg, *queries, self.kv_a, self.kv_b, self.o)
 
     def queries(self, x: jax.Array, positions: jax.Array | None) -> jax.Array:
         """x [batch, seq, embed] -> q [batch, seq, heads, qk_head_dim], its rotary part rotated."""
