@@ -371,6 +371,12 @@ MUTANTS = [
            'return {**out["state"], "model": with_fresh_rest(fresh_state()["model"], '
            'params_only(out["state"]["model"]))}, step, out["meta"]["data_iterator"]',
            (MOE_FP8 + "test_delayed_histories_resume_bit_exact",), "a resume restarts the delayed-scaling histories"),
+    # -- precision -----------------------------------------------------------------------------------------------
+    Mutant("reduce-dtype-float32-rounds-to-bf16", "precision", "jaxtrain/models/precision.py",
+           "return vjp(g)[0], dw.astype(wz.dtype)", "return vjp(g)[0], dw.astype(x.dtype).astype(wz.dtype)",
+           ("tests/test_reduce_dtype.py::test_float32_weight_gradient_matches_float64_with_forward_and_input_"
+            "gradient_unchanged",),
+           "model.reduce_dtype=float32's weight gradient rounded to the compute dtype: the option does nothing"),
 ]
 
 
