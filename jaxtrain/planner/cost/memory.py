@@ -132,7 +132,31 @@ def activation_bytes(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -
         kept = cfg.train.microbatches * (kept + 2 * tokens * m.d_model * act)
     elif s[Axis.STAGE] > 1:  # 1F1B: at most 2 S - 1 stage inputs, each pass's own recomputed from its input
         kept += (2 * s[Axis.STAGE] - 1) * tokens * m.d_model * act
-    return lower, kept + max(dense, moe) + logits
+    vocab = _vocab_copies(cfg, shape, compiler)
+    if vocab and m.moe.experts:
+        # XLA:CPU's peak of an MoE stack with microbatches falls inside an MoE layer's backward, with the vocabulary
+        # tables' copies live and the logits' gradient already freed: the larger of the two, not their sum (the
+        # peak-usage breakdowns of Mixtral, Qwen3-30B-A3B and DeepSeek-V3 stacks, 2026-12-05)
+        return lower, kept + max(max(dense, moe) + vocab, logits)
+    return lower, kept + max(dense, moe) + logits + vocab
+
+
+def _vocab_copies(cfg: Config, shape: MeshShape, compiler: str) -> float:
+    """XLA:CPU's float32 copies of the vocabulary tables (embedding and output projection, [vocab, d_model] over
+    tensor; one table when tied) live through a microbatch's backward: the output projection widened for its
+    float32 dot and the embedding's copy; under fsdp also both tables gathered and their whole-table gradients
+    before the reduce-scatter (5 copies); under tensor parallelism also the embedding's gradient and its
+    resharding, each of the whole table. Read off XLA:CPU's peak-usage breakdown (``--xla_dump_to``'s live-range
+    file) of DeepSeek-V3 (vocabulary 129,280 x 7,168: 3.7 GB a copy), Qwen3-30B-A3B, Mixtral and the 1B and 7B
+    with 2 microbatches, 2026-12-05; without microbatches the peak is at the loss head, which the logits term stands
+    for. 0 on XLA:GPU, which gathers and multiplies the tables in the compute dtype."""
+    dims, t = ParallelDims(cfg, shape), shape.size(Axis.TENSOR)
+    if compiler != "xla-cpu" or dims.microbatches == 1:
+        return 0.0
+    copies = (5 if shape.size(Axis.FSDP) > 1 else 2) / t + (2 if t > 1 else 0)
+    if cfg.model.tie_embeddings:  # one table, not two: half the copies (the 1B at fsdp 8: 2.7 GB of 1.05 GB copies)
+        copies /= 2
+    return copies * cfg.model.vocab_size * cfg.model.d_model * 4
 
 
 def _kept_per_layer(cfg: Config, shape: MeshShape, compiler: str) -> float:
@@ -185,6 +209,11 @@ def _layer_peak(cfg: Config, shape: MeshShape, compiler: str) -> tuple[float, fl
     rows, seq = rows_and_seq(cfg, shape)
     tokens, act, t = rows * seq, dtype_bytes(m.dtype), s[Axis.TENSOR]
     scores = m.n_heads / t * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
+    if m.mla and m.attention != "xla" and compiler == "xla-cpu":
+        # MLA's q, k and v zero-padded to the kernel's head dim, their gradients and the interpreted flash kernel's
+        # copies of them: 22-34 arrays of [tokens, heads, padded head dim] at DeepSeek-V3's peak on XLA:CPU
+        # (peak-usage breakdowns, 2026-12-05); XLA:GPU's cuDNN takes them as they are
+        scores += 28 * m.n_heads / t * (kernel_head_dim(m.attention, m.qk_head_dim, m.v_head_dim) or 0) * act
     dense = tokens * ((8 * m.d_model + 3 * m.d_ff) / t * act + scores)
     if not m.moe.experts:
         return dense, 0.0
@@ -215,6 +244,12 @@ def _moe_peak(cfg: Config, shape: MeshShape, compiler: str) -> float:
     # The layer's weights in the compute dtype with their gradient: float32 on XLA:CPU, the GEMM's own 16-bit
     # output on XLA:GPU (converted as it is reduce-scattered).
     gathered = local * 3 * m.d_model * m.expert_d_ff / t * (act + (4 if cpu else act))
+    if cpu:  # XLA:CPU widens one of them (gate's or up's) to float32 for its dot: 15 GB at DeepSeek-V3's fsdp 8
+        gathered += local * m.d_model * m.expert_d_ff / t * 4
+    if cpu and s[Axis.FSDP] > 1:
+        # and keeps the model.moe.first_dense layers' MLPs gathered in float32 through the MoE layers' backward, twice
+        # (DeepSeek-V3's first layer at fsdp 8: six [7168, 18432] arrays, 3.2 GB)
+        gathered += 2 * m.moe.first_dense * 3 * m.d_model * m.d_ff / t * 4
     return moe["buffer_bytes"] + hidden + masked + gathered
 
 
@@ -244,8 +279,10 @@ def moe_dispatch(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -> di
         # tokens), its output and, on XLA:CPU, its weighted float32 copy (scatter-added into the results) with the
         # latter's float32 gradient; XLA:GPU fuses the weighting into the scatter and keeps the output's gradient in
         # the compute dtype: missed until 2026-12-05, when the compiled Qwen3-30B-A3B layouts (16 experts a device,
-        # eight rows a token) had twice these buffers' memory (docs/planning.md).
-        per_row = 2 * act + (8 if compiler == "xla-cpu" else act)
+        # eight rows a token) had twice these buffers' memory (docs/planning.md). XLA:CPU also widens the grouped
+        # matmul's input and its gradient to float32 (interpreted Pallas: padded by a tile): 4 float32 and 3
+        # 16-bit arrays of the rows at DeepSeek-V3's and Qwen3-30B-A3B's peaks, where 8 bytes had been counted.
+        per_row = 2 * act + (16 if compiler == "xla-cpu" else act)
         buffers = ep * tokens * m.d_model * (act + 4) + expert_rows * m.d_model * per_row
     return {"kind": kind if ep > 1 else "local", "layers": m.moe_layers, "buffer_bytes": buffers,
             "expert_rows": expert_rows,
