@@ -1,4 +1,5 @@
-"""Start-up: what the train command imports, and JAX's persistent compile cache (runtime.compile_cache).
+"""Start-up: what the train command imports, the XLA flags it sets, and JAX's persistent compile cache
+(runtime.compile_cache).
 
 How long start-up takes is a benchmark figure (benchmarks/startup.py), not asserted here.
 """
@@ -118,3 +119,36 @@ def test_commands_skip_flaxs_ipython_probe():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False", "True", "True"]
+
+
+def test_xla_flags_are_added_once_and_disabled_passes_merge(monkeypatch):
+    """XLA keeps only the last of a repeated flag, so a second list of passes to skip must join the first, not
+    follow it (the plan's compiles skip constant folding on top of the train command's SKIPPED_PASSES)."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4 --xla_disable_hlo_passes=foo")
+    monkeypatch.setattr(runtime, "ADDED_XLA_FLAGS", set())
+    runtime.add_xla_flags("--xla_disable_hlo_passes=all-reduce-promotion", "--xla_backend_optimization_level=0")
+    runtime.add_xla_flags("--xla_disable_hlo_passes=constant_folding,all-reduce-promotion",
+                          "--xla_backend_optimization_level=0")
+    assert os.environ["XLA_FLAGS"].split() == [
+        "--xla_force_host_platform_device_count=4",
+        "--xla_disable_hlo_passes=foo,all-reduce-promotion,constant_folding",
+        "--xla_backend_optimization_level=0"]
+    assert runtime.ADDED_XLA_FLAGS == {"--xla_disable_hlo_passes=foo,all-reduce-promotion,constant_folding",
+                                       "--xla_backend_optimization_level=0"}
+
+
+def _final_loss(out) -> float:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return float(out.stdout.split("final loss ")[1].split()[0])
+
+
+@pytest.mark.slow
+def test_bfloat16_moe_under_fsdp_trains_on_cpu(tmp_path):
+    """An MoE model in bfloat16 under fsdp: shard_map's transpose sums the experts' bfloat16 weight gradients in a
+    psum that aborted XLA:CPU's AllReducePromotion pass (the process died in a check failure); the train command
+    skips the pass. Its losses equal one device's within bfloat16 rounding."""
+    common = ["train", "--config", "tiny-deepseek-moe", "model.dtype=bfloat16", "train.steps=2",
+              "train.eval_batches=1", "mesh.ici.expert=1"]
+    sharded = _final_loss(run_cli(*common, "runtime.cpu_devices=2", "mesh.ici.fsdp=2", f"run.dir={tmp_path / 'a'}"))
+    one = _final_loss(run_cli(*common, "runtime.cpu_devices=1", "mesh.ici.fsdp=1", f"run.dir={tmp_path / 'b'}"))
+    assert sharded == pytest.approx(one, rel=1e-2)  # bfloat16 keeps 8 bits: 2 steps stay well inside 1 %

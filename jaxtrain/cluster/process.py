@@ -13,10 +13,43 @@ from jaxtrain.cluster import distributed
 from jaxtrain.config import Config
 from jaxtrain.parallel.dims import cpu_devices_per_process
 
+# XLA:CPU aborts the process in AllReducePromotion ("Invalid binary instruction opcode copy") on a bfloat16 psum
+# whose reduction computation ends in a copy: shard_map's transpose writes one for the bfloat16 expert weights'
+# gradients of an MoE model under fsdp (`train model.dtype=bfloat16 mesh.ici.fsdp=2` on tiny-deepseek-moe), as the
+# pipelines' first version did for their input gradients. Without the pass XLA:CPU's bf16 normalisation widens such
+# all-reduces to float32 all the same (the planner's collectives.widened_by_cpu counts them at 16 bits, as the GPU
+# moves them). XLA:GPU's promotes only 16-bit integer all-reduces, which no jaxtrain program has; the planner's XLA:GPU
+# compiles drop the flag (ADDED_XLA_FLAGS).
+SKIPPED_PASSES = ("all-reduce-promotion",)
+_DISABLE = "--xla_disable_hlo_passes"
+
+# What add_xla_flags put in XLA_FLAGS: for this process's XLA:CPU compiles only (planner/xla_gpu/deviceless.py drops
+# them from its XLA:GPU compiles' environment).
+ADDED_XLA_FLAGS: set[str] = set()
+
+
+def add_xla_flags(*flags: str) -> None:
+    """Append ``flags`` to XLA_FLAGS, each once; ``--xla_disable_hlo_passes=...`` lists merge into the one flag
+    there (XLA keeps only the last of a repeated flag). Effective before JAX creates its first backend."""
+    current = os.environ.get("XLA_FLAGS", "").split()
+    for flag in flags:
+        if flag.startswith(_DISABLE + "="):
+            old = next((f for f in current if f.startswith(_DISABLE + "=")), None)
+            passes = [*(old.split("=", 1)[1].split(",") if old else []), *flag.split("=", 1)[1].split(",")]
+            merged = f"{_DISABLE}={','.join(dict.fromkeys(p for p in passes if p))}"
+            current = [merged if f == old else f for f in current] if old else [*current, merged]
+            ADDED_XLA_FLAGS.discard(old or "")
+            ADDED_XLA_FLAGS.add(merged)
+        elif flag not in current:
+            current.append(flag)
+            ADDED_XLA_FLAGS.add(flag)
+    os.environ["XLA_FLAGS"] = " ".join(current)
+
 
 def configure(cfg: Config) -> distributed.Settings:
-    """Emulated CPU devices (``runtime.cpu_devices`` per process; no effect on GPU devices), then
-    ``jax.distributed``."""
+    """XLA's passes that abort on jaxtrain's programs skipped (:data:`SKIPPED_PASSES`), emulated CPU devices
+    (``runtime.cpu_devices`` per process; no effect on GPU devices), then ``jax.distributed``."""
+    add_xla_flags(f"{_DISABLE}={','.join(SKIPPED_PASSES)}")
     settings = distributed.resolve(cfg.dist)
     jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg, settings.expected_processes))
     use_compile_cache(compile_cache_dir(cfg.runtime.compile_cache))

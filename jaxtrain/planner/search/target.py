@@ -4,32 +4,13 @@ the step, the node count, the config as it would run there, and the meshes to pl
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
+from jaxtrain.cluster import process
 from jaxtrain.config import Config, hardware, validate
 from jaxtrain.config.hardware import Hardware
 from jaxtrain.errors import ConfigError
 from jaxtrain.parallel.dims import MeshShape
-
-# XLA:CPU aborts the process in AllReducePromotion ("Invalid binary instruction opcode copy") on a bfloat16 psum
-# whose reduction computation ends in a copy (the pipeline's first version summed its bf16 input gradient over the
-# stage axis so; the step no longer does, but one such all-reduce would take the whole plan down). Skipped in every
-# plan's compiles: without it XLA:CPU's bf16 normalisation widens 16-bit all-reduces to f32 all the same (and
-# collectives.widened_by_cpu counts them at 16 bits, as the GPU moves them).
-_ABORTS_ON_PIPELINES = "all-reduce-promotion"
-
-
-# The flags _add_xla_flags set, for XLA:CPU's compiles only: the XLA:GPU compiles (planner/xla_gpu/deviceless.py)
-# drop them.
-ADDED_XLA_FLAGS: set[str] = set()
-
-
-def _add_xla_flags(*flags: str) -> None:
-    """Append ``flags`` to XLA_FLAGS, each once (plans for several node counts resolve a target each)."""
-    current = os.environ.get("XLA_FLAGS", "")
-    ADDED_XLA_FLAGS.update(f for f in flags if f not in current.split())
-    os.environ["XLA_FLAGS"] = " ".join([current, *(f for f in flags if f not in current.split())]).strip()
 
 
 @dataclass
@@ -129,7 +110,7 @@ def resolve(cfg: Config, overrides: list[str], *, hardware_name: str | None = No
         from jaxtrain.parallel.dims import cpu_devices_per_process
         from jaxtrain.planner.cost.measure import hardware_at_hand
 
-        _add_xla_flags(f"--xla_disable_hlo_passes={_ABORTS_ON_PIPELINES}")
+        process.add_xla_flags(f"--xla_disable_hlo_passes={','.join(process.SKIPPED_PASSES)}")
         jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg))
         devices = jax.devices()
         n_devices = len(devices)
@@ -154,8 +135,8 @@ def _compile_only_devices(n_devices: int, device_pool: int | None) -> list:
     # folding an instruction is taking > 1s" alarm (4 lines per compile); without it the collectives were
     # identical and the memory 130 kB (3e-6) lower. Not for the devices at hand: their rates are measured by
     # running code. Set before JAX creates its CPU client.
-    _add_xla_flags("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                   f"--xla_disable_hlo_passes=constant_folding,{_ABORTS_ON_PIPELINES}")
+    process.add_xla_flags("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                          f"--xla_disable_hlo_passes=constant_folding,{','.join(process.SKIPPED_PASSES)}")
     import jax
 
     if not getattr(jax.config, "jax_platforms", None):

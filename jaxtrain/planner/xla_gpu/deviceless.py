@@ -109,12 +109,12 @@ def _has_module(name: str) -> bool:
 def _child_env(extra_flags: str = "") -> dict[str, str]:
     """The environment of a compile process: this one's, the deviceless settings, this jaxtrain first on the path,
     and XLA_FLAGS without the flags the planner set for its own XLA:CPU compiles."""
-    from jaxtrain.planner.search import target
+    from jaxtrain.cluster import process
 
     env = {**os.environ, **DEVICELESS_ENV}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in target.ADDED_XLA_FLAGS]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in process.ADDED_XLA_FLAGS]
     if "--xla_gpu_autotune_level=0" in flags and NO_TRITON_GEMM not in flags:
         flags.append(NO_TRITON_GEMM)
     env["XLA_FLAGS"] = " ".join([*flags, *extra_flags.split()])
