@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import sys
@@ -91,6 +92,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--only", nargs="+", choices=sorted(LAYOUTS), help="these layouts only")
     p.add_argument("--xla-gpu", action="store_true", help="also XLA:GPU's deviceless compile (JAXTRAIN_GPU_COMPILER)")
     p.add_argument("--peak", type=int, default=0, metavar="N", help="print the N largest buffers at XLA:CPU's peak")
+    p.add_argument("--json", action="store_true", help="one JSON object a layout (bytes) instead of the table")
     a = p.parse_args(argv)
     dump = tempfile.mkdtemp(prefix="moe-memory-") if a.peak else None
     if dump:  # before JAX starts: XLA reads its flags once
@@ -104,11 +106,15 @@ def main(argv: list[str]) -> None:
     gpu = deviceless.for_plan(load_hardware("h100-8x"), 1, "auto")[0] if a.xla_gpu else None
     if a.xla_gpu and gpu is None:
         sys.exit("no XLA:GPU compiler found: set JAXTRAIN_GPU_COMPILER (docs/planning.md)")
-    print("| layout | config | overrides | closed form CPU GB | XLA:CPU GB | ratio |"
-          + (" closed form GPU GB | XLA:GPU GB | ratio |" if gpu else ""))
-    print("| --- | --- | --- | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if gpu else ""), flush=True)
+    if not a.json:
+        print("| layout | config | overrides | closed form CPU GB | XLA:CPU GB | ratio |"
+              + (" closed form GPU GB | XLA:GPU GB | ratio |" if gpu else ""))
+        print("| --- | --- | --- | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if gpu else ""), flush=True)
     for name in a.only or LAYOUTS:
         r = compare(name, gpu, devices)
+        if a.json:
+            print(json.dumps(r), flush=True)
+            continue
         cells = [r["layout"], r["config"], r["overrides"], f"{r['cpu_closed'] / 1e9:.1f}", f"{r['cpu'] / 1e9:.1f}",
                  f"{r['cpu_closed'] / r['cpu']:.2f}"]
         if gpu:

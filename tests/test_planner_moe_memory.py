@@ -4,6 +4,11 @@ dispatch (all_to_all at one expert a device, all_gather at two, the experts loca
 microbatches). The expected figure is always the compiled one. docs/planning.md has the same comparison on the
 released shapes, with XLA:GPU's figures too."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -13,6 +18,7 @@ from jaxtrain.parallel.dims import MeshShape
 from jaxtrain.parallel.layout import resolve_auto
 from jaxtrain.planner.cost import memory
 from jaxtrain.planner.search import meshes as search
+from jaxtrain_testing import REPO
 
 # Mixtral's design (8 experts, top 2, grouped-query attention) at a size that compiles in seconds: float32 compute
 # (XLA:CPU aborts on some bfloat16 all-reduces outside the planner's own process, which disables that pass).
@@ -51,3 +57,18 @@ def test_gradients_are_counted_once_a_step_and_twice_with_sharded_accumulation(t
     assert memory.gradient_bytes(one, shape) == pytest.approx(params * 4 / 8)
     assert memory.gradient_bytes(two, shape) == pytest.approx(params * 8 / 8)
     assert memory.memory_estimate(two, shape) > memory.state_bytes_lower(two, shape) + params * 8 / 8
+
+
+@pytest.mark.slow
+def test_deepseek_v3_stack_closed_form_is_within_a_tenth_of_xla_cpu():
+    """The released DeepSeek-V3 shape, 3 layers (the first dense), on 8 devices as ``plan --hardware h100-8x``
+    compiles it for XLA:CPU (bfloat16, MLA through the interpreted flash kernel, 256 experts): the closed forms
+    against the compiled step at three layouts (benchmarks/moe_memory.py; about 45 s)."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "moe_memory.py"), "--json",
+                          "--only", "d3e8", "d3e4t2", "d3f8"], capture_output=True, text=True, timeout=900,
+                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["layout"] for r in rows] == ["d3e8", "d3e4t2", "d3f8"]
+    for r in rows:
+        assert r["cpu_closed"] == pytest.approx(r["cpu"], rel=0.1), r
