@@ -113,6 +113,8 @@ def activation_bytes(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -
     tokens = rows * seq
     lower = layers * tokens * m.d_model * act
     dense, moe = _layer_peak(cfg, shape, compiler)
+    if compiler == "xla-cpu":
+        dense, moe = (peak + extra for peak, extra in zip((dense, moe), _cpu_transients(cfg, shape)))
     n_moe = m.moe_layers / s[Axis.STAGE]
     kept = _kept_per_layer(cfg, shape, compiler)
     if m.remat == "none":  # every layer keeps what its backward needs: its own peak, unfused (no GEMM epilogue
@@ -157,6 +159,30 @@ def _vocab_copies(cfg: Config, shape: MeshShape, compiler: str) -> float:
     if cfg.model.tie_embeddings:  # one table, not two: half the copies (the 1B at fsdp 8: 2.7 GB of 1.05 GB copies)
         copies /= 2
     return copies * cfg.model.vocab_size * cfg.model.d_model * 4
+
+
+def _cpu_transients(cfg: Config, shape: MeshShape) -> tuple[float, float]:
+    """(a dense layer's, an MoE layer's) float32 copies that XLA:CPU adds to one layer's backward and XLA:GPU does
+    not make, per device and microbatch: part of the peak, never of what each layer keeps. Read off XLA:CPU's
+    peak-usage breakdowns of DeepSeek-V3 stacks (2026-12-05; benchmarks/moe_memory.py --peak)."""
+    m, s = cfg.model, shape.axis_sizes
+    rows, seq = rows_and_seq(cfg, shape)
+    tokens, act, t = rows * seq, dtype_bytes(m.dtype), s[Axis.TENSOR]
+    attention = 0.0
+    if m.mla and m.attention != "xla":
+        # MLA's q, k and v zero-padded to the kernel's head dim, their gradients and the interpreted flash kernel's
+        # copies of them: 22-34 arrays of [tokens, heads, padded head dim] (cuDNN takes them as they are)
+        width = kernel_head_dim(m.attention, m.qk_head_dim, m.v_head_dim) or 0
+        attention = 28 * tokens * m.n_heads / t * width * act
+    if not m.moe.experts:
+        return attention, 0.0
+    # one expert matrix (gate's or up's) of the layer's local experts widened for its dot: 15 GB at fsdp 8
+    experts = m.moe.experts // s[Axis.EXPERT] * m.d_model * m.expert_d_ff / t * 4
+    if s[Axis.FSDP] > 1:
+        # and the model.moe.first_dense layers' MLPs gathered in float32 through the MoE layers' backward, twice
+        # (DeepSeek-V3's first layer at fsdp 8: six [7168, 18432] arrays, 3.2 GB)
+        experts += 2 * m.moe.first_dense * 3 * m.d_model * m.d_ff / t * 4
+    return attention, attention + experts
 
 
 def _kept_per_layer(cfg: Config, shape: MeshShape, compiler: str) -> float:
@@ -209,11 +235,6 @@ def _layer_peak(cfg: Config, shape: MeshShape, compiler: str) -> tuple[float, fl
     rows, seq = rows_and_seq(cfg, shape)
     tokens, act, t = rows * seq, dtype_bytes(m.dtype), s[Axis.TENSOR]
     scores = m.n_heads / t * cfg.data.seq_len * 4 if m.attention == "xla" else 0.0
-    if m.mla and m.attention != "xla" and compiler == "xla-cpu":
-        # MLA's q, k and v zero-padded to the kernel's head dim, their gradients and the interpreted flash kernel's
-        # copies of them: 22-34 arrays of [tokens, heads, padded head dim] at DeepSeek-V3's peak on XLA:CPU
-        # (peak-usage breakdowns, 2026-12-05); XLA:GPU's cuDNN takes them as they are
-        scores += 28 * m.n_heads / t * (kernel_head_dim(m.attention, m.qk_head_dim, m.v_head_dim) or 0) * act
     dense = tokens * ((8 * m.d_model + 3 * m.d_ff) / t * act + scores)
     if not m.moe.experts:
         return dense, 0.0
@@ -244,12 +265,6 @@ def _moe_peak(cfg: Config, shape: MeshShape, compiler: str) -> float:
     # The layer's weights in the compute dtype with their gradient: float32 on XLA:CPU, the GEMM's own 16-bit
     # output on XLA:GPU (converted as it is reduce-scattered).
     gathered = local * 3 * m.d_model * m.expert_d_ff / t * (act + (4 if cpu else act))
-    if cpu:  # XLA:CPU widens one of them (gate's or up's) to float32 for its dot: 15 GB at DeepSeek-V3's fsdp 8
-        gathered += local * m.d_model * m.expert_d_ff / t * 4
-    if cpu and s[Axis.FSDP] > 1:
-        # and keeps the model.moe.first_dense layers' MLPs gathered in float32 through the MoE layers' backward, twice
-        # (DeepSeek-V3's first layer at fsdp 8: six [7168, 18432] arrays, 3.2 GB)
-        gathered += 2 * m.moe.first_dense * 3 * m.d_model * m.d_ff / t * 4
     return moe["buffer_bytes"] + hidden + masked + gathered
 
 
