@@ -160,6 +160,7 @@ def _partitioned_reductions(reduce_dtype: str) -> dict[tuple[str, str], int]:
     return {key: n for key, n in found.items() if key[0] in ("all-reduce", "reduce-scatter") and key[1] != "pred"}
 
 
+@pytest.mark.slow  # 8-10 s: the default pass keeps the float64 checks of the weight gradient itself
 def test_the_partitioner_reduces_float32_weight_gradients_under_float32():
     """XLA:CPU's partitioner all-reduces (it emits no reduce-scatter here) every weight gradient over data x fsdp:
     bfloat16 ones under "compute"; under "float32" the same arrays in float32 and no 16-bit reduction left."""
