@@ -82,6 +82,10 @@ class Predictor:
     def __init__(self, n_devices: int):
         import jax
 
+        from jaxtrain.cluster import process
+
+        # the passes the train command skips (an MoE model's bfloat16 psums abort one), before the CPU client starts
+        process.add_xla_flags(f"--xla_disable_hlo_passes={','.join(process.SKIPPED_PASSES)}")
         jax.config.update("jax_num_cpu_devices", n_devices)
         self.devices = jax.devices("cpu")
         self._hardware: dict[int, Any] = {}
