@@ -19,13 +19,18 @@ from jaxtrain.parallel.dims import cpu_devices_per_process
 # pipelines' first version did for their input gradients. Without the pass XLA:CPU's bf16 normalisation widens such
 # all-reduces to float32 all the same (the planner's collectives.widened_by_cpu counts them at 16 bits, as the GPU
 # moves them). XLA:GPU's promotes only 16-bit integer all-reduces, which no jaxtrain program has; the planner's XLA:GPU
-# compiles drop the flag (ADDED_XLA_FLAGS).
+# compiles drop the flag (user_xla_flags).
 SKIPPED_PASSES = ("all-reduce-promotion",)
 _DISABLE = "--xla_disable_hlo_passes"
 
-# What add_xla_flags put in XLA_FLAGS: for this process's XLA:CPU compiles only (planner/xla_gpu/deviceless.py drops
-# them from its XLA:GPU compiles' environment).
+# What add_xla_flags put in XLA_FLAGS, for this process's XLA:CPU compiles only: whole flags, and passes merged into
+# the one --xla_disable_hlo_passes (user_xla_flags gives XLA_FLAGS without them, for the planner's XLA:GPU compiles).
 ADDED_XLA_FLAGS: set[str] = set()
+ADDED_PASSES: set[str] = set()
+
+
+def _passes(flag: str | None) -> list[str]:
+    return [p for p in flag.split("=", 1)[1].split(",") if p] if flag else []
 
 
 def add_xla_flags(*flags: str) -> None:
@@ -35,21 +40,37 @@ def add_xla_flags(*flags: str) -> None:
     for flag in flags:
         if flag.startswith(_DISABLE + "="):
             old = next((f for f in current if f.startswith(_DISABLE + "=")), None)
-            passes = [*(old.split("=", 1)[1].split(",") if old else []), *flag.split("=", 1)[1].split(",")]
-            merged = f"{_DISABLE}={','.join(dict.fromkeys(p for p in passes if p))}"
+            new = [p for p in _passes(flag) if p not in _passes(old)]
+            ADDED_PASSES.update(new)
+            merged = f"{_DISABLE}={','.join([*_passes(old), *new])}"
             current = [merged if f == old else f for f in current] if old else [*current, merged]
-            ADDED_XLA_FLAGS.discard(old or "")
-            ADDED_XLA_FLAGS.add(merged)
         elif flag not in current:
             current.append(flag)
             ADDED_XLA_FLAGS.add(flag)
     os.environ["XLA_FLAGS"] = " ".join(current)
 
 
+def skip_aborting_passes() -> None:
+    """Skip :data:`SKIPPED_PASSES` in this process's compiles (before JAX creates its first backend)."""
+    add_xla_flags(f"{_DISABLE}={','.join(SKIPPED_PASSES)}")
+
+
+def user_xla_flags() -> list[str]:
+    """XLA_FLAGS as the user set them: without what :func:`add_xla_flags` added."""
+    flags = []
+    for f in os.environ.get("XLA_FLAGS", "").split():
+        if f.startswith(_DISABLE + "="):
+            kept = [p for p in _passes(f) if p not in ADDED_PASSES]
+            f = f"{_DISABLE}={','.join(kept)}" if kept else ""
+        if f and f not in ADDED_XLA_FLAGS:
+            flags.append(f)
+    return flags
+
+
 def configure(cfg: Config) -> distributed.Settings:
     """XLA's passes that abort on jaxtrain's programs skipped (:data:`SKIPPED_PASSES`), emulated CPU devices
     (``runtime.cpu_devices`` per process; no effect on GPU devices), then ``jax.distributed``."""
-    add_xla_flags(f"{_DISABLE}={','.join(SKIPPED_PASSES)}")
+    skip_aborting_passes()
     settings = distributed.resolve(cfg.dist)
     jax.config.update("jax_num_cpu_devices", cpu_devices_per_process(cfg, settings.expected_processes))
     use_compile_cache(compile_cache_dir(cfg.runtime.compile_cache))

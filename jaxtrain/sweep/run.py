@@ -84,8 +84,7 @@ class Predictor:
 
         from jaxtrain.cluster import process
 
-        # the passes the train command skips (an MoE model's bfloat16 psums abort one), before the CPU client starts
-        process.add_xla_flags(f"--xla_disable_hlo_passes={','.join(process.SKIPPED_PASSES)}")
+        process.skip_aborting_passes()  # as the train command does (an MoE model's bf16 psums abort one of them)
         jax.config.update("jax_num_cpu_devices", n_devices)
         self.devices = jax.devices("cpu")
         self._hardware: dict[int, Any] = {}

@@ -114,7 +114,7 @@ def _child_env(extra_flags: str = "") -> dict[str, str]:
     env = {**os.environ, **DEVICELESS_ENV}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in process.ADDED_XLA_FLAGS]
+    flags = process.user_xla_flags()
     if "--xla_gpu_autotune_level=0" in flags and NO_TRITON_GEMM not in flags:
         flags.append(NO_TRITON_GEMM)
     env["XLA_FLAGS"] = " ".join([*flags, *extra_flags.split()])
