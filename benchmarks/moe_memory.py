@@ -55,15 +55,17 @@ def peak_buffers(dump: str, top: int) -> list[tuple[int, str, str]]:
     def newest(pattern: str) -> str:  # the last compile's (each compile writes its own numbered files)
         return open(max(glob.glob(f"{dump}/{pattern}"), key=os.path.getmtime)).read()
 
+    from jaxtrain.planner.cost.hlo import parse_hlo
+
     live = newest("*train_step*after_optimizations-live-range.txt")
-    hlo = newest("*train_step*after_optimizations.txt")
-    shapes = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+)\s", hlo, re.M))
+    instrs = parse_hlo(newest("*train_step*after_optimizations.txt")).by_name
     found = []
     for line in live.split("Stack trace breakdown for peak usage", 1)[1].splitlines():
         m = re.search(r"── (.*) \([\d.]+%, total: [\d ]+ bytes, current: ([\d ]+) bytes", line)
         if m and int(m.group(2).replace(" ", "")):
-            name = m.group(1)
-            found.append((int(m.group(2).replace(" ", "")), name, shapes.get(name.split("{")[0], "")))
+            name = m.group(1)  # an instruction's, or a tuple element's ("param.7{15}"), or a JAX op_name
+            ins = instrs.get(name.split("{")[0])
+            found.append((int(m.group(2).replace(" ", "")), name, ins.shape if ins else ""))
     return sorted(found, reverse=True)[:top]
 
 
