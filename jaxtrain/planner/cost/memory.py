@@ -114,7 +114,8 @@ def activation_bytes(cfg: Config, shape: MeshShape, compiler: str = "xla-cpu") -
     lower = layers * tokens * m.d_model * act
     dense, moe = _layer_peak(cfg, shape, compiler)
     if compiler == "xla-cpu":
-        dense, moe = (peak + extra for peak, extra in zip((dense, moe), _cpu_transients(cfg, shape)))
+        dense_extra, moe_extra = _cpu_transients(cfg, shape)
+        dense, moe = dense + dense_extra, moe + moe_extra
     n_moe = m.moe_layers / s[Axis.STAGE]
     kept = _kept_per_layer(cfg, shape, compiler)
     if m.remat == "none":  # every layer keeps what its backward needs: its own peak, unfused (no GEMM epilogue
@@ -177,12 +178,12 @@ def _cpu_transients(cfg: Config, shape: MeshShape) -> tuple[float, float]:
     if not m.moe.experts:
         return attention, 0.0
     # one expert matrix (gate's or up's) of the layer's local experts widened for its dot: 15 GB at fsdp 8
-    experts = m.moe.experts // s[Axis.EXPERT] * m.d_model * m.expert_d_ff / t * 4
+    moe = m.moe.experts // s[Axis.EXPERT] * m.d_model * m.expert_d_ff / t * 4
     if s[Axis.FSDP] > 1:
         # and the model.moe.first_dense layers' MLPs gathered in float32 through the MoE layers' backward, twice
         # (DeepSeek-V3's first layer at fsdp 8: six [7168, 18432] arrays, 3.2 GB)
-        experts += 2 * m.moe.first_dense * 3 * m.d_model * m.d_ff / t * 4
-    return attention, attention + experts
+        moe += 2 * m.moe.first_dense * 3 * m.d_model * m.d_ff / t * 4
+    return attention, attention + moe
 
 
 def _kept_per_layer(cfg: Config, shape: MeshShape, compiler: str) -> float:
