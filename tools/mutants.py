@@ -378,7 +378,7 @@ MUTANTS = [
            (MOE_FP8 + "test_delayed_histories_resume_bit_exact",), "a resume restarts the delayed-scaling histories"),
     # -- precision -----------------------------------------------------------------------------------------------
     Mutant("reduce-dtype-float32-rounds-to-bf16", "precision", "jaxtrain/models/precision.py",
-           "return vjp(g)[0], dw.astype(wz.dtype)", "return vjp(g)[0], dw.astype(x.dtype).astype(wz.dtype)",
+           "return vjp(g)[0], dw  #", "return vjp(g)[0], dw.astype(x.dtype).astype(jnp.float32)  #",
            ("tests/test_reduce_dtype.py::test_float32_weight_gradient_matches_float64_with_forward_and_input_"
             "gradient_unchanged",),
            "model.reduce_dtype=float32's weight gradient rounded to the compute dtype: the option does nothing"),
